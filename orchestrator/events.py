@@ -1,0 +1,430 @@
+"""Typed, frozen, versioned records for every message on the wire.
+
+Role: the one place where the shape of a message is defined. The daemon, the agent, the simulator and
+the benchmarks all encode and decode through the codecs here; raw dicts never cross into the core.
+
+Every wire record carries ``v`` (schema version) and most carry ``id`` (a message id used for
+JetStream de-duplication and for idempotent replay). ``decode_*`` functions raise ``WireError`` with a
+short machine-readable ``reason`` so callers can count rejections by cause.
+
+Subjects (see docs/wire.md):
+
+    orch.price.<cloud>.<region>        PriceTick                 JetStream ORCH_MARKET
+    orch.notice.<cloud>.<node>         PreemptionNotice          JetStream ORCH_EVENTS
+    orch.node.<node>.hb                Heartbeat                 core NATS
+    orch.node.<node>.event             NodeEvent (union)         JetStream ORCH_EVENTS
+    orch.cmd.<node>                    AgentCommand (union)      request/reply, CommandAck reply
+    orch.admin.v1.<resource>.<verb>    admin requests/replies    nats.micro service
+
+This module is pure data: no I/O, no clock. The decision core may import it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Final, NewType, Union
+
+import msgspec
+
+SCHEMA_VERSION: Final = 1
+SUPPORTED_VERSIONS: Final = frozenset({1})
+MAX_MESSAGE_BYTES: Final = 256 * 1024
+
+NodeId = NewType("NodeId", str)
+JobId = NewType("JobId", str)
+InstanceId = NewType("InstanceId", str)
+
+
+class Cloud(StrEnum):
+    AWS = "aws"
+    GCP = "gcp"
+    AZURE = "azure"
+    LOCAL = "local"
+    FAKE = "fake"
+
+
+class Market(StrEnum):
+    SPOT = "spot"
+    ON_DEMAND = "on_demand"
+
+
+class MarketPolicy(StrEnum):
+    SPOT = "spot"  # spot only; wait when none is available
+    ON_DEMAND = "on_demand"  # never spot
+    SPOT_WITH_FALLBACK = "spot_with_fallback"  # spot, on-demand when the deadline needs it
+
+
+class NoticeKind(StrEnum):
+    TERMINATE = "terminate"  # the instance will be reclaimed at deadline_ts (AWS/GCP/Azure preempt)
+    REBALANCE = "rebalance"  # AWS rebalance recommendation: elevated risk, no deadline
+
+
+class AgentState(StrEnum):
+    IDLE = "idle"
+    STARTING = "starting"
+    TRAINING = "training"
+    CHECKPOINTING = "checkpointing"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+class FailureReason(StrEnum):
+    CAPACITY = "capacity"
+    QUOTA = "quota"
+    AUTH = "auth"
+    TRANSIENT = "transient"
+    NOT_FOUND = "not_found"
+    UNKNOWN = "unknown"
+
+
+class _Wire(msgspec.Struct, frozen=True, kw_only=True, tag_field="type", forbid_unknown_fields=False):
+    """Base of every wire record: schema version first."""
+
+    v: int = SCHEMA_VERSION
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pools and prices
+
+
+class PoolKey(msgspec.Struct, frozen=True, kw_only=True, order=True):
+    """One capacity pool: the unit a price, a preemption rate and a launch refer to."""
+
+    cloud: str
+    region: str
+    zone: str
+    instance_type: str
+    market: Market
+
+    @property
+    def name(self) -> str:
+        return f"{self.cloud}/{self.region}/{self.zone}/{self.instance_type}/{self.market}"
+
+    @property
+    def zone_key(self) -> tuple[str, str, str]:
+        return (self.cloud, self.region, self.zone)
+
+
+class PriceTick(_Wire, frozen=True, kw_only=True, tag="price_tick"):
+    """The price of one pool at one time (spot or on-demand), from a feed or an external publisher."""
+
+    id: str
+    pool: PoolKey
+    gpu_type: str
+    gpus_per_node: int
+    price_usd_h: float
+    on_demand_usd_h: float | None = None
+    capacity_hint: float | None = None  # 0..1 where the cloud gives one (AWS placement score / 10)
+    ts: float
+
+
+# ---------------------------------------------------------------------------------------------------
+# From agents
+
+
+class PreemptionNotice(_Wire, frozen=True, kw_only=True, tag="preemption_notice"):
+    id: str
+    node_id: NodeId
+    cloud: str
+    kind: NoticeKind = NoticeKind.TERMINATE
+    deadline_ts: float | None  # when the instance dies (None for a rebalance recommendation)
+    observed_ts: float  # when the agent saw it (its clock)
+    source: str = "metadata"  # metadata | cloud_event | injected
+
+
+class GpuStats(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    util_pct: float
+    mem_used_mib: float
+    mem_total_mib: float
+    temp_c: float | None = None
+    power_w: float | None = None
+
+
+class Heartbeat(_Wire, frozen=True, kw_only=True, tag="heartbeat"):
+    node_id: NodeId
+    seq: int
+    ts: float
+    state: AgentState
+    job_id: JobId | None = None
+    generation: int = 0
+    step: int = 0
+    loss: float | None = None
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    cpu_pct: float | None = None
+    mem_pct: float | None = None
+    gpus: tuple[GpuStats, ...] = ()
+    fencing_token: int = 0  # highest fencing token the agent has seen
+
+
+class NodeRegistered(_Wire, frozen=True, kw_only=True, tag="node_registered"):
+    id: str
+    node_id: NodeId
+    instance_id: InstanceId | None = None
+    pool: PoolKey | None = None
+    agent_version: str = ""
+    host: str = ""
+    ts: float
+
+
+class GenerationStarted(_Wire, frozen=True, kw_only=True, tag="generation_started"):
+    id: str
+    node_id: NodeId
+    job_id: JobId
+    generation: int
+    first_step: int  # the step the ranks will execute first (resume step + 1, or 1)
+    ts: float
+
+
+class CheckpointCommitted(_Wire, frozen=True, kw_only=True, tag="checkpoint_committed"):
+    id: str
+    node_id: NodeId
+    job_id: JobId
+    generation: int
+    step: int
+    checkpoint_id: str
+    url: str
+    save_s: float
+    deadline_margin_s: float | None = None  # deadline - commit time, for emergency checkpoints
+    emergency: bool = False
+    ts: float
+
+
+class RanksExited(_Wire, frozen=True, kw_only=True, tag="ranks_exited"):
+    id: str
+    node_id: NodeId
+    job_id: JobId
+    generation: int
+    exit_code: int
+    reason: str  # completed | emergency_checkpoint | failed | abandoned | stopped
+    last_step: int = 0
+    ts: float
+
+
+class NodeLeaving(_Wire, frozen=True, kw_only=True, tag="node_leaving"):
+    """The agent is shutting down (SIGTERM, drain finished)."""
+
+    id: str
+    node_id: NodeId
+    reason: str
+    ts: float
+
+
+NodeEvent = Union[NodeRegistered, GenerationStarted, CheckpointCommitted, RanksExited, NodeLeaving]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Commands to agents (orch.cmd.<node>). Every command carries the leader's fencing token.
+
+
+class TrainerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What to run on each node. Empty ``command`` means the built-in GPT trainer."""
+
+    command: tuple[str, ...] = ()
+    args: dict[str, str | int | float | bool] = {}
+    env: dict[str, str] = {}
+
+
+class _Command(_Wire, frozen=True, kw_only=True):
+    cmd_id: str
+    fencing_token: int
+    node_id: NodeId
+    job_id: JobId | None = None
+    generation: int = 0
+    issued_ts: float
+
+
+class CheckpointCmd(_Command, frozen=True, kw_only=True, tag="checkpoint"):
+    reason: str  # preemption_notice | periodic | price_pause | budget | migrate | drain
+    deadline_ts: float | None = None
+
+
+class StartGenerationCmd(_Command, frozen=True, kw_only=True, tag="start_generation"):
+    node_rank: int  # index of this node in the generation
+    nnodes: int
+    gpus_per_node: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    resume_from: str | None  # URL of the committed checkpoint, None for a fresh start
+    checkpoint_url: str  # where to write checkpoints
+    total_steps: int
+    trainer: TrainerSpec = TrainerSpec()
+
+
+class StopCmd(_Command, frozen=True, kw_only=True, tag="stop"):
+    reason: str
+    checkpoint_first: bool = True
+
+
+class AbandonGenerationCmd(_Command, frozen=True, kw_only=True, tag="abandon_generation"):
+    reason: str
+
+
+class DrainCmd(_Command, frozen=True, kw_only=True, tag="drain"):
+    reason: str = "admin"
+
+
+AgentCommand = Union[CheckpointCmd, StartGenerationCmd, StopCmd, AbandonGenerationCmd, DrainCmd]
+
+
+class CommandAck(_Wire, frozen=True, kw_only=True, tag="command_ack"):
+    cmd_id: str
+    node_id: NodeId
+    ok: bool
+    error: str | None = None  # e.g. "stale_fencing_token", "unknown_generation"
+    ts: float
+
+
+# ---------------------------------------------------------------------------------------------------
+# Job specs (validated by orchestrator.jobspec; carried in admin submit and in state)
+
+
+class CheckpointPolicy(msgspec.Struct, frozen=True, kw_only=True):
+    url: str
+    interval_s: float | None = None  # None: derived from the pool's preemption rate (Young/Daly)
+    keep: int = 3
+    save_s_estimate: float = 30.0  # until measured by a commit
+
+
+class PricePolicy(msgspec.Struct, frozen=True, kw_only=True):
+    pause_above_ratio: float = 0.95  # spot/on-demand price above which a spot job pauses
+    resume_below_ratio: float = 0.85  # hysteresis: resume only below this
+    migrate_min_saving: float = 0.2  # migrate when a pool is cheaper by this fraction after migration cost
+
+
+class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    trainer: TrainerSpec = TrainerSpec()
+    total_steps: int
+    step_time_s_estimate: float = 1.0  # until measured from heartbeats
+    gpu_type: str
+    gpus_per_node: int = 1
+    nodes: int = 1  # target
+    nodes_min: int = 1
+    nodes_max: int = 1
+    clouds: tuple[str, ...] = ()  # empty = any
+    regions: tuple[str, ...] = ()
+    zones: tuple[str, ...] = ()
+    instance_types: tuple[str, ...] = ()
+    market: MarketPolicy = MarketPolicy.SPOT_WITH_FALLBACK
+    deadline_ts: float | None = None
+    budget_usd: float | None = None
+    checkpoint: CheckpointPolicy
+    price: PricePolicy = PricePolicy()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Codecs
+
+WIRE_TYPES: Final[tuple[type, ...]] = (
+    PriceTick,
+    PreemptionNotice,
+    Heartbeat,
+    NodeRegistered,
+    GenerationStarted,
+    CheckpointCommitted,
+    RanksExited,
+    NodeLeaving,
+    CheckpointCmd,
+    StartGenerationCmd,
+    StopCmd,
+    AbandonGenerationCmd,
+    DrainCmd,
+    CommandAck,
+)
+
+AnyWire = Union[
+    PriceTick,
+    PreemptionNotice,
+    Heartbeat,
+    NodeRegistered,
+    GenerationStarted,
+    CheckpointCommitted,
+    RanksExited,
+    NodeLeaving,
+    CheckpointCmd,
+    StartGenerationCmd,
+    StopCmd,
+    AbandonGenerationCmd,
+    DrainCmd,
+    CommandAck,
+]
+
+
+class WireError(ValueError):
+    """A message that cannot be accepted. ``reason`` is a short label used for rejection counters."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+_encoder = msgspec.json.Encoder()
+_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes, kind: Any = AnyWire) -> Any:
+    """Decode ``data`` as ``kind`` (a wire type or a Union of them); raise WireError on any problem."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireError("too_large", f"{len(data)} bytes > {MAX_MESSAGE_BYTES}")
+    dec = _decoders.get(kind)
+    if dec is None:
+        dec = _decoders[kind] = msgspec.json.Decoder(kind)
+    try:
+        msg = dec.decode(data)
+    except msgspec.DecodeError as e:
+        text = str(e)
+        if "Invalid value" in text and "type" in text:
+            reason = "unknown_type"
+        elif text.startswith("JSON is malformed") or "malformed" in text or "truncated" in text:
+            reason = "bad_json"
+        else:
+            reason = "bad_schema"
+        raise WireError(reason, text) from None
+    if msg.v not in SUPPORTED_VERSIONS:
+        raise WireError("bad_version", f"schema version {msg.v} not in {sorted(SUPPORTED_VERSIONS)}")
+    return msg
+
+
+def to_builtins(msg: msgspec.Struct) -> Any:
+    return msgspec.to_builtins(msg)
+
+
+# Subject helpers: tokens go from broad to narrow; values with dots (instance types) stay in payloads.
+
+def _token(value: str) -> str:
+    """A subject token from an id: dots, spaces and wildcards are not allowed in tokens."""
+    bad = set(". *>\t\r\n")
+    if not value or any(c in bad for c in value):
+        raise ValueError(f"not usable as a NATS subject token: {value!r}")
+    return value
+
+
+def subject_price(cloud: str, region: str) -> str:
+    return f"orch.price.{_token(cloud)}.{_token(region)}"
+
+
+def subject_notice(cloud: str, node: str) -> str:
+    return f"orch.notice.{_token(cloud)}.{_token(node)}"
+
+
+def subject_heartbeat(node: str) -> str:
+    return f"orch.node.{_token(node)}.hb"
+
+
+def subject_node_event(node: str) -> str:
+    return f"orch.node.{_token(node)}.event"
+
+
+def subject_command(node: str) -> str:
+    return f"orch.cmd.{_token(node)}"
+
+
+SUBJECT_ADMIN_PREFIX: Final = "orch.admin.v1"

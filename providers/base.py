@@ -1,0 +1,169 @@
+"""The `CloudProvider` protocol and its typed errors.
+
+Role: the boundary between orchd and a cloud. Implementations convert SDK objects and SDK errors into
+the records and errors here at the edge; nothing SDK-shaped crosses into the daemon.
+
+Concurrency contract: every method is synchronous and may block (SDK calls). The executor calls them
+from worker threads with a per-cloud concurrency limit; implementations must be thread-safe.
+
+Idempotency contract: ``launch`` with an ``idempotency_token`` already used returns the instances of
+the first call instead of creating new ones (EC2 ClientToken, GCP requestId, Azure deterministic names,
+or a describe-by-token-tag before launching where the cloud does not enforce it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from orchestrator.events import FailureReason, InstanceId, NodeId, PoolKey
+
+# Tag keys every provider puts on the instances it creates (labels on GCP: lowercase, no dots).
+TAG_CLUSTER = "orch-cluster"  # the deployment's cluster id: the reaper only ever touches these
+TAG_JOB = "orch-job"
+TAG_NODE = "orch-node"
+TAG_TOKEN = "orch-token"  # the idempotency token of the launch that created it
+
+
+class InstanceState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    TERMINATED = "terminated"
+
+
+class Instance(msgspec.Struct, frozen=True, kw_only=True):
+    instance_id: InstanceId
+    node_id: NodeId | None
+    pool: PoolKey
+    state: InstanceState
+    tags: dict[str, str] = {}
+    launched_ts: float | None = None
+    private_ip: str | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.state in (InstanceState.PENDING, InstanceState.RUNNING)
+
+
+class NodeBootstrap(msgspec.Struct, frozen=True, kw_only=True):
+    """What a new node needs to start its agent. The credential is per node and scoped to its subjects."""
+
+    nats_urls: tuple[str, ...]
+    credential: str = ""  # creds file content / token; never logged
+    agent_args: tuple[str, ...] = ()
+    agent_package: str = "spot-orchestrator[trainer]"
+
+
+class LaunchRequest(msgspec.Struct, frozen=True, kw_only=True):
+    pool: PoolKey
+    node_ids: tuple[NodeId, ...]  # one instance per node id; len() is the count
+    idempotency_token: str
+    cluster_id: str
+    job_id: str
+    tags: dict[str, str] = {}
+    bootstrap: NodeBootstrap | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.node_ids)
+
+    def instance_tags(self, node_id: str) -> dict[str, str]:
+        return {
+            **self.tags,
+            TAG_CLUSTER: self.cluster_id,
+            TAG_JOB: self.job_id,
+            TAG_NODE: node_id,
+            TAG_TOKEN: self.idempotency_token,
+        }
+
+
+class LaunchResult(msgspec.Struct, frozen=True, kw_only=True):
+    """Partial fulfilment is normal: some instances, and a typed reason for the rest."""
+
+    instances: tuple[Instance, ...]
+    missing: int = 0
+    failure: FailureReason | None = None
+    message: str = ""
+
+
+class PriceQuote(msgspec.Struct, frozen=True, kw_only=True):
+    pool: PoolKey
+    gpu_type: str
+    gpus_per_node: int
+    price_usd_h: float
+    on_demand_usd_h: float | None = None
+    capacity_hint: float | None = None
+    ts: float
+
+
+class ProviderError(Exception):
+    """Base of the typed provider errors. ``retryable``: retrying the same call later may succeed."""
+
+    reason: FailureReason = FailureReason.UNKNOWN
+    retryable: bool = False
+
+    def __init__(self, message: str, *, pool: PoolKey | None = None) -> None:
+        super().__init__(message)
+        self.pool = pool
+
+
+class CapacityError(ProviderError):
+    """No capacity in this pool now: try another pool; retry this one later."""
+
+    reason = FailureReason.CAPACITY
+    retryable = True
+
+
+class QuotaError(ProviderError):
+    """Account/region quota exhausted: do not retry in this region until quota changes."""
+
+    reason = FailureReason.QUOTA
+    retryable = False
+
+
+class AuthError(ProviderError):
+    """Credentials missing or refused: an operator must act."""
+
+    reason = FailureReason.AUTH
+    retryable = False
+
+
+class TransientError(ProviderError):
+    """Throttling, 5xx, timeouts: retry the same call with backoff (same idempotency token)."""
+
+    reason = FailureReason.TRANSIENT
+    retryable = True
+
+
+class NotFound(ProviderError):
+    reason = FailureReason.NOT_FOUND
+    retryable = False
+
+
+@runtime_checkable
+class CloudProvider(Protocol):
+    """One cloud (or the local machine). See the module docstring for the contracts."""
+
+    cloud: str
+
+    def launch(self, request: LaunchRequest) -> LaunchResult: ...
+
+    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
+        """Terminate; unknown or already terminated ids are not an error."""
+        ...
+
+    def list_instances(self, cluster_id: str) -> list[Instance]:
+        """Every non-terminated instance carrying this deployment's cluster id tag."""
+        ...
+
+    def describe(self, instance_ids: Sequence[InstanceId]) -> list[Instance]:
+        """Current state of these instances; ids the cloud no longer knows are absent."""
+        ...
+
+    def prices(self, pools: Sequence[PoolKey] | None = None) -> list[PriceQuote]:
+        """Current spot/on-demand prices for the provider's configured pools (or these pools)."""
+        ...

@@ -1,0 +1,168 @@
+"""In-memory fake cloud for tests, chaos drills and benchmarks.
+
+Role: a `CloudProvider` that behaves like a cloud at the API edge: it enforces idempotency tokens (the
+same token twice returns the first call's instances), fulfils launches partially when capacity is
+short, can inject capacity errors and transient failures per pool, and can preempt instances. Leaks and
+duplicates are counted by listing it, never from orchd's state.
+
+Concurrency contract: thread-safe (one lock); calls are cheap and never block.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+
+from orchestrator.events import FailureReason, InstanceId, Market, NodeId, PoolKey
+from providers.base import (
+    TAG_CLUSTER,
+    CapacityError,
+    Instance,
+    InstanceState,
+    LaunchRequest,
+    LaunchResult,
+    PriceQuote,
+    TransientError,
+)
+
+
+class FakeCloud:
+    """A fake cloud. ``capacity[pool]`` limits live instances per pool (None = unlimited)."""
+
+    def __init__(
+        self,
+        cloud: str = "fake",
+        *,
+        clock: Callable[[], float] | None = None,
+        gpu_type: str = "A100",
+        gpus_per_node: int = 1,
+    ) -> None:
+        import time
+
+        self.cloud = cloud
+        self._clock = clock or time.time
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._instances: dict[InstanceId, Instance] = {}
+        self._by_token: dict[str, tuple[InstanceId, ...]] = {}
+        self.capacity: dict[PoolKey, int | None] = {}
+        self.prices_usd_h: dict[PoolKey, float] = {}
+        self.on_demand_usd_h: dict[tuple[str, str], float] = {}  # (region, instance_type) -> price
+        self.gpu_type = gpu_type
+        self.gpus_per_node = gpus_per_node
+        self._fail_next: dict[PoolKey, list[type[Exception]]] = {}
+        self.launch_calls = 0
+        self.terminate_calls = 0
+
+    # --- fault injection -------------------------------------------------------------------------
+
+    def fail_next(self, pool: PoolKey, error: type[Exception] = CapacityError, times: int = 1) -> None:
+        with self._lock:
+            self._fail_next.setdefault(pool, []).extend([error] * times)
+
+    def set_price(self, pool: PoolKey, price_usd_h: float, on_demand_usd_h: float | None = None) -> None:
+        with self._lock:
+            self.prices_usd_h[pool] = price_usd_h
+            if on_demand_usd_h is not None:
+                self.on_demand_usd_h[(pool.region, pool.instance_type)] = on_demand_usd_h
+
+    def preempt(self, instance_id: InstanceId) -> Instance:
+        """The cloud reclaims an instance (after its notice, or without one)."""
+        with self._lock:
+            inst = self._instances[instance_id]
+            dead = _with_state(inst, InstanceState.TERMINATED)
+            self._instances[instance_id] = dead
+            return dead
+
+    # --- CloudProvider ---------------------------------------------------------------------------
+
+    def launch(self, request: LaunchRequest) -> LaunchResult:
+        with self._lock:
+            self.launch_calls += 1
+            existing = self._by_token.get(request.idempotency_token)
+            if existing is not None:
+                return LaunchResult(instances=tuple(self._instances[i] for i in existing))
+            queued = self._fail_next.get(request.pool)
+            if queued:
+                err = queued.pop(0)
+                raise err(f"injected {err.__name__} in {request.pool.name}", pool=request.pool)  # type: ignore[call-arg]
+            cap = self.capacity.get(request.pool)
+            live = sum(1 for i in self._instances.values() if i.pool == request.pool and i.alive)
+            room = request.count if cap is None else max(0, min(request.count, cap - live))
+            if room == 0:
+                raise CapacityError(f"no capacity in {request.pool.name}", pool=request.pool)
+            created = []
+            for node_id in request.node_ids[:room]:
+                iid = InstanceId(f"{self.cloud}-{next(self._ids):06d}")
+                inst = Instance(
+                    instance_id=iid,
+                    node_id=NodeId(node_id),
+                    pool=request.pool,
+                    state=InstanceState.RUNNING,
+                    tags=request.instance_tags(node_id),
+                    launched_ts=self._clock(),
+                    private_ip="127.0.0.1",
+                )
+                self._instances[iid] = inst
+                created.append(inst)
+            self._by_token[request.idempotency_token] = tuple(i.instance_id for i in created)
+            missing = request.count - room
+            return LaunchResult(
+                instances=tuple(created),
+                missing=missing,
+                failure=FailureReason.CAPACITY if missing else None,
+                message=f"{missing} short in {request.pool.name}" if missing else "",
+            )
+
+    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
+        with self._lock:
+            self.terminate_calls += 1
+            for iid in instance_ids:
+                inst = self._instances.get(iid)
+                if inst is not None and inst.alive:
+                    self._instances[iid] = _with_state(inst, InstanceState.TERMINATED)
+
+    def list_instances(self, cluster_id: str) -> list[Instance]:
+        with self._lock:
+            return [i for i in self._instances.values() if i.alive and i.tags.get(TAG_CLUSTER) == cluster_id]
+
+    def describe(self, instance_ids: Sequence[InstanceId]) -> list[Instance]:
+        with self._lock:
+            return [self._instances[i] for i in instance_ids if i in self._instances]
+
+    def prices(self, pools: Sequence[PoolKey] | None = None) -> list[PriceQuote]:
+        with self._lock:
+            now = self._clock()
+            wanted = pools if pools is not None else list(self.prices_usd_h)
+            out = []
+            for pool in wanted:
+                if pool not in self.prices_usd_h:
+                    continue
+                od = self.on_demand_usd_h.get((pool.region, pool.instance_type))
+                out.append(
+                    PriceQuote(
+                        pool=pool,
+                        gpu_type=self.gpu_type,
+                        gpus_per_node=self.gpus_per_node,
+                        price_usd_h=self.prices_usd_h[pool] if pool.market is Market.SPOT else (od or self.prices_usd_h[pool]),
+                        on_demand_usd_h=od,
+                        ts=now,
+                    )
+                )
+            return out
+
+    # --- inspection for tests --------------------------------------------------------------------
+
+    def all_instances(self) -> list[Instance]:
+        with self._lock:
+            return list(self._instances.values())
+
+
+def _with_state(inst: Instance, state: InstanceState) -> Instance:
+    import msgspec
+
+    return msgspec.structs.replace(inst, state=state)
+
+
+__all__ = ["FakeCloud", "TransientError"]
