@@ -1,0 +1,168 @@
+"""The agent <-> trainer contract: environment, control channel, exit codes, report lines.
+
+Role: the single definition both sides import. This module must stay importable without torch (the
+agent and orchd import it on hosts where torch may be absent). Documented in docs/trainer-contract.md.
+
+Launch. The agent (or torchrun, or any launcher) starts one process per local rank with the usual
+torch.distributed variables and ours:
+
+    RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT   (torch standard)
+    ORCH_JOB_ID            job id (free text)
+    ORCH_GENERATION        integer generation of the job this process belongs to
+    ORCH_CKPT_URL          checkpoint root (file:///..., s3://bucket/prefix, ...)
+    ORCH_RESUME_FROM       "" (fresh start), "latest" (newest committed checkpoint under ORCH_CKPT_URL),
+                           or the URL of one committed checkpoint
+    ORCH_TOTAL_STEPS       train until this step (inclusive), then exit EXIT_COMPLETED
+    ORCH_CONTROL_DIR       directory for control-channel requests (see below)
+    ORCH_STEP_LOG          optional path of a JSONL file; every rank appends one StepRecord per step
+    ORCH_COLLECTIVE_TIMEOUT_S  timeout for collectives, so a vanished peer never hangs survivors
+    ORCH_TRAINER_ARGS      JSON object of trainer arguments (TrainerSpec.args)
+
+Control channel. To ask for an emergency checkpoint the agent writes a CheckpointRequest as JSON to
+``<ORCH_CONTROL_DIR>/checkpoint.json`` (write to a temp file, then rename) and sends SIGUSR1 to every
+rank process. SIGTERM means the same with the deadline ``now + ORCH_SIGTERM_GRACE_S``. Ranks agree on the
+stop step with one tiny all-reduce per step, save, commit, print a CheckpointReport line and exit with
+EXIT_PREEMPTED.
+
+Reports. Each rank prints JSON lines starting with ``{"orch":`` on stdout; the agent parses those and
+passes every other line through as a log line.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+import msgspec
+
+# --- exit codes --------------------------------------------------------------------------------------
+EXIT_COMPLETED: Final = 0  # reached ORCH_TOTAL_STEPS; final checkpoint committed
+EXIT_FAILED: Final = 1  # an error in the training script
+EXIT_PREEMPTED: Final = 75  # emergency checkpoint committed at the agreed step, exited on request
+EXIT_CHECKPOINT_FAILED: Final = 76  # asked to checkpoint, but the save/commit failed or was abandoned
+EXIT_PEER_LOST: Final = 77  # a collective timed out: a peer vanished; nothing committed at this step
+
+EXIT_REASONS: Final = {
+    EXIT_COMPLETED: "completed",
+    EXIT_FAILED: "failed",
+    EXIT_PREEMPTED: "emergency_checkpoint",
+    EXIT_CHECKPOINT_FAILED: "checkpoint_failed",
+    EXIT_PEER_LOST: "peer_lost",
+}
+
+# --- environment ----------------------------------------------------------------------------------
+ENV_JOB_ID: Final = "ORCH_JOB_ID"
+ENV_GENERATION: Final = "ORCH_GENERATION"
+ENV_CKPT_URL: Final = "ORCH_CKPT_URL"
+ENV_RESUME_FROM: Final = "ORCH_RESUME_FROM"
+ENV_TOTAL_STEPS: Final = "ORCH_TOTAL_STEPS"
+ENV_CONTROL_DIR: Final = "ORCH_CONTROL_DIR"
+ENV_STEP_LOG: Final = "ORCH_STEP_LOG"
+ENV_COLLECTIVE_TIMEOUT_S: Final = "ORCH_COLLECTIVE_TIMEOUT_S"
+ENV_TRAINER_ARGS: Final = "ORCH_TRAINER_ARGS"
+ENV_SIGTERM_GRACE_S: Final = "ORCH_SIGTERM_GRACE_S"
+
+CHECKPOINT_REQUEST_FILE: Final = "checkpoint.json"
+REPORT_PREFIX: Final = '{"orch":'
+
+
+class CheckpointRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    reason: str  # preemption_notice | sigterm | price_pause | budget | migrate | drain | admin
+    deadline_ts: float | None  # wall-clock epoch seconds by which the commit must be done
+    issued_ts: float
+
+
+# --- report lines (stdout) ------------------------------------------------------------------------
+
+
+class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", tag="step"):
+    orch: int = 1
+    rank: int
+    generation: int
+    step: int
+    loss: float
+    grad_norm: float | None = None
+    tokens_per_s: float | None = None
+    mfu: float | None = None
+    step_time_s: float
+    ts: float
+
+
+class CheckpointReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", tag="checkpoint"):
+    orch: int = 1
+    rank: int
+    generation: int
+    step: int
+    checkpoint_id: str
+    url: str
+    save_s: float  # request (or periodic start) -> commit marker written
+    emergency: bool
+    deadline_margin_s: float | None = None  # deadline - commit time
+    reason: str = "periodic"
+    ts: float
+
+
+class ExitReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", tag="exit"):
+    orch: int = 1
+    rank: int
+    generation: int
+    exit_code: int
+    reason: str
+    last_step: int
+    ts: float
+
+
+Report = StepReport | CheckpointReport | ExitReport
+
+
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One line of ORCH_STEP_LOG per rank per step: what was actually fed to the model."""
+
+    generation: int
+    step: int
+    rank: int
+    world_size: int
+    loss: float
+    sample_ids: tuple[int, ...]
+    ts: float
+
+
+_report_decoder = msgspec.json.Decoder(Report)
+_encoder = msgspec.json.Encoder()
+
+
+def encode_report(report: StepReport | CheckpointReport | ExitReport) -> str:
+    return _encoder.encode(report).decode()
+
+
+def parse_report(line: str) -> StepReport | CheckpointReport | ExitReport | None:
+    """Parse one stdout line; None when it is an ordinary log line (or a malformed report)."""
+    line = line.strip()
+    if not line.startswith(REPORT_PREFIX):
+        return None
+    try:
+        return _report_decoder.decode(line)
+    except msgspec.DecodeError:
+        return None
+
+
+def write_checkpoint_request(control_dir: str, request: CheckpointRequest) -> str:
+    """Atomically place a request for ranks to read after SIGUSR1. Returns the file path."""
+    path = os.path.join(control_dir, CHECKPOINT_REQUEST_FILE)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(_encoder.encode(request))
+    os.replace(tmp, path)
+    return path
+
+
+def read_checkpoint_request(control_dir: str) -> CheckpointRequest | None:
+    path = os.path.join(control_dir, CHECKPOINT_REQUEST_FILE)
+    try:
+        with open(path, "rb") as f:
+            return msgspec.json.decode(f.read(), type=CheckpointRequest)
+    except (FileNotFoundError, msgspec.DecodeError):
+        return None
+
+
