@@ -24,7 +24,8 @@ rank process. SIGTERM means the same with the deadline ``now + ORCH_SIGTERM_GRAC
 stop step with one tiny all-reduce per step, save, commit, print a CheckpointReport line and exit with
 EXIT_PREEMPTED.
 
-Reports. Each rank prints JSON lines starting with ``{"orch":`` on stdout; the agent parses those and
+Reports. Each rank prints JSON lines starting with ``{"orch":`` (the record's tag: "step",
+"checkpoint" or "exit") on stdout; the agent parses those and
 passes every other line through as a log line.
 """
 
@@ -76,8 +77,7 @@ class CheckpointRequest(msgspec.Struct, frozen=True, kw_only=True):
 # --- report lines (stdout) ------------------------------------------------------------------------
 
 
-class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", tag="step"):
-    orch: int = 1
+class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="orch", tag="step"):
     rank: int
     generation: int
     step: int
@@ -89,8 +89,7 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", t
     ts: float
 
 
-class CheckpointReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", tag="checkpoint"):
-    orch: int = 1
+class CheckpointReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="orch", tag="checkpoint"):
     rank: int
     generation: int
     step: int
@@ -103,8 +102,7 @@ class CheckpointReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="eve
     ts: float
 
 
-class ExitReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="event", tag="exit"):
-    orch: int = 1
+class ExitReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="orch", tag="exit"):
     rank: int
     generation: int
     exit_code: int
