@@ -1,0 +1,49 @@
+"""Shared fixtures: a real nats-server per test module, free ports, CI strictness.
+
+Services a test needs are started here on loopback with free ports and stopped after.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from orchestrator.natsserver import NatsServer
+
+IN_CI = os.environ.get("ORCH_CI") == "1"
+
+
+def require_tool(name: str) -> str:
+    """Path of an external tool; skip where it is missing, except in CI (.ci/run sets ORCH_CI=1)."""
+    path = shutil.which(name)
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"{name} is required in CI but not installed (.ci/run should install it)")
+        pytest.skip(f"{name} not installed")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    """A real nats-server with JetStream, one per test module."""
+    server = NatsServer(tmp_path_factory.mktemp("nats"))
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def nats_url(nats_server: NatsServer) -> str:
+    return nats_server.url
