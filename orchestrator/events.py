@@ -236,6 +236,11 @@ class _Command(_Wire, frozen=True, kw_only=True):
 
 
 class CheckpointCmd(_Command, frozen=True, kw_only=True, tag="checkpoint"):
+    """Checkpoint at a step all ranks agree on, commit, and end this generation (exit the ranks).
+
+    Periodic checkpoints are the trainer's own (every ``checkpoint_interval_s``); this command is the
+    emergency / resize / pause path."""
+
     reason: str  # preemption_notice | periodic | price_pause | budget | migrate | drain
     deadline_ts: float | None = None
 
@@ -250,6 +255,7 @@ class StartGenerationCmd(_Command, frozen=True, kw_only=True, tag="start_generat
     resume_from: str | None  # URL of the committed checkpoint, None for a fresh start
     checkpoint_url: str  # where to write checkpoints
     total_steps: int
+    checkpoint_interval_s: float | None = None  # periodic checkpoint interval chosen by orchd (Young/Daly)
     trainer: TrainerSpec = TrainerSpec()
 
 

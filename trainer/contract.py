@@ -17,6 +17,8 @@ torch.distributed variables and ours:
     ORCH_STEP_LOG          optional path of a JSONL file; every rank appends one StepRecord per step
     ORCH_COLLECTIVE_TIMEOUT_S  timeout for collectives, so a vanished peer never hangs survivors
     ORCH_TRAINER_ARGS      JSON object of trainer arguments (TrainerSpec.args)
+    ORCH_CKPT_INTERVAL_S   optional periodic checkpoint interval in seconds chosen by orchd (Young/Daly);
+                           overrides the trainer's own checkpoint-every setting when present
 
 Control channel. To ask for an emergency checkpoint the agent writes a CheckpointRequest as JSON to
 ``<ORCH_CONTROL_DIR>/checkpoint.json`` (write to a temp file, then rename) and sends SIGUSR1 to every
@@ -62,6 +64,7 @@ ENV_STEP_LOG: Final = "ORCH_STEP_LOG"
 ENV_COLLECTIVE_TIMEOUT_S: Final = "ORCH_COLLECTIVE_TIMEOUT_S"
 ENV_TRAINER_ARGS: Final = "ORCH_TRAINER_ARGS"
 ENV_SIGTERM_GRACE_S: Final = "ORCH_SIGTERM_GRACE_S"
+ENV_CKPT_INTERVAL_S: Final = "ORCH_CKPT_INTERVAL_S"
 
 CHECKPOINT_REQUEST_FILE: Final = "checkpoint.json"
 REPORT_PREFIX: Final = '{"orch":'

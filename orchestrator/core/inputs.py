@@ -100,7 +100,14 @@ class BusState(_Internal, frozen=True, kw_only=True, tag="bus_state"):
     connected: bool
 
 
+class LeaseChanged(_Internal, frozen=True, kw_only=True, tag="lease_changed"):
+    """This daemon holds the leader lease at ``revision`` (the fencing token every command carries)."""
+
+    revision: int
+
+
 CoreEvent = Union[
+    LeaseChanged,
     Tick,
     JobSubmitted,
     JobCancelled,

@@ -1,0 +1,74 @@
+"""Prometheus metrics of orchd: one registry, every metric defined here.
+
+Role: the names the daemon exports and that config/prometheus alert rules and the Grafana dashboard
+query. Names pass ``promtool check metrics`` (counters get ``_total`` from prometheus_client, units in
+the name). The shell updates them; the core never touches them.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    """All orchd metrics on one registry (a fresh one per daemon, so tests can run several)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.up = Gauge("orchd_up", "1 while orchd runs and holds the leader lease (0 on standby)", registry=r)
+        self.nats_connected = Gauge("orchd_nats_connected", "1 while orchd is connected to NATS", registry=r)
+        self.jobs = Gauge("orchd_jobs", "Jobs by state", ["state"], registry=r)
+        self.nodes = Gauge("orchd_nodes", "Nodes by cloud, pool and state", ["cloud", "pool", "state"], registry=r)
+        self.events = Counter("orchd_events", "Events through decide(), by type", ["type"], registry=r)
+        self.rejected = Counter(
+            "orchd_messages_rejected", "Messages rejected before decide(), by subject kind and reason",
+            ["kind", "reason"], registry=r,
+        )
+        self.decisions = Counter("orchd_decisions", "Commands decided, by kind", ["kind"], registry=r)
+        self.preemptions = Counter(
+            "orchd_preemptions", "Preemptions by cloud, pool and kind (notice|vanished)",
+            ["cloud", "pool", "kind"], registry=r,
+        )
+        self.event_lag = Histogram(
+            "orchd_event_lag_seconds", "Publish-to-decide lag of ingested events",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r,
+        )
+        self.backlog = Gauge("orchd_event_backlog", "Messages pending in the ingestion consumers", registry=r)
+        self.notice_to_command = Histogram(
+            "orchd_notice_to_command_seconds", "Preemption notice publish to checkpoint command sent",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r,
+        )
+        self.cost = Gauge("orchd_job_cost_usd", "Accrued cost per job", ["job"], registry=r)
+        self.on_demand_cost = Gauge(
+            "orchd_job_on_demand_cost_usd", "What the same node-hours would have cost on demand", ["job"], registry=r
+        )
+        self.budget = Gauge("orchd_job_budget_usd", "Budget cap per job (absent when none)", ["job"], registry=r)
+        self.job_step = Gauge("orchd_job_step", "Last reported training step per job", ["job"], registry=r)
+        self.recovery = Histogram(
+            "orchd_recovery_seconds", "Preemption or failure to the next generation's first step",
+            buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r,
+        )
+        self.checkpoint_margin = Histogram(
+            "orchd_emergency_checkpoint_margin_seconds", "Deadline minus commit time of emergency checkpoints",
+            buckets=(-30, -10, -1, 0, 1, 5, 10, 20, 30, 60, 120), registry=r,
+        )
+        self.checkpoint_missed = Counter(
+            "orchd_emergency_checkpoint_missed", "Emergency checkpoints that missed their deadline", ["job"], registry=r
+        )
+        self.pool_price = Gauge(
+            "orchd_pool_price_usd_per_hour", "Latest price per pool", ["cloud", "region", "zone", "instance_type", "market"],
+            registry=r,
+        )
+        self.pool_on_demand_price = Gauge(
+            "orchd_pool_on_demand_price_usd_per_hour", "On-demand price for the pool's instance type",
+            ["cloud", "region", "zone", "instance_type"], registry=r,
+        )
+        self.node_heartbeat_age = Gauge(
+            "orchd_node_heartbeat_age_seconds", "Seconds since each node's last heartbeat", ["node", "job"], registry=r
+        )
+        self.gpu_util = Gauge("orchd_node_gpu_utilization_ratio", "GPU utilisation 0..1", ["node", "gpu"], registry=r)
+        self.gpu_temp = Gauge("orchd_node_gpu_temperature_celsius", "GPU temperature", ["node", "gpu"], registry=r)
+        self.provider_calls = Counter(
+            "orchd_provider_calls", "Provider calls by cloud, op and outcome", ["cloud", "op", "outcome"], registry=r
+        )
+        self.goodput = Gauge("orchd_job_goodput_ratio", "Useful steps / executed steps per job", ["job"], registry=r)
