@@ -214,6 +214,21 @@ class NodeLeaving(_Wire, frozen=True, kw_only=True, tag="node_leaving"):
 NodeEvent = Union[NodeRegistered, GenerationStarted, CheckpointCommitted, RanksExited, NodeLeaving]
 
 
+class LogLine(_Wire, frozen=True, kw_only=True, tag="log_line"):
+    """One line of a trainer rank's output (not a report line), shipped by the agent.
+
+    Subject ``orch.logs.<job>.<node>`` (JetStream stream ORCH_LOGS, created by the agent if missing)."""
+
+    job_id: JobId
+    node_id: NodeId
+    generation: int
+    rank: int
+    stream: str = "stdout"  # stdout | stderr
+    seq: int  # per agent process, increasing
+    line: str
+    ts: float
+
+
 # ---------------------------------------------------------------------------------------------------
 # Commands to agents (orch.cmd.<node>). Every command carries the leader's fencing token.
 
@@ -431,6 +446,10 @@ def subject_node_event(node: str) -> str:
 
 def subject_command(node: str) -> str:
     return f"orch.cmd.{_token(node)}"
+
+
+def subject_logs(job: str, node: str) -> str:
+    return f"orch.logs.{_token(job)}.{_token(node)}"
 
 
 SUBJECT_ADMIN_PREFIX: Final = "orch.admin.v1"
