@@ -1,0 +1,333 @@
+"""Checkpoint storage: DCP writer that checksums while writing, commit markers, verify, list, rotate.
+
+Role: the byte-level half of the checkpoint manager. One checkpoint is a directory
+``<root>/step_<step:09d>/`` holding the DCP files (``__<rank>_<n>.distcp``, ``.metadata``), one small
+``__extra_<rank>.pkl`` per rank (step, data position, scheduler, RNG, config), one checksum manifest per
+rank (``__crc_<rank>.json``, written by that rank right after its data files) plus ``__crc_meta.json``
+(the ``.metadata`` file's), and, written last by rank 0, the commit marker ``COMMITTED``: JSON that lists
+every file with its size and CRC32C. A directory without a valid marker does not exist as a checkpoint.
+
+Checksums are computed on the bytes as DCP writes them (a stream wrapper), never by re-reading. The
+writer object is picklable, so the same scheme works for sync saves, thread-based and process-based
+async saves (the manifest is written by whichever process wrote the data).
+
+Storage goes through fsspec (``s3://``, ``gs://``, ``az://``, ...); ``file://`` URLs and plain paths use
+torch's local FileSystem (fsync per file when ``sync_files``). Concurrency: a writer's checksum sink is
+lock-protected (DCP may write with several threads); everything else is called from one thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import io
+import json
+import os
+import re
+import threading
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import crc32c
+import fsspec
+from fsspec.core import url_to_fs
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFS
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.filesystem import FileSystem as _LocalFS
+from torch.distributed.checkpoint.filesystem import FileSystemBase
+
+COMMIT_MARKER = "COMMITTED"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{9})$")
+
+
+def is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def local_path(url: str) -> str:
+    return url[len("file://") :] if url.startswith("file://") else url
+
+
+def join(url: str, *parts: str) -> str:
+    return "/".join([url.rstrip("/"), *parts])
+
+
+def step_dir(root_url: str, step: int) -> str:
+    return join(root_url, f"step_{step:09d}")
+
+
+def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> fsspec.AbstractFileSystem:
+    fs, _ = url_to_fs(local_path(url) if is_local(url) else url, **(storage_options or {}))
+    return fs
+
+
+def _path(url: str) -> str:
+    """The path fsspec filesystems take (no scheme for local paths)."""
+    return local_path(url) if is_local(url) else url
+
+
+# --- writing --------------------------------------------------------------------------------------
+
+
+class _ChecksumSink:
+    """Thread-safe {file name: (size, crc32c)}; picklable (the lock is recreated)."""
+
+    def __init__(self) -> None:
+        self.files: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def record(self, name: str, size: int, crc: int) -> None:
+        with self._lock:
+            self.files[name] = (size, crc)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"files": dict(self.files)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.files = state["files"]
+        self._lock = threading.Lock()
+
+
+class _HashingStream(io.RawIOBase):
+    """Forwards writes to ``raw`` and updates size and CRC32C on the way."""
+
+    def __init__(self, raw: Any) -> None:
+        super().__init__()
+        self.raw = raw
+        self.size = 0
+        self.crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        self.crc = crc32c.crc32c(mv, self.crc)
+        self.size += mv.nbytes
+        written = self.raw.write(mv)
+        return mv.nbytes if written is None else written
+
+    def tell(self) -> int:
+        return self.raw.tell()
+
+    def fileno(self) -> int:
+        self.raw.flush()  # DCP fsyncs fileno() before closing: buffered bytes must reach the fd first
+        return self.raw.fileno()
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def close(self) -> None:  # DCP closes inside create_stream; the inner context closes raw
+        if not self.closed:
+            self.raw.flush()
+        super().close()
+
+
+class _HashingFS(FileSystemBase):
+    """Wraps a DCP FileSystem: every file opened for writing is checksummed into ``sink``."""
+
+    def __init__(self, inner: FileSystemBase, sink: _ChecksumSink) -> None:
+        self.inner = inner
+        self.sink = sink
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[io.IOBase]:
+        with self.inner.create_stream(path, mode) as raw:
+            if "w" not in mode:
+                yield raw
+                return
+            stream = _HashingStream(raw)
+            yield stream  # type: ignore[misc]
+            self.sink.record(os.path.basename(os.fspath(path)), stream.size, stream.crc)
+
+    def concat_path(self, path: Any, suffix: str) -> Any:
+        return self.inner.concat_path(path, suffix)
+
+    def rename(self, path: Any, new_path: Any) -> None:
+        self.inner.rename(path, new_path)
+
+    def init_path(self, path: Any, **kwargs: Any) -> Any:
+        return self.inner.init_path(path, **kwargs)
+
+    def mkdir(self, path: Any) -> None:
+        self.inner.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return True
+
+    def exists(self, path: Any) -> bool:
+        return self.inner.exists(path)
+
+    def rm_file(self, path: Any) -> None:
+        self.inner.rm_file(path)
+
+
+class CommitWriter(FileSystemWriter):
+    """DCP storage writer for one checkpoint directory; records CRC32C of every file it writes and
+    leaves per-rank manifests that :func:`commit` merges into the commit marker."""
+
+    def __init__(
+        self,
+        dir_url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        thread_count: int = 1,
+        sync_files: bool = True,
+        cache_staged_state_dict: bool = False,
+    ) -> None:
+        local = is_local(dir_url)
+        super().__init__(
+            local_path(dir_url) if local else dir_url,
+            thread_count=thread_count,
+            sync_files=sync_files and local,  # object stores: a completed PUT is durable
+            cache_staged_state_dict=cache_staged_state_dict,
+        )
+        inner: FileSystemBase = _LocalFS() if local else _FsspecFS()
+        self.sink = _ChecksumSink()
+        self.fs = _HashingFS(inner, self.sink)
+        self.path = self.fs.init_path(self.path, **(storage_options or {})) if not local else self.fs.init_path(self.path)
+        self.fs.mkdir(self.path)
+
+    def write_extra(self, name: str, payload: bytes) -> None:
+        """A small side file (extra state), checksummed like the DCP files."""
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as f:
+            f.write(payload)
+            f.flush()
+            if self.sync_files:
+                os.fsync(f.fileno())
+
+    def _write_manifest(self, name: str, files: dict[str, tuple[int, int]]) -> None:
+        body = json.dumps({n: list(v) for n, v in sorted(files.items())}).encode()
+        with self.fs.inner.create_stream(self.fs.concat_path(self.path, name), "wb") as f:
+            f.write(body)
+
+    def write_data(self, plan: Any, planner: Any) -> Any:
+        fut = super().write_data(plan, planner)
+        fut.wait()  # the base class writes synchronously and returns a completed torch Future
+        rank = self.rank if self.rank is not None else 0
+        own = {n: v for n, v in self.sink.files.items() if not n.startswith(".metadata")}
+        self._write_manifest(f"__crc_{rank}.json", own)
+        return fut
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        size, crc = self.sink.files[".metadata.tmp"]
+        self._write_manifest("__crc_meta.json", {".metadata": (size, crc)})
+
+
+def make_reader(dir_url: str, storage_options: dict[str, Any] | None = None) -> FileSystemReader:
+    if is_local(dir_url):
+        return FileSystemReader(local_path(dir_url))
+    return FsspecReader(dir_url, **(storage_options or {}))
+
+
+# --- commit, verify, list, rotate ------------------------------------------------------------------
+
+
+def commit(dir_url: str, world_size: int, meta: dict[str, Any], storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank 0, after every rank's data is durable: merge manifests, write the commit marker last."""
+    fs = filesystem(dir_url, storage_options)
+    base = _path(dir_url)
+    files: dict[str, list[int]] = {}
+    for name in [f"__crc_{r}.json" for r in range(world_size)] + ["__crc_meta.json"]:
+        with fs.open(join(base, name), "rb") as f:
+            files.update(json.loads(f.read()))
+    if ".metadata" not in files or not any(n.endswith(".distcp") for n in files):
+        raise RuntimeError(f"incomplete checkpoint in {dir_url}: {sorted(files)}")
+    marker = {"format": FORMAT_VERSION, "world_size": world_size, "committed_ts": time.time(), "files": files, **meta}
+    body = json.dumps(marker, sort_keys=True).encode()
+    target = join(base, COMMIT_MARKER)
+    if is_local(dir_url):
+        tmp = f"{target}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        dfd = os.open(base, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    else:
+        fs.pipe_file(target, body)  # a single PUT: atomic on object stores
+    return marker
+
+
+def read_marker(dir_url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    fs = filesystem(dir_url, storage_options)
+    try:
+        with fs.open(join(_path(dir_url), COMMIT_MARKER), "rb") as f:
+            return json.loads(f.read())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def _file_crc(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, int]:
+    size, crc = 0, 0
+    with fs.open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            crc = crc32c.crc32c(chunk, crc)
+            size += len(chunk)
+    return size, crc
+
+
+def verify(dir_url: str, storage_options: dict[str, Any] | None = None, threads: int = 4) -> str | None:
+    """None when the checkpoint is committed and every listed file has its recorded size and CRC32C;
+    otherwise the reason it is unusable."""
+    marker = read_marker(dir_url, storage_options)
+    if marker is None:
+        return "no commit marker"
+    fs = filesystem(dir_url, storage_options)
+    base = _path(dir_url)
+    files = marker.get("files", {})
+    with cf.ThreadPoolExecutor(max_workers=threads) as pool:
+        futures = {name: pool.submit(_file_crc, fs, join(base, name)) for name in files}
+        for name, fut in futures.items():
+            try:
+                size, crc = fut.result()
+            except FileNotFoundError:
+                return f"missing file {name}"
+            if [size, crc] != list(files[name]):
+                return f"checksum mismatch in {name}: size {size} crc {crc} != {files[name]}"
+    return None
+
+
+def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = None) -> list[tuple[int, str, bool]]:
+    """(step, dir_url, committed) for every step directory under root, oldest first."""
+    fs = filesystem(root_url, storage_options)
+    root = _path(root_url)
+    try:
+        entries = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    out = []
+    for entry in entries:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if m := _STEP_DIR.match(name):
+            d = join(root_url, name)
+            out.append((int(m.group(1)), d, fs.exists(join(_path(d), COMMIT_MARKER))))
+    return sorted(out)
+
+
+def rotate(root_url: str, keep: int, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Keep the newest ``keep`` committed checkpoints; drop older committed ones and uncommitted
+    leftovers older than the newest committed one (never a newer one: it may be in flight)."""
+    entries = list_checkpoints(root_url, storage_options)
+    committed = [e for e in entries if e[2]]
+    if not committed:
+        return []
+    newest = committed[-1][0]
+    doomed = [d for (_, d, _) in committed[:-keep]] if keep > 0 else []
+    doomed += [d for (s, d, c) in entries if not c and s < newest]
+    fs = filesystem(root_url, storage_options)
+    for d in doomed:
+        # the marker goes first so that a crash mid-delete never leaves a committed partial checkpoint
+        marker = join(_path(d), COMMIT_MARKER)
+        if fs.exists(marker):
+            fs.rm(marker)
+        fs.rm(_path(d), recursive=True)
+    return doomed
