@@ -72,3 +72,16 @@ class Metrics:
             "orchd_provider_calls", "Provider calls by cloud, op and outcome", ["cloud", "op", "outcome"], registry=r
         )
         self.goodput = Gauge("orchd_job_goodput_ratio", "Useful steps / executed steps per job", ["job"], registry=r)
+        # Added for the alert rules (config/prometheus/alerts.yml) and the dashboard:
+        self.job_phase = Gauge(
+            "orchd_job_phase", "1 for each job's current phase (JobPhase value), 0 for the others it had",
+            ["job", "phase"], registry=r,
+        )
+        self.job_nodes = Gauge(
+            "orchd_job_nodes", "Live nodes of each job per pool", ["job", "cloud", "region", "zone", "instance_type",
+                                                                  "market"], registry=r,
+        )
+        self.lease_revision = Gauge(
+            "orchd_lease_revision", "Revision (fencing token) of the leader lease this orchd holds; 0 on standby",
+            registry=r,
+        )
