@@ -1,0 +1,240 @@
+"""The tick engine: one accounting of cost and progress for every online policy.
+
+Role: step one job through a scenario tick by tick, ask a policy what to run in each tick, and charge
+the result with the shared overhead model. The offline optimum (``policies.optimal``) solves the same
+transition system exactly, which is what makes it a lower bound for everything run here.
+
+Modes (integers, so the DP can index arrays with them): spot in zone z (0..Z-1), on-demand in region
+g (Z+g), idle with the checkpoint in region g (Z+R+g), FRESH (never ran, Z+2R). Policies may also
+answer IDLE or OD, which mean "idle / on-demand where the checkpoint is".
+
+Per tick (``tick_s`` = Q progress quanta), with state (mode, progress p, remaining overhead r):
+- keep running the same mode (spot only while the zone has the nodes): gain Q - r (at least 0), r
+  shrinks by Q; cost = price x nodes x tick;
+- start another mode a: overhead o = O[loc(mode)][region(a)] quanta; gain max(0, Q - o), r = o - Q;
+  billed for the whole tick;
+- idle: no cost, no progress, the checkpoint stays where it was.
+The tick in which the work completes is billed for the quanta it used. A spot zone without the
+nodes in a tick cannot be launched into (the launch fails, the job idles that tick) and a job
+running there is preempted at the tick's start. After the deadline the engine finishes the job on
+on-demand and records the deadline as missed.
+
+Single-threaded, no I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from simulations.overheads import Overheads, start_table
+from simulations.scenario import Scenario
+
+IDLE = -1
+OD = -2
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    start_tick: int
+    work_q: int  # progress quanta needed
+    deadline_ticks: int  # must be done within this many ticks of the start
+    nodes: int = 1
+
+
+@dataclass(slots=True)
+class JobResult:
+    cost_usd: float
+    od_work_cost_usd: float  # the same work on on-demand, without overheads (the denominator)
+    done_ticks: float  # ticks from the start to completion (fractional)
+    deadline_met: bool
+    preemptions: int
+    overhead_q: int  # quanta paid for (re)starts, saves, migrations
+    billed_q: int  # quanta billed (running)
+    starts: int
+    timeline: list[tuple[int, int, int]] | None = None  # (tick, mode, progress_q)
+
+
+class Modes:
+    """Mode numbering for one scenario."""
+
+    def __init__(self, sc: Scenario) -> None:
+        self.Z = len(sc.zones)
+        self.R = len(sc.regions)
+        self.FRESH = self.Z + 2 * self.R
+        self.M = self.FRESH + 1
+        zr = [int(x) for x in sc.zone_region]
+        # loc: region index of the checkpoint for each mode; R for FRESH
+        self.loc = zr + list(range(self.R)) + list(range(self.R)) + [self.R]
+        self.running_region = zr + list(range(self.R))
+
+    def od(self, g: int) -> int:
+        return self.Z + g
+
+    def idle(self, g: int) -> int:
+        return self.Z + self.R + g
+
+    def is_running(self, m: int) -> bool:
+        return 0 <= m < self.Z + self.R
+
+    def name(self, m: int, sc: Scenario) -> str:
+        if m < self.Z:
+            return f"spot:{sc.zones[m].name}"
+        if m < self.Z + self.R:
+            return f"od:{sc.regions[m - self.Z][1]}"
+        if m < self.FRESH:
+            return "idle"
+        return "fresh"
+
+
+@dataclass(slots=True)
+class Run:
+    """What a policy may see in a tick: its own state and the CURRENT tick's market (no lookahead)."""
+
+    sc: Scenario
+    job: Job
+    modes: Modes
+    ov: Overheads
+    O: list[list[int]]  # start overhead table in quanta, [src loc][dst region]
+    k: int = 0  # ticks since the job started
+    t: int = 0  # tick index into the (cyclic) trace
+    mode: int = 0
+    p: int = 0
+    r: int = 0
+    usable: np.ndarray = field(default=None, repr=False)  # (Z,) bool this tick
+    prices: np.ndarray = field(default=None, repr=False)  # (Z,) spot USD/node-h this tick
+    preempted: bool = False  # the job's spot zone lost its nodes at this tick
+    preemptions: int = 0
+
+    @property
+    def Q(self) -> int:
+        return self.sc.quanta_per_tick
+
+    def ticks_left(self) -> int:
+        return self.job.deadline_ticks - self.k
+
+    def od_start_q(self) -> int:
+        """Overhead (quanta) of starting on-demand where the checkpoint is."""
+        m = self.modes
+        src = m.loc[self.mode]
+        dst = src if src < m.R else int(np.argmin(self.sc.od_price))
+        return self.O[src][dst]
+
+    def start_q(self, zone: int) -> int:
+        return self.O[self.modes.loc[self.mode]][int(self.sc.zone_region[zone])]
+
+
+class Policy:
+    """An online policy: ``act`` returns a mode (or IDLE / OD) for the current tick."""
+
+    name = "policy"
+
+    def reset(self, run: Run) -> None:
+        pass
+
+    def act(self, run: Run) -> int:
+        raise NotImplementedError
+
+
+def cheapest_od_region(sc: Scenario) -> int:
+    return int(np.argmin(sc.od_price))
+
+
+def run_job(
+    policy: Policy,
+    sc: Scenario,
+    job: Job,
+    ov: Overheads,
+    *,
+    usable: np.ndarray | None = None,
+    record: bool = False,
+) -> JobResult:
+    modes = Modes(sc)
+    Z, R, FRESH = modes.Z, modes.R, modes.FRESH
+    Q = sc.quanta_per_tick
+    T = sc.n_ticks
+    O = start_table(ov, list(sc.regions), sc.quantum_s)
+    if usable is None:
+        usable = sc.usable(job.nodes)
+    tick_h = sc.tick_s / 3600.0
+    node_tick_h = tick_h * job.nodes
+    W = job.work_q
+    run = Run(sc=sc, job=job, modes=modes, ov=ov, O=O, mode=FRESH)
+    policy.reset(run)
+    mode, p, r = FRESH, 0, 0
+    cost = 0.0
+    overhead_q = billed_q = starts = 0
+    timeline: list[tuple[int, int, int]] | None = [] if record else None
+    k = 0
+    spot_price = sc.spot_price
+    od_price = sc.od_price
+    zone_region = sc.zone_region
+    loc = modes.loc
+    while True:
+        t = (job.start_tick + k) % T
+        col = usable[:, t]
+        run.k, run.t, run.mode, run.p, run.r = k, t, mode, p, r
+        run.usable = col
+        run.prices = spot_price[:, t]
+        run.preempted = mode < Z and not col[mode]
+        if run.preempted:
+            run.preemptions += 1
+        if k < job.deadline_ticks:
+            a = policy.act(run)
+        else:  # past the deadline: finish on on-demand
+            a = mode if Z <= mode < Z + R else OD
+        if a == OD:
+            src = loc[mode]
+            a = Z + (src if src < R else cheapest_od_region(sc))
+        if 0 <= a < Z and not col[a]:
+            a = IDLE  # launch fails: no capacity
+        if a == IDLE or a >= Z + R:
+            a = FRESH if mode == FRESH else modes.idle(loc[mode])
+            r = 0
+            if record:
+                timeline.append((k, a, p))
+            mode = a
+            k += 1
+            continue
+        if a == mode:
+            if r >= Q:
+                gain, over = 0, Q
+                r -= Q
+            else:
+                gain, over = Q - r, r
+                r = 0
+        else:
+            dst = int(zone_region[a]) if a < Z else a - Z
+            o = O[loc[mode]][dst]
+            starts += 1
+            gain, over = max(0, Q - o), min(o, Q)
+            r = max(0, o - Q)
+        price = spot_price[a, t] if a < Z else od_price[a - Z]
+        if record:
+            timeline.append((k, a, p))
+        if p + gain >= W:
+            used = over + (W - p)
+            cost += price * node_tick_h * used / Q
+            billed_q += used
+            overhead_q += over
+            done = k + used / Q
+            break
+        cost += price * node_tick_h
+        billed_q += Q
+        overhead_q += over
+        p += gain
+        mode = a
+        k += 1
+    od_work = W * sc.quantum_s / 3600.0 * job.nodes * float(od_price[cheapest_od_region(sc)])
+    return JobResult(
+        cost_usd=cost,
+        od_work_cost_usd=od_work,
+        done_ticks=done,
+        deadline_met=done <= job.deadline_ticks + 1e-9,
+        preemptions=run.preemptions,
+        overhead_q=overhead_q,
+        billed_q=billed_q,
+        starts=starts,
+        timeline=timeline,
+    )
