@@ -54,6 +54,9 @@ class NodeBootstrap(msgspec.Struct, frozen=True, kw_only=True):
 
     nats_urls: tuple[str, ...]
     credential: str = ""  # creds file content / token; never logged
+    # Per-node short-lived enrolment tokens (providers/bootstrap.py), keyed by node id; preferred over
+    # ``credential`` when present. Never logged.
+    node_credentials: dict[str, str] = {}
     agent_args: tuple[str, ...] = ()
     agent_package: str = "spot-orchestrator[trainer]"
 
