@@ -1,0 +1,80 @@
+"""Speed benchmark of the simulator: a seeded 45-day, 9-zone synthetic trace x 100 jobs.
+
+Run: ``python benchmarks/simulate.py --json``. Prints wall seconds per policy and in total for
+replaying every job through every policy (including the offline optimum and orchd through
+orchestrator/core, when the core is importable). Goal: total <= 10 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from simulations.overheads import Overheads  # noqa: E402
+from simulations.policies import ALL_POLICIES  # noqa: E402
+from simulations.replay import make_jobs, replay  # noqa: E402
+from simulations.scenario import build  # noqa: E402
+from simulations.synth import synth_traces  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--days", type=float, default=45.0)
+    ap.add_argument("--zones", type=int, default=9)
+    ap.add_argument("--jobs", type=int, default=100)
+    ap.add_argument("--job-hours", type=float, default=24.0)
+    ap.add_argument("--deadline-hours", type=float, default=36.0)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--policy", action="append", choices=ALL_POLICIES)
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    sc = build(synth_traces(days=a.days, zones=a.zones, seed=a.seed), spot_price_ratio=0.3)
+    jobs = make_jobs(sc, job_hours=a.job_hours, deadline_hours=a.deadline_hours, nodes=1, count=a.jobs)
+    setup_s = time.perf_counter() - t0
+    ov = Overheads()
+    per_policy, summary = {}, {}
+    for name in a.policy or ALL_POLICIES:
+        t = time.perf_counter()
+        try:
+            res = replay(sc, jobs, [name], ov)
+        except ImportError as e:  # orchd before orchestrator.core exists
+            per_policy[name] = None
+            summary[name] = f"unavailable: {e}"
+            continue
+        per_policy[name] = round(time.perf_counter() - t, 3)
+        summary[name] = res[name].as_dict()
+    total = time.perf_counter() - t0
+    out = {
+        "benchmark": "simulate",
+        "trace": f"synthetic seed={a.seed}, {a.days:g} days, {a.zones} zones, gap 600 s",
+        "jobs": a.jobs,
+        "job_hours": a.job_hours,
+        "deadline_hours": a.deadline_hours,
+        "setup_s": round(setup_s, 3),
+        "seconds_per_policy": per_policy,
+        "total_s": round(total, 3),
+        "goal_s": 10.0,
+        "goal_met": total <= 10.0,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "results": summary,
+    }
+    if a.json:
+        print(json.dumps(out, indent=2))
+    else:
+        for k, v in per_policy.items():
+            print(f"{k:18s} {v} s")
+        print(f"total {out['total_s']} s (goal <= 10 s: {'met' if out['goal_met'] else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""``python -m simulations``: replay spot traces through the baselines, the offline optimum and orchd.
+
+Commands:
+  replay   run policies over traces given on the command line (see --help)
+  table    the documented results table over ../shared/traces (docs/simulations.md)
+  synth    write a seeded synthetic trace set (SkyPilot JSON, one file per zone)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from simulations import scenario as scen
+from simulations import traces
+from simulations.cli import format_table, progress_bar, to_json
+from simulations.overheads import Overheads
+from simulations.policies import ALL_POLICIES
+from simulations.replay import make_jobs, replay
+
+
+def _overhead_args(p: argparse.ArgumentParser) -> None:
+    d = Overheads()
+    g = p.add_argument_group("overhead model (shared by every policy)")
+    for f in ("launch_delay_s", "restart_s", "checkpoint_s", "notice_s", "checkpoint_interval_s",
+              "region_migration_s", "cloud_migration_s"):
+        g.add_argument("--" + f.replace("_", "-"), type=float, default=getattr(d, f), metavar="S")
+
+
+def _overheads(a: argparse.Namespace) -> Overheads:
+    return Overheads(**{f: getattr(a, f) for f in Overheads.__dataclass_fields__})
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m simulations", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("replay", help="replay policies over traces")
+    r.add_argument("--trace", nargs="+", required=True, metavar="FILE",
+                   help="availability/preemption traces, one per zone (SkyPilot JSON or Bamboo logs)")
+    r.add_argument("--zone", action="append", help="zone name per trace (default: from the file name)")
+    r.add_argument("--region", default=None, help="region for Bamboo logs (default us-east-1)")
+    r.add_argument("--instance-type", default=None)
+    r.add_argument("--bamboo-gap-s", type=float, default=60.0, help="sampling of Bamboo event logs")
+    r.add_argument("--prices", default=None, metavar="FILE", help="AWS spot price CSV or GCP price change log")
+    r.add_argument("--price-start", default=None, help="UTC date the trace's first tick maps to in the price file")
+    r.add_argument("--spot-price-ratio", type=float, default=None, help="spot/on-demand without a price file")
+    r.add_argument("--on-demand-price", type=float, default=None, help="USD per node-hour")
+    r.add_argument("--job-hours", type=float, required=True)
+    r.add_argument("--deadline-hours", type=float, required=True)
+    r.add_argument("--nodes", type=int, default=1)
+    r.add_argument("--policy", action="append", choices=ALL_POLICIES,
+                   help="repeatable; default all")
+    r.add_argument("--jobs", type=int, default=10, help="jobs, evenly spaced start times over the trace")
+    r.add_argument("--tick-s", type=float, default=300.0, help="minimum simulation tick")
+    r.add_argument("--quantum-s", type=float, default=150.0, help="progress quantum (overheads round up to it)")
+    r.add_argument("--json", action="store_true")
+    r.add_argument("--plot", default=None, metavar="OUT.png")
+    r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    _overhead_args(r)
+
+    t = sub.add_parser("table", help="the documented results table over ../shared/traces")
+    t.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
+    t.add_argument("--jobs", type=int, default=20)
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
+    s = sub.add_parser("synth", help="write a seeded synthetic trace set")
+    s.add_argument("--out", required=True)
+    s.add_argument("--days", type=float, default=45.0)
+    s.add_argument("--zones", type=int, default=9)
+    s.add_argument("--gap-s", type=float, default=600.0)
+    s.add_argument("--seed", type=int, default=0)
+    return ap
+
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    zones = a.zone or []
+    if zones and len(zones) != len(a.trace):
+        raise SystemExit("--zone must be given once per --trace")
+    trs = []
+    for i, f in enumerate(a.trace):
+        kw = {"zone": zones[i] if zones else None, "instance_type": a.instance_type}
+        if not Path(f).read_text()[:64].lstrip().startswith("{"):
+            kw.update(gap_s=a.bamboo_gap_s, region=a.region or "us-east-1")
+        trs.append(traces.load_trace(f, **kw))
+    book = traces.load_prices(a.prices) if a.prices else None
+    start = None
+    if a.price_start:
+        start = datetime.fromisoformat(a.price_start).replace(tzinfo=timezone.utc).timestamp()
+    sc = scen.build(trs, prices=book, spot_price_ratio=a.spot_price_ratio, on_demand_usd_h=a.on_demand_price,
+                    price_start_ts=start, min_tick_s=a.tick_s, quantum_s=a.quantum_s)
+    ov = _overheads(a)
+    jobs = make_jobs(sc, job_hours=a.job_hours, deadline_hours=a.deadline_hours, nodes=a.nodes, count=a.jobs)
+    policies = a.policy or list(ALL_POLICIES)
+    with progress_bar(len(jobs) * len(policies), "replay", a.progress) as adv:
+        res = replay(sc, jobs, policies, ov, progress=adv)
+    meta = {
+        "zones": [z.name for z in sc.zones],
+        "tick_s": sc.tick_s,
+        "quantum_s": sc.quantum_s,
+        "ticks": sc.n_ticks,
+        "prices": sc.price_source,
+        "job_hours": a.job_hours,
+        "deadline_hours": a.deadline_hours,
+        "nodes": a.nodes,
+        "jobs": len(jobs),
+    }
+    if a.json:
+        print(to_json(res, **meta))
+    else:
+        print(f"zones {', '.join(meta['zones'])}; tick {sc.tick_s:.0f} s; {len(jobs)} jobs of "
+              f"{a.job_hours} h, deadline {a.deadline_hours} h, {a.nodes} node(s); prices: {sc.price_source}")
+        print(format_table(res))
+    if a.plot:
+        from simulations.plot import plot_replay
+
+        plot_replay(sc, ov, a.plot, job_hours=a.job_hours, nodes=a.nodes, jobs=min(a.jobs, 10),
+                    policies=policies, deadline_hours=a.deadline_hours)
+        print(f"plot written to {a.plot}", file=sys.stderr)
+    return 0
+
+
+def cmd_table(a: argparse.Namespace) -> int:
+    from simulations.results import format_results, run_table, results_json
+
+    rows = run_table(Path(a.traces_dir), jobs=a.jobs, progress=a.progress)
+    print(results_json(rows) if a.json else format_results(rows))
+    return 0
+
+
+def cmd_synth(a: argparse.Namespace) -> int:
+    from simulations.synth import write_synthetic
+
+    paths = write_synthetic(Path(a.out), days=a.days, zones=a.zones, gap_s=a.gap_s, seed=a.seed)
+    print("\n".join(str(p) for p in paths))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parser().parse_args(argv)
+    try:
+        return {"replay": cmd_replay, "table": cmd_table, "synth": cmd_synth}[a.cmd](a)
+    except (traces.TraceFormatError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
