@@ -1,0 +1,117 @@
+"""Price feed -> real nats-server JetStream: ticks land on orch.price.<cloud>.<region>, dedup by msg id."""
+
+from __future__ import annotations
+
+import anyio
+import nats
+import pytest
+
+from orchestrator.events import Market, PriceTick, decode
+from providers.base import PriceQuote, TransientError
+from providers.fake import FakeCloud
+from providers.feeds import MARKET_STREAM, ensure_market_stream, feed_once, run_price_feed, tick_id
+from tests.providers.conftest import pool
+
+pytestmark = pytest.mark.anyio
+
+P1 = pool("aws", "us-east-1", "us-east-1a", "g5.xlarge")
+P2 = pool("aws", "us-west-2", "us-west-2b", "g5.xlarge")
+P3 = pool("aws", "us-west-2", "us-west-2b", "g5.xlarge", Market.ON_DEMAND)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _cloud(now: list[float]) -> FakeCloud:
+    c = FakeCloud("aws", clock=lambda: now[0], gpu_type="A10G")
+    c.set_price(P1, 0.40, 1.006)
+    c.set_price(P2, 0.45, 1.006)
+    c.set_price(P3, 1.006, 1.006)
+    return c
+
+
+class Failing(FakeCloud):
+    def prices(self, pools=None):  # type: ignore[no-untyped-def]
+        raise TransientError("RequestLimitExceeded: injected")
+
+
+async def _stream_ticks(js, subject: str = "orch.price.>") -> list[PriceTick]:  # type: ignore[no-untyped-def]
+    sub = await js.pull_subscribe(subject, stream=MARKET_STREAM)
+    out = []
+    try:
+        while True:
+            msgs = await sub.fetch(50, timeout=0.5)
+            for m in msgs:
+                out.append(decode(m.data, PriceTick))
+                assert m.headers["Nats-Msg-Id"] == out[-1].id
+                await m.ack()
+    except nats.errors.TimeoutError:
+        pass
+    await sub.unsubscribe()
+    return out
+
+
+async def test_feed_publishes_ticks_and_dedups(nats_url: str) -> None:
+    nc = await nats.connect(nats_url, error_cb=_ignore)
+    try:
+        js = nc.jetstream()
+        await ensure_market_stream(js)
+        await js.purge_stream(MARKET_STREAM)
+        now = [1_800_000_000.0]
+        cloud = _cloud(now)
+        r1 = await feed_once(js, cloud)
+        r2 = await feed_once(js, cloud)  # same quotes, same ts: a replay (retry, standby) is dropped
+        assert (r1.quotes, r1.published, r1.duplicates) == (3, 3, 0)
+        assert (r2.published, r2.duplicates) == (0, 3)
+        info = await js.stream_info(MARKET_STREAM)
+        assert info.state.messages == 3
+        west = await _stream_ticks(js, "orch.price.aws.us-west-2")
+        assert sorted((t.pool.market, t.price_usd_h) for t in west) == [(Market.ON_DEMAND, 1.006), (Market.SPOT, 0.45)]
+        t = west[0]
+        assert t.id == tick_id(t.pool, now[0]) and t.gpu_type == "A10G" and t.ts == now[0]
+    finally:
+        await nc.close()
+
+
+async def test_feed_task_rounds_and_survives_provider_errors(nats_url: str) -> None:
+    nc = await nats.connect(nats_url, error_cb=_ignore)
+    try:
+        js = nc.jetstream()
+        await ensure_market_stream(js)
+        await js.purge_stream(MARKET_STREAM)
+        now = [1_800_000_100.0]
+        cloud = _cloud(now)
+        rounds = []
+
+        def on_round(r):  # type: ignore[no-untyped-def]
+            rounds.append(r)
+            now[0] += 60  # the next round sees new prices
+
+        failing = Failing("aws")
+        bad_rounds = []
+        async with anyio.create_task_group() as tg:
+            await tg.start(lambda task_status: run_price_feed(js, cloud, interval_s=0.05, on_round=on_round,
+                                                              task_status=task_status))
+            await tg.start(lambda task_status: run_price_feed(js, failing, interval_s=0.05,
+                                                              on_round=bad_rounds.append, task_status=task_status))
+            with anyio.fail_after(5):
+                while len(rounds) < 3 or len(bad_rounds) < 2:
+                    await anyio.sleep(0.02)
+            tg.cancel_scope.cancel()
+        assert all(r.published == 3 for r in rounds[:3])
+        assert all(r.error and "RequestLimitExceeded" in r.error for r in bad_rounds)
+        ticks = await _stream_ticks(js, "orch.price.aws.us-east-1")
+        assert len(ticks) >= 3 and len({t.id for t in ticks}) == len(ticks)
+    finally:
+        await nc.close()
+
+
+async def _ignore(e: Exception) -> None:
+    pass
+
+
+def test_quote_ts_changes_id() -> None:
+    q = PriceQuote(pool=P1, gpu_type="A10G", gpus_per_node=1, price_usd_h=0.4, ts=1.0)
+    assert tick_id(q.pool, 1.0) != tick_id(q.pool, 2.0) != tick_id(P2, 2.0)
