@@ -1,0 +1,191 @@
+"""The admin service of orchd: a ``nats.micro`` service on ``orch.admin.v1.<resource>.<verb>``.
+
+Role: the only way operators (``orchctl``) and tools talk to orchd. Reads are answered from the
+daemon's current (immutable) state; intents (submit, cancel, drain) are fed to the decide loop as core
+events and answered only after their decision is persisted. Request/reply types are in
+``orchestrator.events`` (``ADMIN_ENDPOINTS``); docs/admin.md lists them.
+
+Errors: bad request 400, unknown job/node 404, internal 500 - sent with the micro error headers and an
+``AdminErrorBody`` payload. No exception text other than ours leaves the daemon.
+
+Concurrency contract: handlers run on the daemon's event loop (one task per subscription, nats-py);
+each binds the request's job/node to the log context with ``bound_contextvars``.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import msgspec
+import nats.micro
+import structlog
+from nats.micro.request import Request
+
+from orchestrator import events as ev
+from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
+from orchestrator.jobspec import spec_problems
+from orchestrator.state import counts, job_summary, new_job_id, node_summary, pool_summary, record_dict
+
+log = structlog.get_logger("orchd.admin")
+
+VERSION = "0.1.0"
+
+
+class AdminFailure(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+async def start_service(nc: Any, d: Any) -> Any:
+    """Register every endpoint of ``ev.ADMIN_ENDPOINTS``; return the micro Service (``stop()`` it)."""
+    svc = await nats.micro.add_service(nc, name=ev.ADMIN_SERVICE_NAME, version=ev.ADMIN_SERVICE_VERSION,
+                                       description="orchd admin API", queue_group="orchd-admin")
+    handlers = Handlers(d)
+    root = svc.add_group(name=ev.SUBJECT_ADMIN_PREFIX)
+    for (resource, verb), (req_type, _reply_type) in ev.ADMIN_ENDPOINTS.items():
+        fn = getattr(handlers, f"{resource}_{verb}")
+        group = root.add_group(name=resource)
+        await group.add_endpoint(name=f"{resource}-{verb}", subject=verb, handler=_wrap(resource, verb, req_type, fn))
+    return svc
+
+
+def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitable[msgspec.Struct]]) -> Any:
+    async def handler(request: Request) -> None:
+        t0 = time.perf_counter()
+        try:
+            try:
+                req = ev.decode(request.data or b"{}", req_type) if request.data else req_type()
+            except ev.WireError as e:
+                raise AdminFailure(400, f"bad {resource}.{verb} request: {e.detail}") from None
+            ctx = {k: getattr(req, k) for k in ("job_id", "node_id") if getattr(req, k, None)}
+            with structlog.contextvars.bound_contextvars(admin=f"{resource}.{verb}", **ctx):
+                reply = await fn(req)
+                log.debug("admin_request", ms=round((time.perf_counter() - t0) * 1000, 2))
+            await request.respond(ev.encode(reply))
+        except AdminFailure as e:
+            await request.respond_error(str(e.code), _one_line(e.message),
+                                        data=ev.encode(ev.AdminErrorBody(code=e.code, message=e.message)))
+        except Exception as e:  # never let a handler bug reach the client as a repr, never crash
+            log.exception("admin_handler_failed", endpoint=f"{resource}.{verb}")
+            msg = f"internal error in {resource}.{verb}: {type(e).__name__}"
+            await request.respond_error("500", msg, data=ev.encode(ev.AdminErrorBody(code=500, message=msg)))
+
+    return handler
+
+
+def _one_line(text: str) -> str:
+    """Header values cannot hold newlines; the payload carries the full message."""
+    return " ".join(text.split())[:1000]
+
+
+class Handlers:
+    def __init__(self, d: Any) -> None:
+        self.d = d
+        self._reaper: Any = None
+
+    def _job(self, job_id: str) -> Any:
+        job = self.d.state.jobs.get(job_id)
+        if job is None:
+            raise AdminFailure(404, f"no job {job_id!r}")
+        return job
+
+    async def status_get(self, req: ev.EmptyRequest) -> ev.StatusReply:
+        d = self.d
+        c = counts(d.state)
+        return ev.StatusReply(
+            version=VERSION, pid=os.getpid(), started_ts=d.started_ts, uptime_s=round(time.time() - d.started_ts, 1),
+            nats_url=d.nats_url, nats_connected=d.connected, metrics_url=d.metrics_url,
+            fencing_token=d.fencing_token, events_decided=d.events_decided, batches=d.batches,
+            commands_in_flight=len(d.executor.in_flight) if d.executor else 0,
+            providers=sorted(d.providers), jobs=c["jobs"], nodes=c["nodes"], pools=c["pools"],
+        )
+
+    async def jobs_submit(self, req: ev.SubmitJobRequest) -> ev.SubmitJobReply:
+        problems = spec_problems(req.spec)
+        if problems:
+            raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems))
+        job_id = req.job_id or new_job_id(req.spec, secrets.token_hex(3))
+        if job_id in self.d.state.jobs:
+            return ev.SubmitJobReply(job_id=job_id, created=False)
+        await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=req.spec))
+        if job_id not in self.d.state.jobs:
+            raise AdminFailure(409, f"the core did not accept job {job_id!r} (see orchctl explain {job_id})")
+        log.info("job_submitted", job=job_id, name=req.spec.name)
+        return ev.SubmitJobReply(job_id=job_id, created=True)
+
+    async def jobs_list(self, req: ev.ListJobsRequest) -> ev.JobsReply:
+        from orchestrator.core.model import TERMINAL_JOB_PHASES
+
+        jobs = [job_summary(j, self.d.state.nodes) for j in self.d.state.jobs.values()
+                if req.include_finished or j.phase not in TERMINAL_JOB_PHASES]
+        jobs.sort(key=lambda j: j["job_id"])
+        return ev.JobsReply(jobs=jobs)
+
+    async def jobs_show(self, req: ev.JobRequest) -> ev.JobReply:
+        job = self._job(req.job_id)
+        nodes = self.d.state.nodes
+        now = time.time()
+        return ev.JobReply(summary=job_summary(job, nodes), job=record_dict(job),
+                           nodes=[node_summary(nodes[n], now) for n in job.nodes if n in nodes])
+
+    async def jobs_cancel(self, req: ev.JobRequest) -> ev.OkReply:
+        self._job(req.job_id)
+        await self.d.submit(JobCancelled(job_id=ev.JobId(req.job_id), reason=req.reason))
+        job = self.d.state.jobs.get(req.job_id)
+        phase = getattr(getattr(job, "phase", None), "value", "deleted")
+        return ev.OkReply(message=f"cancel of {req.job_id} decided; phase now {phase}")
+
+    async def jobs_explain(self, req: ev.JobRequest) -> ev.ExplainReply:
+        raw = await self.d.store.read_audit(req.job_id, limit=max(1, min(req.limit, 5000)))
+        if not raw and req.job_id not in self.d.state.jobs:
+            raise AdminFailure(404, f"no job {req.job_id!r} and no audit for it")
+        return ev.ExplainReply(job_id=req.job_id, entries=[msgspec.json.decode(r) for r in raw])
+
+    async def nodes_list(self, req: ev.ListNodesRequest) -> ev.NodesReply:
+        now = time.time()
+        nodes = [node_summary(n, now) for n in self.d.state.nodes.values()
+                 if req.job_id is None or n.job_id == req.job_id]
+        nodes.sort(key=lambda n: n["node_id"])
+        return ev.NodesReply(nodes=nodes)
+
+    async def nodes_drain(self, req: ev.DrainNodeRequest) -> ev.OkReply:
+        if req.node_id not in self.d.state.nodes:
+            raise AdminFailure(404, f"no node {req.node_id!r}")
+        await self.d.submit(NodeDrainRequested(node_id=ev.NodeId(req.node_id), reason=req.reason))
+        node = self.d.state.nodes.get(req.node_id)
+        phase = getattr(getattr(node, "phase", None), "value", "gone")
+        return ev.OkReply(message=f"drain of {req.node_id} decided; phase now {phase}")
+
+    async def prices_list(self, req: ev.EmptyRequest) -> ev.PricesReply:
+        pools = [pool_summary(p) for p in self.d.state.pools.values()]
+        pools.sort(key=lambda p: p["pool"])
+        return ev.PricesReply(pools=pools)
+
+    async def events_tail(self, req: ev.TailEventsRequest) -> ev.EventsReply:
+        recent = [e for e in self.d.recent if e["seq"] > req.after_seq]
+        recent = recent[-max(1, min(req.limit, 2000)):]
+        return ev.EventsReply(events=recent, last_seq=self.d.recent_seq)
+
+    async def reap_run(self, req: ev.ReapRequest) -> ev.ReapReply:
+        from providers.reaper import KnownNode, Reaper
+
+        if not self.d.providers:
+            return ev.ReapReply(report={"dry_run": req.dry_run, "message": "no providers configured"})
+        if self._reaper is None:
+            self._reaper = Reaper(self.d.providers, cluster_id=self.d.settings.daemon.cluster_id)
+        state = self.d.state
+        known = {}
+        for node in state.nodes.values():
+            job = state.jobs.get(node.job_id)
+            phase = getattr(getattr(job, "phase", None), "value", "deleted")
+            known[node.node_id] = KnownNode(job_state=phase, instance_id=node.instance_id)
+        report = await anyio.to_thread.run_sync(
+            lambda: self._reaper.reconcile(known, state_ok=True, dry_run=req.dry_run))
+        return ev.ReapReply(report=report.to_dict())

@@ -1,0 +1,229 @@
+"""The NATS bus of orchd: connection, JetStream streams, durable consumers, KV buckets.
+
+Role: everything that knows how orchd's subjects map onto NATS objects. The daemon, the benchmark and
+the tests call ``connect`` and ``ensure_topology`` and then use the handles in ``Topology``.
+
+Objects (all created idempotently; a changed config is applied with ``update_stream``):
+
+    stream ORCH_EVENTS    orch.notice.>, orch.node.*.event     durable consumer "orchd-events"
+    stream ORCH_MARKET    orch.price.>                          durable consumer "orchd-market"
+    stream ORCH_AUDIT     orch.audit.>    decision audit (append-only, limited by age/bytes)
+    KV ORCH_STATE         the core's records: job.<id>, node.<id>, pool.<name>, meta
+    KV ORCH_OUTBOX        commands decided and persisted but not yet completed
+    KV ORCH_LEASE         the daemon's lease key; its revision is the fencing token
+
+Both ingestion streams de-duplicate on ``Nats-Msg-Id`` inside ``DUPLICATE_WINDOW_S``.
+
+Concurrency contract: coroutines on the asyncio event loop of the daemon (nats-py is asyncio-only).
+The connection reconnects forever (``max_reconnect_attempts=-1``); its state changes are reported
+through ``on_state(connected: bool)`` so the daemon can feed ``BusState`` to the core.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import nats
+import structlog
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.kv import KeyValue
+
+from orchestrator.settings import NatsSettings
+
+log = structlog.get_logger("orchd.bus")
+
+STREAM_EVENTS = "ORCH_EVENTS"
+STREAM_MARKET = "ORCH_MARKET"
+STREAM_AUDIT = "ORCH_AUDIT"
+CONSUMER_EVENTS = "orchd-events"
+CONSUMER_MARKET = "orchd-market"
+KV_STATE = "ORCH_STATE"
+KV_OUTBOX = "ORCH_OUTBOX"
+KV_LEASE = "ORCH_LEASE"
+SUBJECTS_EVENTS = ("orch.notice.>", "orch.node.*.event")
+SUBJECTS_MARKET = ("orch.price.>",)
+SUBJECT_HEARTBEATS = "orch.node.*.hb"
+SUBJECT_AUDIT_PREFIX = "orch.audit"
+DUPLICATE_WINDOW_S = 120.0
+MAX_DELIVER = 20
+ACK_WAIT_S = 30.0
+MAX_ACK_PENDING = 100_000
+
+
+def tls_context(s: NatsSettings) -> ssl.SSLContext | None:
+    if not (s.tls_ca_file or s.tls_cert_file):
+        return None
+    ctx = ssl.create_default_context(cafile=s.tls_ca_file or None)
+    if s.tls_cert_file:
+        ctx.load_cert_chain(s.tls_cert_file, s.tls_key_file or None)
+    return ctx
+
+
+def connect_options(s: NatsSettings, urls: tuple[str, ...], *, name: str) -> dict:
+    """nats.connect keyword arguments for a long-running client (reconnects forever)."""
+    opts: dict = {
+        "servers": list(urls),
+        "name": name,
+        "connect_timeout": s.connect_timeout_s,
+        "reconnect_time_wait": s.reconnect_wait_s,
+        "max_reconnect_attempts": -1,
+        "allow_reconnect": True,
+        "ping_interval": 5,
+        "max_outstanding_pings": 3,
+        "pending_size": 64 * 1024 * 1024,
+    }
+    opts.update(auth_options(s))
+    return opts
+
+
+def auth_options(s: NatsSettings) -> dict:
+    opts: dict = {}
+    if s.user:
+        opts["user"] = s.user
+        opts["password"] = s.password
+    if s.token:
+        opts["token"] = s.token
+    if s.creds_file:
+        opts["user_credentials"] = s.creds_file
+    if s.nkey_seed_file:
+        opts["nkeys_seed"] = s.nkey_seed_file
+    ctx = tls_context(s)
+    if ctx is not None:
+        opts["tls"] = ctx
+        if s.tls_hostname:
+            opts["tls_hostname"] = s.tls_hostname
+    return opts
+
+
+async def connect(
+    s: NatsSettings,
+    urls: tuple[str, ...],
+    *,
+    name: str = "orchd",
+    on_state: Callable[[bool], Awaitable[None] | None] | None = None,
+) -> Client:
+    """Connect (first attempt must succeed within connect_timeout_s x a few tries), reconnect forever."""
+
+    async def error_cb(e: Exception) -> None:
+        log.warning("nats_error", error=repr(e))
+
+    async def disconnected_cb() -> None:
+        log.warning("nats_disconnected")
+        if on_state is not None:
+            r = on_state(False)
+            if r is not None:
+                await r
+
+    async def reconnected_cb() -> None:
+        log.info("nats_reconnected", server=str(nc.connected_url.netloc if nc.connected_url else ""))
+        if on_state is not None:
+            r = on_state(True)
+            if r is not None:
+                await r
+
+    nc = await nats.connect(
+        **connect_options(s, urls, name=name),
+        error_cb=error_cb,
+        disconnected_cb=disconnected_cb,
+        reconnected_cb=reconnected_cb,
+    )
+    return nc
+
+
+@dataclass
+class Topology:
+    nc: Client
+    js: JetStreamContext
+    state_kv: KeyValue
+    outbox_kv: KeyValue
+    lease_kv: KeyValue
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    try:
+        await js.stream_info(cfg.name)
+    except NotFoundError:
+        await js.add_stream(cfg)
+        return
+    try:
+        await js.update_stream(cfg)
+    except BadRequestError as e:  # e.g. a change the server refuses (storage type): keep the old one
+        log.warning("stream_update_refused", stream=cfg.name, error=str(e))
+
+
+async def _ensure_kv(js: JetStreamContext, bucket: str, replicas: int, history: int = 1) -> KeyValue:
+    try:
+        return await js.key_value(bucket)
+    except Exception:  # nats.js.errors.BucketNotFoundError and friends
+        return await js.create_key_value(bucket=bucket, history=history, replicas=replicas)
+
+
+async def ensure_topology(nc: Client, replicas: int = 1) -> Topology:
+    """Create (or update) streams, consumers and KV buckets; return the handles."""
+    js = nc.jetstream(timeout=5.0)
+    common = dict(
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        num_replicas=replicas,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        discard=DiscardPolicy.OLD,
+    )
+    await _ensure_stream(js, StreamConfig(name=STREAM_EVENTS, subjects=list(SUBJECTS_EVENTS),
+                                          max_age=7 * 86400.0, max_bytes=1 << 30, **common))
+    await _ensure_stream(js, StreamConfig(name=STREAM_MARKET, subjects=list(SUBJECTS_MARKET),
+                                          max_age=86400.0, max_bytes=1 << 30, **common))
+    await _ensure_stream(js, StreamConfig(name=STREAM_AUDIT, subjects=[f"{SUBJECT_AUDIT_PREFIX}.>"],
+                                          max_age=30 * 86400.0, max_bytes=1 << 30, **common))
+    state_kv = await _ensure_kv(js, KV_STATE, replicas)
+    outbox_kv = await _ensure_kv(js, KV_OUTBOX, replicas)
+    lease_kv = await _ensure_kv(js, KV_LEASE, replicas)
+    return Topology(nc=nc, js=js, state_kv=state_kv, outbox_kv=outbox_kv, lease_kv=lease_kv)
+
+
+def consumer_config(durable: str) -> ConsumerConfig:
+    return ConsumerConfig(
+        durable_name=durable,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ACK_WAIT_S,
+        max_deliver=MAX_DELIVER,
+        max_ack_pending=MAX_ACK_PENDING,
+        max_waiting=16,
+    )
+
+
+async def pull_subscriptions(js: JetStreamContext) -> list[tuple[str, JetStreamContext.PullSubscription]]:
+    """The daemon's two durable pull consumers: (kind, subscription)."""
+    events = await js.pull_subscribe(
+        "", durable=CONSUMER_EVENTS, stream=STREAM_EVENTS, config=consumer_config(CONSUMER_EVENTS)
+    )
+    market = await js.pull_subscribe(
+        "", durable=CONSUMER_MARKET, stream=STREAM_MARKET, config=consumer_config(CONSUMER_MARKET)
+    )
+    return [("events", events), ("market", market)]
+
+
+def message_kind(subject: str) -> str:
+    """A short label of a subject for metrics and logs: notice | node_event | price | heartbeat | other."""
+    if subject.startswith("orch.notice."):
+        return "notice"
+    if subject.startswith("orch.price."):
+        return "price"
+    if subject.endswith(".hb"):
+        return "heartbeat"
+    if subject.endswith(".event"):
+        return "node_event"
+    return "other"

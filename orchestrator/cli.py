@@ -1,0 +1,285 @@
+"""orchctl: the admin CLI of orchd. Parses, calls the typed client, formats with a pure function.
+
+    orchctl [--server URL] [--config FILE] [--state-dir DIR] [--timeout S] [-o table|json|yaml] COMMAND
+      status                          daemon, bus, counts                                  [--watch]
+      jobs submit FILE [--id ID]      TOML/YAML job spec, validated here and by orchd
+      jobs list | show JOB | cancel JOB [--reason R]                                        [--watch]
+      nodes list [--job JOB] | drain NODE                                                   [--watch]
+      prices                          pools, prices, preemption statistics                  [--watch]
+      events [--follow]               decided commands, newest last (tail; --follow polls)
+      explain JOB                     the audit of the core's decisions for a job
+      reap --dry-run | --yes          orphan instances per provider (plan only with --dry-run)
+
+Where orchd is: --server, else $ORCH_SERVER, else nats.urls of --config, else <state-dir>/orchd.json
+written by a running orchd (default state dir ./var/orchd), else nats://127.0.0.1:4222.
+
+Exit codes: 0 ok, 1 orchd answered with an error, 2 usage error, invalid spec, or orchd unreachable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import yaml
+
+from orchestrator.client import AdminClient, AdminError, AdminUnreachable
+from orchestrator.jobspec import JobSpecError, load_jobspec
+from orchestrator.settings import NatsSettings, SettingsError, load_settings
+
+EXIT_OK, EXIT_DAEMON, EXIT_USAGE = 0, 1, 2
+
+
+# --- pure formatting -------------------------------------------------------------------------------
+
+_COLUMNS: dict[str, tuple[str, ...]] = {
+    "jobs": ("job_id", "phase", "nodes", "target_nodes", "generation", "step", "total_steps", "cost_usd", "zone"),
+    "nodes": ("node_id", "job_id", "phase", "pool", "instance_id", "generation", "rank", "step", "heartbeat_age_s"),
+    "pools": ("pool", "gpu_type", "price_usd_h", "on_demand_usd_h", "ratio", "preemptions", "exposure_h"),
+    "events": ("seq", "ts", "event", "command", "kind", "job", "node", "pool", "reason"),
+    "entries": ("ts", "kind", "reason", "detail"),
+}
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e9 else time.strftime("%H:%M:%S", time.gmtime(v))
+    if isinstance(v, list | tuple):
+        return ",".join(map(str, v))
+    if isinstance(v, dict):
+        return json.dumps(v, separators=(",", ":"))[:80]
+    return str(v)
+
+
+def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, title: str = "") -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = list(columns or (list(rows[0]) if rows else []))
+    if rows and columns:
+        cols = [c for c in cols if any(c in r for r in rows)] or list(rows[0])
+    table = Table(title=title or None, box=None, header_style="bold", pad_edge=False)
+    for c in cols:
+        table.add_column(c.upper())
+    for r in rows:
+        table.add_row(*(_cell(r.get(c)) for c in cols))
+    buf = io.StringIO()
+    Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
+    return buf.getvalue().rstrip() + "\n"
+
+
+def render_kv(data: dict[str, Any]) -> str:
+    width = max((len(k) for k in data), default=0)
+    return "".join(f"{k.ljust(width)}  {_cell(v)}\n" for k, v in data.items())
+
+
+def format_reply(kind: str, reply: Any, fmt: str) -> str:
+    """Render a typed reply as table/json/yaml text. Pure."""
+    data = msgspec.to_builtins(reply)
+    if isinstance(data, dict):
+        data.pop("v", None)
+    if fmt == "json":
+        return json.dumps(data, indent=2, sort_keys=False) + "\n"
+    if fmt == "yaml":
+        return yaml.safe_dump(data, sort_keys=False)
+    if kind in ("jobs", "nodes", "pools", "events"):
+        rows = data[kind]
+        return render_table(rows, _COLUMNS[kind]) if rows else f"(no {kind})\n"
+    if kind == "job":
+        out = render_kv(data["summary"])
+        if data["nodes"]:
+            out += "\n" + render_table(data["nodes"], _COLUMNS["nodes"])
+        return out
+    if kind == "explain":
+        rows = data["entries"]
+        if not rows:
+            return f"(no decisions recorded for {data['job_id']})\n"
+        return render_table(rows, None)
+    if kind == "status":
+        return render_kv(data)
+    if kind == "reap":
+        return yaml.safe_dump(data["report"], sort_keys=False)
+    return render_kv(data) if isinstance(data, dict) else f"{data}\n"
+
+
+# --- arguments -------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-o", "--output", choices=("table", "json", "yaml"), default=argparse.SUPPRESS)
+    watch = argparse.ArgumentParser(add_help=False)
+    watch.add_argument("--watch", "-w", action="store_true", help="repeat every --interval seconds")
+    watch.add_argument("--interval", type=float, default=2.0)
+
+    p = argparse.ArgumentParser(prog="orchctl", description="Admin CLI of orchd", parents=[common])
+    p.add_argument("--server", "-s", help="NATS URL(s), comma separated (default: see below)")
+    p.add_argument("--config", "-c", help="orchd's TOML config (for nats.urls and credentials)")
+    p.add_argument("--state-dir", default=None, help="orchd's state dir (for orchd.json)")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for orchd (default 5)")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    sub.add_parser("status", parents=[common, watch], help="daemon status")
+    jobs = sub.add_parser("jobs", help="jobs").add_subparsers(dest="verb", required=True, metavar="VERB")
+    s = jobs.add_parser("submit", parents=[common], help="submit a job spec file")
+    s.add_argument("file")
+    s.add_argument("--id", dest="job_id", default=None, help="job id (idempotent resubmit)")
+    jobs.add_parser("list", parents=[common, watch], help="list jobs")
+    s = jobs.add_parser("show", parents=[common, watch], help="show one job")
+    s.add_argument("job_id")
+    s = jobs.add_parser("cancel", parents=[common], help="cancel a job")
+    s.add_argument("job_id")
+    s.add_argument("--reason", default="admin")
+
+    nodes = sub.add_parser("nodes", help="nodes").add_subparsers(dest="verb", required=True, metavar="VERB")
+    s = nodes.add_parser("list", parents=[common, watch], help="list nodes")
+    s.add_argument("--job", default=None)
+    s = nodes.add_parser("drain", parents=[common], help="drain a node")
+    s.add_argument("node_id")
+    s.add_argument("--reason", default="admin")
+
+    sub.add_parser("prices", parents=[common, watch], help="pools and prices")
+    s = sub.add_parser("events", parents=[common], help="tail decided commands")
+    s.add_argument("--follow", "-f", "--watch", action="store_true", dest="follow")
+    s.add_argument("--limit", type=int, default=50)
+    s.add_argument("--interval", type=float, default=1.0)
+    s = sub.add_parser("explain", parents=[common], help="audit of a job's decisions")
+    s.add_argument("job_id")
+    s.add_argument("--limit", type=int, default=200)
+    s = sub.add_parser("reap", parents=[common], help="orphan instances")
+    g = s.add_mutually_exclusive_group(required=True)
+    g.add_argument("--dry-run", action="store_true", help="plan and report only")
+    g.add_argument("--yes", action="store_true", help="terminate orphans past their grace period")
+    return p
+
+
+def resolve_server(args: argparse.Namespace, env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[
+        list[str], NatsSettings | None]:
+    """Where orchd's NATS is (see the module docstring). Raises SettingsError on a bad --config."""
+    nats_settings = None
+    state_dir = args.state_dir
+    if args.config:
+        settings = load_settings(args.config, env={})
+        nats_settings = settings.nats
+        state_dir = state_dir or settings.daemon.state_dir
+    if args.server:
+        return [u.strip() for u in args.server.split(",") if u.strip()], nats_settings
+    if env.get("ORCH_SERVER"):
+        return [u.strip() for u in env["ORCH_SERVER"].split(",") if u.strip()], nats_settings
+    if nats_settings and nats_settings.urls:
+        return list(nats_settings.urls), nats_settings
+    disc = Path(state_dir or "./var/orchd") / "orchd.json"
+    if disc.exists():
+        try:
+            return json.loads(disc.read_text())["nats_url"].split(","), nats_settings
+        except (ValueError, KeyError):
+            pass
+    return ["nats://127.0.0.1:4222"], nats_settings
+
+
+# --- commands --------------------------------------------------------------------------------------
+
+
+async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | None, out: Callable[[str], None]) -> int:
+    fmt = getattr(args, "output", "table")
+    async with await AdminClient.connect(urls, timeout_s=args.timeout, nats_settings=ns) as c:
+        cmd, verb = args.cmd, getattr(args, "verb", None)
+
+        async def once() -> tuple[str, Any]:
+            match (cmd, verb):
+                case ("status", _):
+                    return "status", await c.status()
+                case ("jobs", "list"):
+                    return "jobs", await c.jobs()
+                case ("jobs", "show"):
+                    return "job", await c.job(args.job_id)
+                case ("nodes", "list"):
+                    return "nodes", await c.nodes(args.job)
+                case ("prices", _):
+                    return "pools", await c.prices()
+            raise AssertionError((cmd, verb))
+
+        if (cmd, verb) == ("jobs", "submit"):
+            spec = load_jobspec(args.file)
+            reply = await c.submit(spec, args.job_id)
+            out(format_reply("submit", reply, fmt))
+            return EXIT_OK
+        if (cmd, verb) == ("jobs", "cancel"):
+            out(format_reply("ok", await c.cancel(args.job_id, args.reason), fmt))
+            return EXIT_OK
+        if (cmd, verb) == ("nodes", "drain"):
+            out(format_reply("ok", await c.drain(args.node_id, args.reason), fmt))
+            return EXIT_OK
+        if cmd == "explain":
+            out(format_reply("explain", await c.explain(args.job_id, args.limit), fmt))
+            return EXIT_OK
+        if cmd == "reap":
+            out(format_reply("reap", await c.reap(dry_run=args.dry_run), fmt))
+            return EXIT_OK
+        if cmd == "events":
+            after = 0
+            first = True
+            while True:
+                reply = await c.events(after_seq=after, limit=args.limit)
+                if reply.events or first:
+                    out(format_reply("events", reply, fmt))
+                first = False
+                after = reply.last_seq
+                if not args.follow:
+                    return EXIT_OK
+                await anyio.sleep(args.interval)
+        while True:
+            kind, reply = await once()
+            text = format_reply(kind, reply, fmt)
+            if getattr(args, "watch", False) and fmt == "table" and sys.stdout.isatty():
+                text = "\x1b[2J\x1b[H" + text
+            out(text)
+            if not getattr(args, "watch", False):
+                return EXIT_OK
+            await anyio.sleep(args.interval)
+
+
+def main(argv: list[str] | None = None, *, out: Callable[[str], None] | None = None,
+         err: Callable[[str], None] | None = None) -> int:
+    out = out or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    err = err or (lambda s: sys.stderr.write(s))
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) if e.code in (0, None) else EXIT_USAGE
+    if not hasattr(args, "output"):
+        args.output = "table"
+    try:
+        urls, ns = resolve_server(args)
+    except SettingsError as e:
+        err(f"orchctl: {e}\n")
+        return EXIT_USAGE
+    try:
+        return anyio.run(_run, args, urls, ns, out, backend="asyncio")
+    except JobSpecError as e:
+        err(f"orchctl: {e}\n")
+        return EXIT_USAGE
+    except AdminUnreachable as e:
+        err(f"orchctl: orchd unreachable: {e}\n")
+        return EXIT_USAGE
+    except AdminError as e:
+        err(f"orchctl: orchd error {e.code}: {e.message}\n")
+        return EXIT_DAEMON
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,401 @@
+"""orchd: wiring, signals and the decide loop.
+
+Role: the imperative shell around the pure core. One loop owns the state:
+
+    take a batch (JetStream messages, heartbeats, shell inputs, a Tick when due)
+      -> decode each (malformed: count, ``term`` so it is never redelivered, go on)
+      -> decide(state, event, now) for each, collecting dirty keys, commands, audit
+      -> Store.persist(records of the union of dirty keys, outbox += commands, audit)
+      -> ack the JetStream messages, answer admin requests, hand commands to the executor
+
+so nothing is acked or executed before it is durable, and a restarted daemon resumes from KV, re-executing
+outbox commands with the same ids/tokens. Timers are events (``Tick`` every ``daemon.tick_s``). The
+NATS connection reconnects forever; its state reaches the core as ``BusState``.
+
+Embeddable: ``run_daemon(settings, providers, task_status=...)`` runs the whole daemon inside the
+caller's task group (``await tg.start(run_daemon, settings, providers)`` returns a ``Daemon`` handle;
+``handle.request_stop()`` shuts it down cleanly). ``main`` is the ``orchd`` console script.
+
+Concurrency contract: one asyncio event loop (anyio on the asyncio backend, nats-py is asyncio-only).
+Shutdown (SIGTERM/SIGINT or ``request_stop``): stop intake, decide and persist what was already taken,
+cancel in-flight commands (they stay in the outbox), close NATS, stop the embedded server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections import Counter, deque
+from typing import Any, Union
+
+import anyio
+import structlog
+from anyio.abc import TaskStatus
+
+from orchestrator import bus, events as ev, sdnotify
+from orchestrator.core.inputs import BusState, LeaseChanged, Tick
+from orchestrator.executor import Executor, Result
+from orchestrator.ingest import Batch, Intake, ShellItem
+from orchestrator.metrics import Metrics
+from orchestrator.natsserver import NatsServer
+from orchestrator.settings import Settings, SettingsError, load_settings
+from orchestrator.state import CoreApi, default_core, refresh_gauges, summarize_event
+from orchestrator.store import Store, outbox_key
+
+log = structlog.get_logger("orchd")
+
+_JS_TYPES = Union[ev.PriceTick, ev.PreemptionNotice, ev.NodeRegistered, ev.GenerationStarted,
+                  ev.CheckpointCommitted, ev.RanksExited, ev.NodeLeaving]
+_EXPECTED: dict[str, Any] = {"price": ev.PriceTick, "notice": ev.PreemptionNotice, "node_event": ev.NodeEvent}
+
+
+class Daemon:
+    """The running daemon's handle: state and stats for the admin service, tests and the demo."""
+
+    def __init__(self, settings: Settings, providers: dict, core: CoreApi, metrics: Metrics) -> None:
+        self.settings = settings
+        self.providers = providers
+        self.core = core
+        self.metrics = metrics
+        self.intake = Intake(metrics)
+        self.state: Any = None
+        self.store: Store | None = None
+        self.executor: Executor | None = None
+        self.nats_url = ""
+        self.metrics_url = ""
+        self.started_ts = time.time()
+        self.connected = False
+        self.fencing_token = 0
+        self.events_decided = 0
+        self.batches = 0
+        self.recent: deque[dict] = deque(maxlen=2000)  # decided commands, for `orchctl events`
+        self.recent_seq = 0
+        self.notice_ts: dict[str, float] = {}  # cmd_id -> notice publish ts (latency metric)
+        self._stop = anyio.Event()
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def submit(self, event: Any) -> None:
+        """Feed a shell event (admin intent) and return once its decision is persisted."""
+        import asyncio
+
+        fut = asyncio.get_running_loop().create_future()
+        self.intake.put_shell(ShellItem(event, fut))
+        await fut
+
+    def _on_bus_state(self, connected: bool) -> None:
+        self.connected = connected
+        self.metrics.nats_connected.set(1 if connected else 0)
+        self.intake.put_shell(ShellItem(BusState(connected=connected)))
+
+    def _on_result(self, result: Result) -> None:
+        self.intake.put_shell(ShellItem(result))
+
+    def _on_agent_sent(self, cmd: Any) -> None:
+        ts = self.notice_ts.pop(cmd.command.cmd_id, None)
+        if ts is not None:
+            self.metrics.notice_to_command.observe(max(0.0, time.time() - ts))
+
+    # --- the decide loop ---------------------------------------------------------------------------
+
+    async def decide_loop(self) -> None:
+        tick_s = self.settings.daemon.tick_s
+        next_tick = time.monotonic() + tick_s
+        while not self._stop.is_set():
+            with anyio.move_on_after(max(0.0, next_tick - time.monotonic())):
+                await _first(self.intake.wait, self._stop.wait)
+            batch = self.intake.take()
+            if time.monotonic() >= next_tick:
+                batch.shell.append(ShellItem(Tick()))
+                next_tick = time.monotonic() + tick_s
+                refresh_gauges(self)
+                sdnotify.notify_watchdog()
+            if len(batch):
+                await self.process(batch)
+
+    async def process(self, batch: Batch) -> None:
+        core = self.core
+        state = self.state
+        dirty: set[str] = set()
+        new_cmds: dict[str, Any] = {}
+        done_keys: list[str] = []
+        audit: list[tuple[str | None, bytes]] = []
+        counts: Counter[str] = Counter()
+        to_ack: list[Any] = []
+        notice_of: dict[str, float] = {}
+        decided = 0
+
+        def run(event: Any, now: float, publish_ts: float | None = None) -> None:
+            nonlocal state, decided
+            d = core.decide(state, event, now)
+            state = d.state
+            decided += 1
+            counts[type(event).__name__] += 1
+            if d.dirty:
+                dirty.update(d.dirty)
+            if d.commands or d.audit:
+                self._log_decision(event, d)
+                for c in d.commands:
+                    key = outbox_key(c)
+                    new_cmds[key] = c
+                    if publish_ts is not None and isinstance(event, ev.PreemptionNotice):
+                        inner = getattr(c, "command", None)
+                        if isinstance(inner, ev.CheckpointCmd):
+                            notice_of[inner.cmd_id] = publish_ts
+                for a in d.audit:
+                    audit.append((getattr(a, "job_id", None), core.encode_audit(a)))
+
+        now = time.time()
+        for item in batch.shell:
+            if isinstance(item.event, Result):
+                done_keys.append(item.event.outbox_key)
+                for e in item.event.events:
+                    run(e, now)
+            else:
+                run(item.event, now)
+        for kind, msg in batch.js:
+            try:
+                event = ev.decode(msg.data, _EXPECTED.get(bus.message_kind(msg.subject), _JS_TYPES))
+            except ev.WireError as e:
+                self.metrics.rejected.labels(bus.message_kind(msg.subject), e.reason).inc()
+                log.warning("message_rejected", subject=msg.subject, reason=e.reason, detail=e.detail[:200])
+                await _term(msg)
+                continue
+            try:
+                publish_ts = msg.metadata.timestamp.timestamp()
+            except Exception:
+                publish_ts = None
+            if publish_ts is not None:
+                self.metrics.event_lag.observe(max(0.0, now - publish_ts))
+            run(event, time.time(), publish_ts)
+            to_ack.append(msg)
+        hb_decoder = ev.decode
+        for i, msg in enumerate(batch.hb):
+            try:
+                hb = hb_decoder(msg.data, ev.Heartbeat)
+            except ev.WireError as e:
+                self.metrics.rejected.labels("heartbeat", e.reason).inc()
+                continue
+            if i % 256 == 0:
+                now = time.time()
+                self.metrics.event_lag.observe(max(0.0, now - hb.ts))
+            run(hb, now)
+        records = core.state_to_records(state, frozenset(dirty)) if dirty else {}
+        await self.store.persist(records, new_cmds, done_keys, audit)  # type: ignore[union-attr]
+        self.state = state
+        for msg in to_ack:
+            await _ack(msg)
+        for item in batch.shell:
+            if item.reply is not None and not item.reply.done():
+                item.reply.set_result(None)
+        self.notice_ts.update(notice_of)
+        for key, c in new_cmds.items():
+            self.executor.submit(key, c)  # type: ignore[union-attr]
+        self.events_decided += decided
+        self.batches += 1
+        for name, n in counts.items():
+            self.metrics.events.labels(name).inc(n)
+        for c in new_cmds.values():
+            self.metrics.decisions.labels(type(c).__name__).inc()
+
+    def _log_decision(self, event: Any, d: Any) -> None:
+        ctx = summarize_event(event)
+        with structlog.contextvars.bound_contextvars(**ctx):
+            for c in d.commands:
+                info = _describe_command(c)
+                log.info("command_decided", **info)
+                self.recent_seq += 1
+                self.recent.append({"seq": self.recent_seq, "ts": time.time(), "event": type(event).__name__,
+                                    **ctx, **info})
+            for a in d.audit:
+                log.debug("decision_audit", entry=str(a)[:300])
+
+
+def _describe_command(c: Any) -> dict:
+    info: dict = {"command": type(c).__name__}
+    inner = getattr(c, "command", None)
+    if inner is not None:
+        info.update(kind=type(inner).__struct_config__.tag, node=inner.node_id, cmd_id=inner.cmd_id,
+                    job=inner.job_id, generation=inner.generation)
+    for attr in ("job_id", "node_id", "token", "reason"):
+        if hasattr(c, attr):
+            info[attr.replace("_id", "") if attr != "token" else attr] = getattr(c, attr)
+    if hasattr(c, "pool") and c.pool is not None:
+        info["pool"] = c.pool.name
+    if hasattr(c, "node_ids"):
+        info["nodes"] = list(c.node_ids)
+    return info
+
+
+async def _first(*waiters: Any) -> None:
+    async with anyio.create_task_group() as tg:
+        async def one(w: Any) -> None:
+            await w()
+            tg.cancel_scope.cancel()
+        for w in waiters:
+            tg.start_soon(one, w)
+
+
+async def _ack(msg: Any) -> None:
+    try:
+        await msg.ack()
+    except Exception as e:  # disconnected: the message is redelivered and decided again (idempotent)
+        log.debug("ack_failed", error=repr(e))
+
+
+async def _term(msg: Any) -> None:
+    try:
+        await msg.term()
+    except Exception as e:
+        log.debug("term_failed", error=repr(e))
+
+
+# --- running ---------------------------------------------------------------------------------------
+
+
+async def run_daemon(
+    settings: Settings,
+    providers: dict,
+    *,
+    core: CoreApi | None = None,
+    metrics: Metrics | None = None,
+    task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run orchd until ``request_stop`` (or cancellation). ``task_status.started`` gets the handle."""
+    from orchestrator import admin
+    from orchestrator.metrics_http import serve_metrics
+
+    d = Daemon(settings, providers, core or default_core(settings), metrics or Metrics())
+    state_dir = settings.state_path
+    state_dir.mkdir(parents=True, exist_ok=True)
+    server: NatsServer | None = None
+    urls = settings.nats.urls
+    if not urls:
+        server = NatsServer(state_dir / "nats", host=settings.nats.embedded_host, port=settings.nats.embedded_port,
+                            name="orchd-embedded")
+        await anyio.to_thread.run_sync(server.start)
+        urls = (server.url,)
+        log.info("embedded_nats_started", url=server.url, store=str(server.store_dir))
+    d.nats_url = ",".join(urls)
+    nc = None
+    http = None
+    try:
+        nc = await bus.connect(settings.nats, urls, name="orchd", on_state=d._on_bus_state)
+        d.connected = True
+        d.metrics.nats_connected.set(1)
+        topo = await bus.ensure_topology(nc, settings.nats.stream_replicas)
+        d.store = Store(topo)
+        records, outbox = await d.store.load()
+        d.state = d.core.state_from_records(records) if records else d.core.empty_state()
+        d.fencing_token = await topo.lease_kv.put(
+            "leader", json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "ts": time.time()}).encode())
+        d.intake.put_shell(ShellItem(LeaseChanged(revision=d.fencing_token)))
+        log.info("state_loaded", records=len(records), outbox=len(outbox), fencing_token=d.fencing_token)
+        d.executor = Executor(settings, providers, nc, d._on_result, d.metrics, nats_urls=urls,
+                              on_agent_sent=d._on_agent_sent)
+        if settings.metrics.enabled:
+            http = serve_metrics(d.metrics, settings.metrics.host, settings.metrics.port)
+            d.metrics_url = f"http://{settings.metrics.host}:{http.server_port}/metrics"
+        _write_discovery(d)
+        async with anyio.create_task_group() as tg:
+            await tg.start(d.executor.run)
+            for key, cmd in outbox.items():  # decided before a crash: execute again, same ids/tokens
+                d.executor.submit(key, cmd)
+            hb_sub = await nc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
+                                        pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
+            pulls = await bus.pull_subscriptions(topo.js)
+            service = await admin.start_service(nc, d)
+            async with anyio.create_task_group() as intake_tg:
+                for kind, psub in pulls:
+                    intake_tg.start_soon(d.intake.fetch_forever, kind, psub)
+                d.metrics.up.set(1)
+                sdnotify.notify_ready(f"orchd ready, nats {d.nats_url}")
+                log.info("orchd_ready", nats=d.nats_url, metrics=d.metrics_url, fencing_token=d.fencing_token)
+                task_status.started(d)
+                try:
+                    await d.decide_loop()
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        sdnotify.notify_stopping("orchd stopping")
+                        log.info("orchd_stopping")
+                        intake_tg.cancel_scope.cancel()
+            with anyio.move_on_after(settings.daemon.shutdown_grace_s, shield=True):
+                await _quietly(service.stop())
+                await _quietly(hb_sub.unsubscribe())
+                for _, psub in pulls:
+                    await _quietly(psub.unsubscribe())
+                leftover = d.intake.take()
+                if len(leftover):
+                    await d.process(leftover)  # finish what was already taken in: decided and persisted
+            tg.cancel_scope.cancel()  # in-flight commands stay in the outbox for the next daemon
+    finally:
+        with anyio.CancelScope(shield=True):
+            d.metrics.up.set(0)
+            if http is not None:
+                http.shutdown()
+            if nc is not None:
+                with anyio.move_on_after(3):
+                    await _quietly(nc.close())
+            if server is not None:
+                await anyio.to_thread.run_sync(server.stop)
+            log.info("orchd_stopped", events=d.events_decided)
+
+
+async def _quietly(aw: Any) -> None:
+    try:
+        await aw
+    except Exception as e:
+        log.debug("shutdown_step_failed", error=repr(e))
+
+
+def _write_discovery(d: Daemon) -> None:
+    """<state_dir>/orchd.json: where orchctl finds this daemon when no server URL is given."""
+    path = d.settings.state_path / "orchd.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"nats_url": d.nats_url, "metrics_url": d.metrics_url, "pid": os.getpid()}))
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from orchestrator.logs import configure
+    from orchestrator.registry import ProviderConfigError, build_providers
+
+    p = argparse.ArgumentParser(prog="orchd", description="Control plane for training on spot GPUs")
+    p.add_argument("--config", "-c", help="TOML settings file (ORCH_* env overrides apply)")
+    args = p.parse_args(argv)
+    try:
+        settings = load_settings(args.config)
+    except SettingsError as e:
+        print(f"orchd: {e}", file=sys.stderr)
+        return 2
+    configure(settings.log.level, settings.log.format)
+    try:
+        providers = build_providers(settings)
+    except ProviderConfigError as e:
+        print(f"orchd: {e}", file=sys.stderr)
+        return 2
+    try:
+        anyio.run(_serve_until_stopped, settings, providers, backend="asyncio")
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+async def _serve_until_stopped(settings: Settings, providers: dict) -> None:
+    async with anyio.create_task_group() as tg:
+        d: Daemon = await tg.start(run_daemon, settings, providers)
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+            async for s in sigs:
+                log.info("signal_received", signal=signal.Signals(s).name)
+                d.request_stop()
+                break
+        # run_daemon finishes its clean shutdown; the task group waits for it
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Executor: turns the core's commands into provider calls and agent requests; results become events.
+
+Role: the only place where orchd calls clouds or agents. Each command runs in its own task inside the
+executor's task group; blocking provider calls run in worker threads (``anyio.to_thread.run_sync``)
+under a per-cloud ``CapacityLimiter``. Every result is handed back through ``feed(Result)`` so that the
+decide loop decides it and, in the same persisted batch, deletes the command's outbox entry.
+
+    Launch         provider.launch (idempotency token = the core's token) -> NodeLaunched per instance,
+                   LaunchFailed(reason) for the nodes that got none. TransientError: retry with backoff,
+                   same token, up to executor.max_attempts; then LaunchFailed(transient).
+    Terminate      provider.terminate -> NodeGone(reason="terminated_by_us")
+    CheckInstance  provider.describe  -> NodeGone(provider_missing | provider_terminated), or nothing
+    SendToAgent    request/reply on orch.cmd.<node>, CommandAck reply fed to the core; retried with the
+                   same cmd_id every command_ack_timeout_s up to command_retries, then CommandFailed.
+                   While orchd's own NATS connection is down, attempts are not spent (an outage is not
+                   an agent failure).
+
+Concurrency contract: ``submit`` is called from the decide loop (same event loop); a command whose
+outbox key is already in flight is not started twice. ``run`` owns the task group; cancelling it
+cancels in-flight commands, which stay in the outbox and are re-executed by the next daemon.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import anyio
+import msgspec
+import nats.errors
+import structlog
+from anyio.abc import TaskGroup, TaskStatus
+from nats.aio.client import Client
+
+from orchestrator import events as ev
+from orchestrator.core.commands import CheckInstance, Command, Launch, SendToAgent, Terminate
+from orchestrator.core.inputs import CommandFailed, CoreEvent, LaunchFailed, NodeGone, NodeLaunched
+from orchestrator.metrics import Metrics
+from orchestrator.settings import Settings
+from providers.base import CloudProvider, InstanceState, LaunchRequest, NodeBootstrap, ProviderError
+
+log = structlog.get_logger("orchd.executor")
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What a finished command gives back: events for the core and the outbox key to clear."""
+
+    outbox_key: str
+    events: tuple[CoreEvent, ...] = ()
+
+
+@dataclass
+class Executor:
+    settings: Settings
+    providers: Mapping[str, CloudProvider]
+    nc: Client
+    feed: Callable[[Result], None]
+    metrics: Metrics
+    nats_urls: tuple[str, ...] = ()
+    on_agent_sent: Callable[[SendToAgent], None] | None = None
+    _tg: TaskGroup | None = None
+    _limiters: dict[str, anyio.CapacityLimiter] = field(default_factory=dict)
+    in_flight: set[str] = field(default_factory=set)
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            await anyio.sleep_forever()
+
+    def submit(self, key: str, cmd: Command) -> None:
+        if key in self.in_flight:
+            return
+        assert self._tg is not None, "executor not running"
+        self.in_flight.add(key)
+        self._tg.start_soon(self._execute, key, cmd)
+
+    # -------------------------------------------------------------------------------------------
+
+    async def _execute(self, key: str, cmd: Command) -> None:
+        try:
+            match cmd:
+                case Launch():
+                    events = await self._launch(cmd)
+                case Terminate():
+                    events = await self._terminate(cmd)
+                case CheckInstance():
+                    events = await self._check(cmd)
+                case SendToAgent():
+                    events = await self._send(cmd)
+                case _:
+                    log.error("unknown_command", command=repr(cmd))
+                    events = ()
+        except Exception as e:  # a bug in a provider adapter must not take the daemon down
+            log.exception("command_crashed", key=key, error=repr(e))
+            events = _failure_events(cmd, ev.FailureReason.UNKNOWN, repr(e))
+        finally:
+            self.in_flight.discard(key)
+        self.feed(Result(key, tuple(events)))
+
+    def _limiter(self, cloud: str) -> anyio.CapacityLimiter:
+        lim = self._limiters.get(cloud)
+        if lim is None:
+            lim = self._limiters[cloud] = anyio.CapacityLimiter(self.settings.executor.concurrency_per_cloud)
+        return lim
+
+    async def _call(self, cloud: str, op: str, fn: Callable, *args: object) -> object:
+        """Call a provider method in a thread; retry TransientError with backoff (same arguments)."""
+        xs = self.settings.executor
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                out = await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter(cloud))
+                self.metrics.provider_calls.labels(cloud, op, "ok").inc()
+                return out
+            except ProviderError as e:
+                self.metrics.provider_calls.labels(cloud, op, e.reason.value).inc()
+                if not e.retryable or e.reason is not ev.FailureReason.TRANSIENT or attempt >= xs.max_attempts:
+                    raise
+                delay = min(xs.retry_base_s * 2 ** (attempt - 1), xs.retry_max_s)
+                log.warning("provider_retry", cloud=cloud, op=op, attempt=attempt, delay_s=delay, error=str(e))
+                await anyio.sleep(delay)
+
+    async def _launch(self, cmd: Launch) -> tuple[CoreEvent, ...]:
+        provider = self.providers.get(cmd.pool.cloud)
+        if provider is None:
+            return _failure_events(cmd, ev.FailureReason.UNKNOWN, f"no provider for cloud {cmd.pool.cloud!r}")
+        req = LaunchRequest(
+            pool=cmd.pool,
+            node_ids=cmd.node_ids,
+            idempotency_token=cmd.token,
+            cluster_id=self.settings.daemon.cluster_id,
+            job_id=cmd.job_id,
+            bootstrap=NodeBootstrap(nats_urls=self.nats_urls),
+        )
+        try:
+            result = await self._call(cmd.pool.cloud, "launch", provider.launch, req)
+        except ProviderError as e:
+            log.warning("launch_failed", job=cmd.job_id, pool=cmd.pool.name, reason=e.reason.value, error=str(e))
+            return _failure_events(cmd, e.reason, str(e))
+        out: list[CoreEvent] = []
+        got = set()
+        for inst in result.instances:  # type: ignore[attr-defined]
+            if inst.node_id is None:
+                continue
+            got.add(inst.node_id)
+            out.append(NodeLaunched(node_id=inst.node_id, job_id=cmd.job_id, instance_id=inst.instance_id,
+                                    pool=inst.pool, token=cmd.token))
+        rest = tuple(n for n in cmd.node_ids if n not in got)
+        if rest:
+            reason = result.failure or ev.FailureReason.CAPACITY  # type: ignore[attr-defined]
+            out.append(LaunchFailed(node_ids=rest, job_id=cmd.job_id, pool=cmd.pool, token=cmd.token,
+                                    reason=reason, message=result.message))  # type: ignore[attr-defined]
+        log.info("launched", job=cmd.job_id, pool=cmd.pool.name, nodes=len(got), missing=len(rest))
+        return tuple(out)
+
+    async def _terminate(self, cmd: Terminate) -> tuple[CoreEvent, ...]:
+        if cmd.instance_id is not None and cmd.pool is not None:
+            provider = self.providers.get(cmd.pool.cloud)
+            if provider is None:
+                log.error("terminate_no_provider", node=cmd.node_id, cloud=cmd.pool.cloud)
+            else:
+                try:
+                    await self._call(cmd.pool.cloud, "terminate", provider.terminate, [cmd.instance_id])
+                except ProviderError as e:
+                    log.error("terminate_failed", node=cmd.node_id, error=str(e))
+                    return ()  # the reaper finds leftovers; the core keeps the node until it is gone
+        return (NodeGone(node_id=cmd.node_id, instance_id=cmd.instance_id, reason="terminated_by_us"),)
+
+    async def _check(self, cmd: CheckInstance) -> tuple[CoreEvent, ...]:
+        provider = self.providers.get(cmd.pool.cloud)
+        if provider is None:
+            return ()
+        try:
+            found = await self._call(cmd.pool.cloud, "describe", provider.describe, [cmd.instance_id])
+        except ProviderError as e:
+            log.warning("check_instance_failed", node=cmd.node_id, error=str(e))
+            return ()
+        insts = [i for i in found if i.instance_id == cmd.instance_id]  # type: ignore[attr-defined]
+        if not insts:
+            return (NodeGone(node_id=cmd.node_id, instance_id=cmd.instance_id, reason="provider_missing"),)
+        if insts[0].state in (InstanceState.TERMINATED, InstanceState.STOPPING):
+            return (NodeGone(node_id=cmd.node_id, instance_id=cmd.instance_id, reason="provider_terminated"),)
+        return ()
+
+    async def _send(self, cmd: SendToAgent) -> tuple[CoreEvent, ...]:
+        c = cmd.command
+        subject = ev.subject_command(c.node_id)
+        payload = ev.encode(c)
+        ds = self.settings.daemon
+        kind = type(c).__struct_config__.tag  # type: ignore[attr-defined]
+        tries = 0
+        first = True
+        while tries <= ds.command_retries:
+            while not self.nc.is_connected:  # an outage of our own connection is not the agent's fault
+                await anyio.sleep(0.1)
+            if first and self.on_agent_sent is not None:
+                self.on_agent_sent(cmd)
+            first = False
+            tries += 1
+            try:
+                reply = await self.nc.request(subject, payload, timeout=ds.command_ack_timeout_s)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+                log.info("agent_command_retry", node=c.node_id, cmd_id=c.cmd_id, kind=kind, attempt=tries,
+                         error=type(e).__name__)
+                if isinstance(e, nats.errors.NoRespondersError):
+                    await anyio.sleep(min(ds.command_ack_timeout_s, 0.2 * 2**tries))
+                continue
+            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
+                    nats.errors.ConnectionDrainingError):
+                await anyio.sleep(0.1)
+                continue
+            try:
+                ack = ev.decode(reply.data, ev.CommandAck)
+            except ev.WireError as e:
+                self.metrics.rejected.labels("command_ack", e.reason).inc()
+                continue
+            if ack.cmd_id != c.cmd_id:
+                self.metrics.rejected.labels("command_ack", "wrong_cmd_id").inc()
+                continue
+            return (ack,)
+        log.warning("agent_command_failed", node=c.node_id, cmd_id=c.cmd_id, kind=kind, attempts=tries)
+        return (CommandFailed(node_id=c.node_id, cmd_id=c.cmd_id, kind=kind),)
+
+
+def _failure_events(cmd: Command, reason: ev.FailureReason, message: str) -> tuple[CoreEvent, ...]:
+    match cmd:
+        case Launch():
+            return (LaunchFailed(node_ids=cmd.node_ids, job_id=cmd.job_id, pool=cmd.pool, token=cmd.token,
+                                 reason=reason, message=message[:500]),)
+        case SendToAgent():
+            c = cmd.command
+            return (CommandFailed(node_id=c.node_id, cmd_id=c.cmd_id,
+                                  kind=type(c).__struct_config__.tag),)  # type: ignore[attr-defined]
+        case _:
+            return ()
+
+
+def now() -> float:
+    return time.time()
+
+
+__all__ = ["Executor", "Result", "msgspec"]

@@ -1,0 +1,178 @@
+"""The shell's view of the core's state: the core API handle, metric gauges, admin summaries.
+
+Role: the only shell module that reads the core's record types (``orchestrator.core.model``). The
+daemon calls the core through ``CoreApi`` (so tests and benchmarks can pass the same functions,
+and the daemon never reaches into the core's internals); the admin service formats state through the
+pure functions here.
+
+Concurrency contract: pure functions over immutable state, plus ``refresh_gauges`` which writes
+Prometheus gauges (called from the decide loop on each Tick).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from orchestrator import events as ev
+from orchestrator.settings import Settings
+
+_enc = msgspec.json.Encoder()
+
+
+@dataclass(frozen=True)
+class CoreApi:
+    decide: Callable[[Any, Any, float], Any]
+    state_to_records: Callable[..., dict[str, bytes]]
+    state_from_records: Callable[[Mapping[str, bytes]], Any]
+    empty_state: Callable[[], Any]
+    encode_audit: Callable[[Any], bytes] = _enc.encode
+
+
+def default_core(settings: Settings) -> CoreApi:
+    from orchestrator import core
+
+    config = core.CoreConfig(
+        heartbeat_timeout_s=settings.daemon.heartbeat_timeout_s,
+        tick_s=settings.daemon.tick_s,
+    )
+    return CoreApi(
+        decide=core.decide,
+        state_to_records=core.state_to_records,
+        state_from_records=core.state_from_records,
+        empty_state=lambda: core.State.empty(config),
+    )
+
+
+def summarize_event(event: Any) -> dict[str, str]:
+    """job/node context of an event, for bound_contextvars."""
+    out: dict[str, str] = {"event": type(event).__name__}
+    job = getattr(event, "job_id", None)
+    node = getattr(event, "node_id", None)
+    if job:
+        out["job"] = str(job)
+    if node:
+        out["node"] = str(node)
+    return out
+
+
+def _s(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+def job_summary(job: Any, nodes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    spec = job.spec
+    live = len(job.nodes)
+    return {
+        "job_id": job.job_id,
+        "name": spec.name,
+        "phase": _s(job.phase),
+        "reason": job.reason,
+        "nodes": live,
+        "target_nodes": job.target_nodes,
+        "generation": job.generation,
+        "step": _job_step(job, nodes),
+        "total_steps": spec.total_steps,
+        "committed_step": job.committed_step,
+        "zone": job.zone,
+        "cost_usd": round(job.cost_usd, 4),
+        "budget_usd": spec.budget_usd,
+    }
+
+
+def _job_step(job: Any, nodes: Mapping[str, Any] | None) -> int:
+    step = job.step
+    if nodes is not None:
+        for nid in job.gen_nodes:
+            n = nodes.get(nid)
+            if n is not None and n.step > step:
+                step = n.step
+    return step
+
+
+def node_summary(node: Any, now: float) -> dict[str, Any]:
+    return {
+        "node_id": node.node_id,
+        "job_id": node.job_id,
+        "phase": _s(node.phase),
+        "pool": node.pool_name,
+        "instance_id": node.instance_id,
+        "generation": node.generation,
+        "rank": node.rank,
+        "step": node.step,
+        "heartbeat_age_s": round(now - node.last_seen, 1) if node.last_seen else None,
+        "notice_deadline": node.notice_deadline,
+    }
+
+
+def pool_summary(pool: Any) -> dict[str, Any]:
+    return {
+        "pool": pool.pool.name,
+        "gpu_type": pool.gpu_type,
+        "gpus_per_node": pool.gpus_per_node,
+        "price_usd_h": pool.price_usd_h,
+        "on_demand_usd_h": pool.on_demand_usd_h,
+        "ratio": round(pool.price_usd_h / pool.on_demand_usd_h, 3)
+        if pool.price_usd_h and pool.on_demand_usd_h else None,
+        "preemptions": round(pool.preemptions, 3),
+        "exposure_h": round(pool.exposure_h, 2),
+        "backoff_until": pool.backoff_until or None,
+        "price_ts": pool.price_ts,
+    }
+
+
+def record_dict(record: Any) -> Any:
+    return msgspec.to_builtins(record)
+
+
+def counts(state: Any) -> dict[str, Any]:
+    jobs = Counter(_s(j.phase) for j in state.jobs.values())
+    nodes = Counter(_s(n.phase) for n in state.nodes.values())
+    return {"jobs": dict(jobs), "nodes": dict(nodes), "pools": len(state.pools)}
+
+
+def refresh_gauges(d: Any) -> None:
+    """Set the state gauges from the daemon's current state (on each Tick)."""
+    state, m = d.state, d.metrics
+    if state is None:
+        return
+    m.jobs.clear()
+    for phase, n in Counter(_s(j.phase) for j in state.jobs.values()).items():
+        m.jobs.labels(phase).set(n)
+    m.nodes.clear()
+    for (cloud, pool, phase), n in Counter(
+        (n.pool.cloud, n.pool_name, _s(n.phase)) for n in state.nodes.values()
+    ).items():
+        m.nodes.labels(cloud, pool, phase).set(n)
+    m.job_phase.clear()
+    m.job_nodes.clear()
+    for job in state.jobs.values():
+        m.cost.labels(job.job_id).set(job.cost_usd)
+        if job.spec.budget_usd is not None:
+            m.budget.labels(job.job_id).set(job.spec.budget_usd)
+        m.job_phase.labels(job.job_id, _s(job.phase)).set(1)
+        m.job_step.labels(job.job_id).set(_job_step(job, state.nodes))
+        per_pool: Counter[Any] = Counter()
+        for nid in job.nodes:
+            node = state.nodes.get(nid)
+            if node is not None:
+                per_pool[node.pool] += 1
+        for p, n in per_pool.items():
+            m.job_nodes.labels(job.job_id, p.cloud, p.region, p.zone, p.instance_type, _s(p.market)).set(n)
+    for pool in state.pools.values():
+        p = pool.pool
+        if pool.price_usd_h is not None:
+            m.pool_price.labels(p.cloud, p.region, p.zone, p.instance_type, _s(p.market)).set(pool.price_usd_h)
+        if pool.on_demand_usd_h is not None:
+            m.pool_on_demand_price.labels(p.cloud, p.region, p.zone, p.instance_type).set(pool.on_demand_usd_h)
+    m.lease_revision.set(d.fencing_token)
+
+
+def new_job_id(spec: ev.JobSpec, entropy: str) -> str:
+    from orchestrator.core.model import safe_token
+
+    return f"{safe_token(spec.name)[:40]}-{entropy}"

@@ -1,0 +1,174 @@
+"""Durable state of orchd in JetStream: the core's records, the command outbox, the decision audit.
+
+Role: persistence with the ordering that makes a crash harmless. For each batch the daemon calls
+``persist`` once, which writes in two phases:
+
+    1. outbox puts      - the commands decided in this batch, before anything can execute them;
+    2. state records    - the union of the batch's dirty keys (``b""`` = deleted), the deletions of
+                          outbox entries whose results were decided in this batch, and audit entries.
+
+Only after ``persist`` returns does the daemon ack the consumed JetStream messages and execute the new
+commands. A crash before phase 1 loses nothing (the messages are redelivered and decided again; ids and
+tokens are deterministic in the state). A crash after phase 1 leaves commands in the outbox, which the
+next daemon re-executes with the same ids/tokens (idempotent at the cloud and at the agent). An outbox
+entry is deleted only in the batch that decided the command's result, so a result is never lost.
+
+Writes use ``publish_async`` (pipelined: one round trip per phase, not per key) and are retried until
+the server stored them; during a NATS outage ``persist`` therefore blocks, which stops intake.
+
+Concurrency contract: one caller at a time (the decide loop); ``load`` runs once at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import anyio
+import msgspec
+import structlog
+from nats.js.kv import KeyValue
+
+from orchestrator import bus
+from orchestrator.core.commands import Command
+
+log = structlog.get_logger("orchd.store")
+
+_KV_OP = "KV-Operation"
+_command_codec_enc = msgspec.json.Encoder()
+_command_codec_dec = msgspec.json.Decoder(Command)
+_AUDIT_ANY = "_"
+
+
+def encode_command(cmd: Command) -> bytes:
+    return _command_codec_enc.encode(cmd)
+
+
+def decode_command(data: bytes) -> Command:
+    return _command_codec_dec.decode(data)
+
+
+def outbox_key(cmd: Command) -> str:
+    """A KV key that is the same for the same command (ids and tokens are deterministic in the state)."""
+    digest = hashlib.blake2b(encode_command(cmd), digest_size=12).hexdigest()
+    return f"{type(cmd).__name__.lower()}.{digest}"
+
+
+def audit_subject(job_id: str | None) -> str:
+    token = job_id if job_id and all(c not in ". *>" for c in job_id) else _AUDIT_ANY
+    return f"{bus.SUBJECT_AUDIT_PREFIX}.{token}"
+
+
+class Store:
+    def __init__(self, topo: bus.Topology, *, write_timeout_s: float = 5.0) -> None:
+        self.topo = topo
+        self.js = topo.js
+        self.write_timeout_s = write_timeout_s
+        self.writes = 0
+
+    async def load(self) -> tuple[dict[str, bytes], dict[str, Command]]:
+        """Every live record and every pending outbox command."""
+        records = await _load_bucket(self.topo.state_kv)
+        raw_outbox = await _load_bucket(self.topo.outbox_kv)
+        outbox: dict[str, Command] = {}
+        for key, data in raw_outbox.items():
+            try:
+                outbox[key] = decode_command(data)
+            except msgspec.DecodeError as e:  # a command from an incompatible version: drop, loudly
+                log.error("outbox_entry_undecodable", key=key, error=str(e))
+        return records, outbox
+
+    async def persist(
+        self,
+        records: Mapping[str, bytes],
+        outbox_put: Mapping[str, Command] = {},
+        outbox_done: Iterable[str] = (),
+        audit: Iterable[tuple[str | None, bytes]] = (),
+    ) -> None:
+        state_pre = f"$KV.{bus.KV_STATE}."
+        outbox_pre = f"$KV.{bus.KV_OUTBOX}."
+        if outbox_put:
+            await self._write([(outbox_pre + k, encode_command(c), None) for k, c in outbox_put.items()])
+        phase2: list[tuple[str, bytes, dict | None]] = []
+        for key, value in records.items():
+            if value:
+                phase2.append((state_pre + key, value, None))
+            else:
+                phase2.append((state_pre + key, b"", {_KV_OP: "DEL"}))
+        for key in outbox_done:
+            phase2.append((outbox_pre + key, b"", {_KV_OP: "DEL"}))
+        for job_id, data in audit:
+            phase2.append((audit_subject(job_id), data, None))
+        if phase2:
+            await self._write(phase2)
+
+    async def _write(self, items: list[tuple[str, bytes, dict | None]]) -> None:
+        """Publish all items pipelined; retry the ones not acknowledged until every one is stored.
+
+        A retried KV put may be stored twice (the first one was stored but its ack lost): harmless,
+        the later revision has the same value. Audit messages carry a Nats-Msg-Id for de-duplication."""
+        pending = items
+        attempt = 0
+        while pending:
+            failed: list[tuple[str, bytes, dict | None]] = []
+            futures: list[tuple[tuple[str, bytes, dict | None], asyncio.Future | None]] = []
+            for item in pending:
+                subject, data, headers = item
+                try:
+                    fut = await self.js.publish_async(subject, data, headers=headers, wait_stall=self.write_timeout_s)
+                    futures.append((item, fut))
+                except Exception as e:  # disconnected, stalled: retry below
+                    log.debug("store_publish_failed", subject=subject, error=repr(e))
+                    failed.append(item)
+            with anyio.move_on_after(self.write_timeout_s):
+                for item, fut in futures:
+                    try:
+                        await asyncio.shield(fut)
+                    except Exception as e:
+                        log.debug("store_write_nacked", subject=item[0], error=repr(e))
+                        failed.append(item)
+            for item, fut in futures:
+                if not fut.done():
+                    fut.cancel()
+                    failed.append(item)
+            self.writes += len(pending) - len(failed)
+            pending = failed
+            if pending:
+                attempt += 1
+                log.warning("store_write_retry", pending=len(pending), attempt=attempt)
+                await anyio.sleep(min(0.1 * 2**attempt, 2.0))
+
+    async def read_audit(self, job_id: str | None, limit: int = 200) -> list[bytes]:
+        """The last ``limit`` audit entries of a job (all jobs' unattributed entries for None)."""
+        subject = audit_subject(job_id)
+        sub = await self.js.subscribe(subject, ordered_consumer=True, deliver_policy=bus.DeliverPolicy.ALL)
+        out: list[bytes] = []
+        try:
+            info = await self.js.stream_info(bus.STREAM_AUDIT, subjects_filter=subject)
+            total = (info.state.subjects or {}).get(subject, 0) if info.state else 0
+            while len(out) < total:
+                try:
+                    msg = await sub.next_msg(timeout=1.0)
+                except Exception:
+                    break
+                out.append(msg.data)
+        finally:
+            await sub.unsubscribe()
+        return out[-limit:]
+
+
+async def _load_bucket(kv: KeyValue) -> dict[str, bytes]:
+    out: dict[str, bytes] = {}
+    watcher = await kv.watchall(ignore_deletes=True)
+    try:
+        async for entry in watcher:
+            if entry is None:
+                break
+            if entry.value:
+                out[entry.key] = entry.value
+            else:
+                out.pop(entry.key, None)
+    finally:
+        await watcher.stop()
+    return out

@@ -1,0 +1,112 @@
+"""Helpers of the shell's integration tests: settings, a simulated agent, publishers.
+
+The simulated agent is a real NATS subscriber on ``orch.cmd.>`` that acknowledges every command with a
+``CommandAck`` (as orch-agent does) and records what it received.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from orchestrator import events as ev
+from orchestrator.settings import load_settings
+
+POOL = ev.PoolKey(cloud="fake", region="r1", zone="r1a", instance_type="gpu.small", market=ev.Market.SPOT)
+POOL_OD = ev.PoolKey(cloud="fake", region="r1", zone="r1a", instance_type="gpu.small", market=ev.Market.ON_DEMAND)
+
+JOB_TOML = """
+name = "itest"
+total_steps = 1000
+gpu_type = "A100"
+gpus_per_node = 1
+nodes = {nodes}
+nodes_min = 1
+nodes_max = {nodes}
+clouds = ["fake"]
+market = "spot_with_fallback"
+[checkpoint]
+url = "file:///tmp/orch-itest-ckpt"
+interval_s = 600
+"""
+
+
+def write_config(tmp: Path, nats_url: str, *, metrics_port: int = 0, extra: str = "") -> Path:
+    state = tmp / "state"
+    cfg = tmp / "orchd.toml"
+    cfg.write_text(f"""
+[nats]
+urls = ["{nats_url}"]
+reconnect_wait_s = 0.2
+[daemon]
+state_dir = "{state}"
+tick_s = 0.5
+heartbeat_interval_s = 1.0
+heartbeat_timeout_s = 5.0
+command_ack_timeout_s = 1.0
+command_retries = 3
+shutdown_grace_s = 5.0
+[metrics]
+port = {metrics_port}
+[log]
+level = "info"
+format = "json"
+{extra}
+""")
+    return cfg
+
+
+def settings_for(tmp: Path, nats_url: str, **kw: Any):
+    return load_settings(write_config(tmp, nats_url, **kw), env={})
+
+
+def price(pool: ev.PoolKey = POOL, usd: float = 1.0, od: float = 3.0, ts: float | None = None) -> ev.PriceTick:
+    ts = ts or time.time()
+    return ev.PriceTick(id=f"p-{pool.name}-{ts}", pool=pool, gpu_type="A100", gpus_per_node=1,
+                        price_usd_h=usd, on_demand_usd_h=od, ts=ts)
+
+
+async def publish_js(js: Any, subject: str, msg: msgspec.Struct, msg_id: str | None = None) -> Any:
+    mid = msg_id or getattr(msg, "id", None) or uuid.uuid4().hex
+    return await js.publish(subject, ev.encode(msg), headers={"Nats-Msg-Id": mid})
+
+
+class SimAgent:
+    """Acks every command on orch.cmd.> and records them (node_id -> list of commands)."""
+
+    def __init__(self, nc: Any, *, ack: bool = True) -> None:
+        self.nc = nc
+        self.ack = ack
+        self.received: list[Any] = []
+        self.arrival: dict[str, float] = {}
+        self.sub = None
+
+    async def start(self) -> SimAgent:
+        async def on_cmd(msg: Any) -> None:
+            cmd = ev.decode(msg.data)
+            self.arrival.setdefault(cmd.cmd_id, time.time())
+            self.received.append(cmd)
+            if self.ack and msg.reply:
+                await msg.respond(ev.encode(ev.CommandAck(cmd_id=cmd.cmd_id, node_id=cmd.node_id, ok=True,
+                                                          ts=time.time())))
+
+        self.sub = await self.nc.subscribe("orch.cmd.>", cb=on_cmd)
+        await self.nc.flush()
+        return self
+
+    def of_kind(self, cls: type) -> list[Any]:
+        return [c for c in self.received if isinstance(c, cls)]
+
+
+async def wait_for(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> Any:
+    with anyio.fail_after(timeout):
+        while True:
+            v = pred()
+            if v:
+                return v
+            await anyio.sleep(interval)
