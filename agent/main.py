@@ -179,6 +179,8 @@ class Agent:
                 tg.start_soon(ensure_logs_stream, nc)
                 self._register()
                 sub = await nc.subscribe(subject_command(self.node_id), cb=self._on_command_msg)
+                with anyio.move_on_after(2):
+                    await nc.flush()  # the server knows the subscription before anyone is told we are up
                 tg.start_soon(self._heartbeat_loop)
                 if self.watcher is not None:
                     tg.start_soon(self.watcher.run, self._on_notice)

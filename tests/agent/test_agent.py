@@ -1,0 +1,166 @@
+"""The agent on a real nats-server with real rank processes (a contract-following fake trainer) and the
+fake metadata service: notices, commands (fencing, dedup), checkpoint relay, heartbeats."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import nats
+
+from agent.main import AgentConfig
+from orchestrator.events import (
+    AbandonGenerationCmd,
+    CheckpointCmd,
+    CheckpointCommitted,
+    GenerationStarted,
+    Heartbeat,
+    NodeId,
+    NodeRegistered,
+    PreemptionNotice,
+    RanksExited,
+    decode,
+    subject_heartbeat,
+)
+from providers.local.metadata import MetadataServer
+from tests.agent.helpers import ensure_events_stream, running_agent, send, start_cmd, stream_events, wait_for
+
+
+def _cfg(node: str, url: str, tmp, **kw) -> AgentConfig:
+    return AgentConfig(node_id=node, nats_urls=(url,), work_dir=str(tmp / node), heartbeat_s=0.3, **kw)
+
+
+def test_notice_is_one_event_on_nats_within_a_second(nats_url: str, tmp_path) -> None:
+    async def go() -> None:
+        nc = await nats.connect(nats_url)
+        await ensure_events_stream(nc)
+        seen: list[tuple[PreemptionNotice, float]] = []
+
+        async def on_msg(msg) -> None:
+            seen.append((decode(msg.data), time.monotonic()))
+
+        await nc.subscribe("orch.notice.>", cb=on_msg)
+        with MetadataServer() as md:
+            async with running_agent(_cfg("n-notice", nats_url, tmp_path, metadata="aws",
+                                          metadata_endpoint=md.url)):
+                await anyio.sleep(0.5)
+                t0 = time.monotonic()
+                deadline = time.time() + 120
+                md.inject_terminate(deadline)
+                await wait_for(lambda: seen, timeout_s=1.0)
+                await anyio.sleep(1.5)  # the watcher keeps polling: still one event
+        assert len(seen) == 1
+        notice, t = seen[0]
+        assert t - t0 < 1.0
+        assert notice.node_id == "n-notice" and notice.cloud == "aws" and abs(notice.deadline_ts - int(deadline)) <= 1
+        stored = [e for e in await stream_events(nc, "n-notice") if isinstance(e, PreemptionNotice)]
+        assert len(stored) == 1
+        await nc.close()
+
+    anyio.run(go)
+
+
+def test_commands_fencing_dedup_checkpoint_relay(nats_url: str, tmp_path) -> None:
+    async def go() -> None:
+        nc = await nats.connect(nats_url)
+        await ensure_events_stream(nc)
+        hbs: list[Heartbeat] = []
+
+        async def on_hb(msg) -> None:
+            hbs.append(decode(msg.data))
+
+        await nc.subscribe(subject_heartbeat("n-cmd"), cb=on_hb)
+        async with running_agent(_cfg("n-cmd", nats_url, tmp_path)) as agent:
+            start = start_cmd("n-cmd", token=5, ckpt=str(tmp_path / "ckpt"), step_time_s=0.05)
+            ack1 = await send(nc, start)
+            ack2 = await send(nc, start)  # a retry: same cmd_id, same answer, no second generation
+            assert ack1.ok and ack2 == ack1
+            await wait_for(lambda: agent.group is not None and agent.group.last_step >= 3)
+            await wait_for(lambda: any(h.state == "training" and h.step > 0 and h.cpu_pct is not None for h in hbs))
+            stale = CheckpointCmd(cmd_id="c-stale", fencing_token=4, node_id=NodeId("n-cmd"), job_id="j1",
+                                  generation=1, issued_ts=time.time(), reason="preemption_notice")
+            ack = await send(nc, stale)
+            assert not ack.ok and ack.error == "stale_fencing_token"
+            assert agent.group.running and not agent.group.checkpoint_requested
+            wrong_gen = AbandonGenerationCmd(cmd_id="a-1", fencing_token=5, node_id=NodeId("n-cmd"), job_id="j1",
+                                             generation=7, issued_ts=time.time(), reason="test")
+            assert (await send(nc, wrong_gen)).error == "unknown_generation"
+            ck = CheckpointCmd(cmd_id="c-1", fencing_token=6, node_id=NodeId("n-cmd"), job_id="j1", generation=1,
+                               issued_ts=time.time(), reason="preemption_notice", deadline_ts=time.time() + 30)
+            assert (await send(nc, ck)).ok
+            await wait_for(lambda: not agent.group.running)
+            assert agent.group.result.reason == "emergency_checkpoint"
+            await wait_for(lambda: any(h.fencing_token == 6 for h in hbs), timeout_s=3)
+            await anyio.sleep(0.5)
+        events = await stream_events(nc, "n-cmd")
+        kinds = [type(e).__name__ for e in events]
+        assert kinds.count("GenerationStarted") == 1
+        assert kinds[0] == "NodeRegistered"
+        commit = next(e for e in events if isinstance(e, CheckpointCommitted))
+        exited = next(e for e in events if isinstance(e, RanksExited))
+        assert commit.emergency and 20 < commit.deadline_margin_s <= 30
+        assert exited.reason == "emergency_checkpoint" and exited.exit_code == 75 and exited.last_step == commit.step
+        assert kinds.index("CheckpointCommitted") < kinds.index("RanksExited")
+        await nc.close()
+
+    anyio.run(go)
+
+
+def test_notice_triggers_local_checkpoint_and_azure_ack_after_commit(nats_url: str, tmp_path) -> None:
+    """Azure: the node checkpoints on its own notice (no orchd needed) and acknowledges the event after."""
+
+    async def go() -> None:
+        nc = await nats.connect(nats_url)
+        await ensure_events_stream(nc)
+        with MetadataServer() as md:
+            async with running_agent(_cfg("n-az", nats_url, tmp_path, metadata="azure", metadata_endpoint=md.url,
+                                          metadata_poll_s=0.2)) as agent:
+                assert (await send(nc, start_cmd("n-az", ckpt=str(tmp_path / "ck"), step_time_s=0.2))).ok
+                await wait_for(lambda: agent.group.last_step >= 2)
+                md.inject_terminate(time.time() + 30)
+                await wait_for(lambda: not agent.group.running)
+                await wait_for(lambda: md.acks, timeout_s=3)
+                assert md.acks == [md.azure_event_id]
+        events = await stream_events(nc, "n-az")
+        kinds = [type(e).__name__ for e in events]
+        assert "PreemptionNotice" in kinds and "CheckpointCommitted" in kinds
+        assert next(e for e in events if isinstance(e, RanksExited)).reason == "emergency_checkpoint"
+        await nc.close()
+
+    anyio.run(go)
+
+
+def test_new_generation_resumes_and_abandon_kills(nats_url: str, tmp_path) -> None:
+    async def go() -> None:
+        nc = await nats.connect(nats_url)
+        await ensure_events_stream(nc)
+        ck = str(tmp_path / "ck")
+        async with running_agent(_cfg("n-gen", nats_url, tmp_path)) as agent:
+            assert (await send(nc, start_cmd("n-gen", ckpt=ck, generation=1, steps=5, step_time_s=0.02))).ok
+            await wait_for(lambda: not agent.group.running)
+            assert agent.group.result.reason == "completed"
+            cmd2 = start_cmd("n-gen", ckpt=ck, generation=2, steps=10_000, resume=f"file://{ck}/step_000000005")
+            assert (await send(nc, cmd2)).ok
+            await wait_for(lambda: agent.group.last_step >= 7)
+            pid = agent.group.ranks[0].proc.pid
+            ab = AbandonGenerationCmd(cmd_id="ab-2", fencing_token=1, node_id=NodeId("n-gen"), job_id="j1",
+                                      generation=2, issued_ts=time.time(), reason="peer_lost")
+            assert (await send(nc, ab)).ok
+            await wait_for(lambda: not agent.group.running, timeout_s=5)
+            assert agent.group.result.reason == "abandoned"
+            import os
+
+            try:
+                os.kill(pid, 0)
+                alive = True
+            except ProcessLookupError:
+                alive = False
+            assert not alive
+        events = await stream_events(nc, "n-gen")
+        starts = [e for e in events if isinstance(e, GenerationStarted)]
+        assert [(s.generation, s.first_step) for s in starts] == [(1, 1), (2, 6)]
+        assert [e.reason for e in events if isinstance(e, RanksExited)] == ["completed", "abandoned"]
+        assert sum(isinstance(e, NodeRegistered) for e in events) == 1
+        await nc.close()
+
+    anyio.run(go)
