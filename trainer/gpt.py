@@ -198,7 +198,10 @@ def train(args: TrainerArgs) -> None:
                     break
                 opt.zero_grad(set_to_none=True)
                 if hasattr(model, "reset_iter_state"):
-                    model.reset_iter_state()
+                    try:
+                        model.reset_iter_state()  # FSDP2: drop half-done all-gather/reduce-scatter state
+                    except AttributeError:  # torch 2.13: comm context not built yet (OOM before any forward)
+                        pass
                 if sess.info.is_gpu:
                     torch.cuda.empty_cache()
                 if runner.micro_batch == 1:
