@@ -1,0 +1,42 @@
+"""The pure decision core: ``decide(state, event, now) -> Decision``.
+
+No I/O, no clock, no logging, no randomness (an import-linter contract in pyproject.toml keeps it so).
+See docs/core.md for the state machines, the policies and the persistence contract.
+"""
+
+from orchestrator.core.decide import decide
+from orchestrator.core.model import (
+    AuditEntry,
+    CoreConfig,
+    Decision,
+    Intent,
+    Job,
+    JobPhase,
+    Meta,
+    Node,
+    NodePhase,
+    PoolStats,
+    State,
+)
+from orchestrator.core.records import state_from_records, state_to_records
+from orchestrator.core.transitions import JOB_TRANSITIONS, NODE_TRANSITIONS, IllegalTransition
+
+__all__ = [
+    "AuditEntry",
+    "CoreConfig",
+    "Decision",
+    "IllegalTransition",
+    "Intent",
+    "JOB_TRANSITIONS",
+    "Job",
+    "JobPhase",
+    "Meta",
+    "NODE_TRANSITIONS",
+    "Node",
+    "NodePhase",
+    "PoolStats",
+    "State",
+    "decide",
+    "state_from_records",
+    "state_to_records",
+]

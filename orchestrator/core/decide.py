@@ -1,0 +1,424 @@
+"""``decide(state, event, now) -> Decision``: the one entry point of the pure decision core.
+
+Role: dispatch each event to its handler; handlers change a ``Tx`` (lifecycle.py, policy.py) and the
+``Tx`` becomes the Decision. Pure: no I/O, no clock (``now`` is a parameter), no logging, no randomness;
+equal inputs give equal outputs, which is what lets a restarted daemon re-execute a persisted decision's
+commands with the same ids and tokens.
+
+Robustness contract: events about unknown jobs/nodes, stale generations, redelivered events are ignored
+(same state, no commands, at most an audit entry). ``decide`` raises only ``IllegalTransition`` (a bug).
+
+Heartbeats take a fast path (no Tx): they update one node record and, when nothing but liveness and
+progress changed (last_seen, seq, step, loss, step time), leave ``dirty`` empty - see docs/core.md for
+how the shell persists those at a lower rate.
+"""
+
+from __future__ import annotations
+
+from typing import assert_never
+
+import msgspec
+
+from orchestrator.core import lifecycle as lc
+from orchestrator.core import policy
+from orchestrator.core.inputs import (
+    AgentDisconnected,
+    BusState,
+    CommandFailed,
+    CoreEvent,
+    JobCancelled,
+    JobSubmitted,
+    LaunchFailed,
+    LeaseChanged,
+    NodeDrainRequested,
+    NodeGone,
+    NodeLaunched,
+    Tick,
+)
+from orchestrator.core.model import (
+    GEN_PHASES,
+    TERMINAL_JOB_PHASES,
+    Decision,
+    Intent,
+    Job,
+    JobPhase,
+    Node,
+    NodePhase,
+    PoolStats,
+    State,
+)
+from orchestrator.core.pricing import record_exposure
+from orchestrator.core.tx import Tx
+from orchestrator.events import (
+    AgentState,
+    CheckpointCommitted,
+    CommandAck,
+    GenerationStarted,
+    Heartbeat,
+    Market,
+    NodeLeaving,
+    NodeRegistered,
+    NoticeKind,
+    PreemptionNotice,
+    PriceTick,
+    RanksExited,
+)
+
+J = JobPhase
+N = NodePhase
+_replace = msgspec.structs.replace
+_EMPTY: frozenset[str] = frozenset()
+
+
+def decide(state: State, event: CoreEvent, now: float) -> Decision:
+    if type(event) is Heartbeat:
+        fast = _heartbeat_fast(state, event, now)
+        if fast is not None:
+            return fast
+    tx = Tx(state, type(event).__name__, now)
+    match event:
+        case Heartbeat():
+            _heartbeat_slow(tx, event)
+        case Tick():
+            policy.on_tick(tx)
+        case PriceTick():
+            policy.on_price(tx, event)
+        case JobSubmitted():
+            _job_submitted(tx, event)
+        case JobCancelled():
+            _job_cancelled(tx, event)
+        case NodeLaunched():
+            _node_launched(tx, event)
+        case LaunchFailed():
+            _launch_failed(tx, event)
+        case NodeRegistered():
+            _node_registered(tx, event)
+        case GenerationStarted():
+            _generation_started(tx, event)
+        case CheckpointCommitted():
+            _checkpoint_committed(tx, event)
+        case RanksExited():
+            _ranks_exited(tx, event)
+        case PreemptionNotice():
+            _notice(tx, event)
+        case NodeGone():
+            _node_gone(tx, event)
+        case AgentDisconnected():
+            _agent_disconnected(tx, event)
+        case NodeLeaving():
+            _node_leaving(tx, event)
+        case NodeDrainRequested():
+            _drain(tx, event)
+        case CommandFailed():
+            _command_failed(tx, event)
+        case CommandAck():
+            pass  # acks are the shell's business (retries); failures arrive as CommandFailed
+        case BusState():
+            if event.connected:
+                tx.put_meta(bus_connected=True, detect_paused_until=now + tx.cfg.heartbeat_timeout_s)
+            else:
+                tx.put_meta(bus_connected=False)
+            tx.record(None, "failure_detection", "bus_connected" if event.connected else "bus_disconnected")
+        case LeaseChanged():
+            if event.revision != tx.meta.fencing_token:
+                tx.put_meta(fencing_token=event.revision)
+        case _:
+            assert_never(event)
+    return tx.decision()
+
+
+# --- heartbeats ---------------------------------------------------------------------------------
+
+
+def _heartbeat_fast(state: State, hb: Heartbeat, now: float) -> Decision | None:
+    """The common case: a known, healthy node reports liveness/progress. None -> take the slow path."""
+    node = state.nodes.get(hb.node_id)
+    if node is None:
+        return Decision(state, (), (), _EMPTY)
+    if hb.seq and hb.seq < node.hb_seq:
+        return Decision(state, (), (), _EMPTY)  # reordered: an older heartbeat
+    if node.suspect_since is not None or node.disconnected or node.phase not in (N.RUNNING, N.REGISTERED):
+        return None
+    if node.phase == N.RUNNING and hb.generation == node.generation and hb.state == AgentState.TRAINING:
+        job = state.jobs.get(node.job_id)
+        if job is not None and job.phase == J.STARTING and job.generation == node.generation:
+            return None  # first sign of training: the job becomes RUNNING
+    step = hb.step if hb.generation == node.generation and hb.step > node.step else node.step
+    new = _replace(
+        node,
+        last_seen=now,
+        hb_seq=hb.seq,
+        step=step,
+        loss=hb.loss if hb.loss is not None else node.loss,
+        step_time_s=hb.step_time_s if hb.step_time_s is not None else node.step_time_s,
+    )
+    return Decision(State(state.jobs, state.nodes.set(node.node_id, new), state.pools, state.meta), (), (), _EMPTY)
+
+
+def _heartbeat_slow(tx: Tx, hb: Heartbeat) -> None:
+    node = tx.nodes.get(hb.node_id)
+    if node is None:
+        return
+    changes: dict = {"last_seen": tx.now, "hb_seq": max(hb.seq, node.hb_seq)}
+    if hb.generation == node.generation and hb.step > node.step:
+        changes["step"] = hb.step
+    if hb.step_time_s is not None:
+        changes["step_time_s"] = hb.step_time_s
+    if node.suspect_since is not None or node.disconnected:
+        changes["suspect_since"] = None
+        changes["disconnected"] = False
+        tx.record(node.job_id, "node_recovered", "heartbeat", node_id=node.node_id)
+    node = tx.update_node(node, **changes)
+    job = tx.jobs.get(node.job_id)
+    if job is None:
+        return
+    if (
+        job.phase == J.STARTING
+        and node.phase == N.RUNNING
+        and hb.generation == job.generation == node.generation
+        and hb.state == AgentState.TRAINING
+    ):
+        job = tx.job_phase(job, J.RUNNING, reason="training", gen_confirmed=True)
+    if node.phase == N.REGISTERED:
+        job = lc.try_start(tx, job)
+        lc.regroup(tx, job)
+
+
+# --- jobs ---------------------------------------------------------------------------------------
+
+
+def _job_submitted(tx: Tx, ev: JobSubmitted) -> None:
+    if ev.job_id in tx.jobs:
+        return  # redelivered
+    spec = ev.spec
+    target = min(max(spec.nodes, spec.nodes_min, 1), max(spec.nodes_max, spec.nodes_min, 1))
+    job = Job(
+        job_id=ev.job_id, spec=spec, phase=J.PENDING, phase_ts=tx.now, submitted_ts=tx.now,
+        target_nodes=target, cost_ts=tx.now, reason="submitted",
+    )
+    tx.put_job(job)
+    tx.record(ev.job_id, "submit", "admin", name=spec.name, nodes=target, gpu_type=spec.gpu_type)
+    lc.replenish(tx, job)
+
+
+def _job_cancelled(tx: Tx, ev: JobCancelled) -> None:
+    job = tx.jobs.get(ev.job_id)
+    if job is None or job.phase in TERMINAL_JOB_PHASES:
+        return
+    tx.record(job.job_id, "cancel", ev.reason)
+    if job.phase in (J.STARTING, J.RUNNING):
+        lc.checkpoint_job(tx, job, Intent.CANCEL, "cancel")
+    elif job.phase in (J.CHECKPOINTING, J.RECOVERING):
+        tx.update_job(job, intent=Intent.CANCEL)
+    else:
+        job = lc.terminate_all(tx, job, "cancel")
+        tx.job_phase(job, J.CANCELLED, reason=ev.reason)
+
+
+# --- nodes --------------------------------------------------------------------------------------
+
+
+def _node_launched(tx: Tx, ev: NodeLaunched) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None or node.token != ev.token:
+        tx.record(ev.job_id, "ignore", "unknown_node", node_id=ev.node_id, instance_id=ev.instance_id)
+        return
+    if node.instance_id is not None:
+        return  # redelivered
+    job = tx.jobs.get(node.job_id)
+    if job is not None:
+        job = lc.accrue(tx, job)  # the burn rate changes now
+    phase = N.BOOTING if node.phase == N.REQUESTED else node.phase
+    node = tx.node_phase(node, phase, instance_id=ev.instance_id, launched_ts=tx.now)
+    ps = tx.pools.get(node.pool_name)
+    if ps is not None and ps.failures:
+        tx.put_pool(node.pool_name, _replace(ps, failures=0))
+    if job is None or job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED:
+        lc.remove_node(tx, job, node, reason="job_not_active", lost=False, terminate=True)
+        return
+    policy.check_budget(tx, tx.job(job.job_id))
+
+
+def _launch_failed(tx: Tx, ev: LaunchFailed) -> None:
+    job = tx.jobs.get(ev.job_id)
+    failed = [n for n in (tx.nodes.get(i) for i in ev.node_ids) if n is not None and n.token == ev.token]
+    failed = [n for n in failed if n.phase == N.REQUESTED]
+    if not failed:
+        return  # redelivered, or stale
+    name = ev.pool.name
+    ps = tx.pools.get(name)
+    if ps is not None:
+        cfg = tx.cfg
+        backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures, 20))
+        tx.put_pool(name, _replace(ps, failures=ps.failures + 1, backoff_until=tx.now + backoff))
+    tx.record(ev.job_id, "launch_failed", str(ev.reason), pool=name, nodes=[n.node_id for n in failed])
+    for n in failed:
+        job = lc.remove_node(tx, job, n, reason=f"launch_failed_{ev.reason}", lost=True, terminate=False)
+    if job is not None:
+        _reconcile(tx, job)
+
+
+def _reconcile(tx: Tx, job: Job) -> None:
+    job = tx.job(job.job_id)
+    if job.phase in (J.PLACING, J.RESIZING):
+        job = lc.try_start(tx, job)
+    elif job.phase == J.RUNNING:
+        job = lc.regroup(tx, job)
+    if job.phase == J.PLACING and not job.nodes:
+        job = tx.job_phase(job, J.PENDING, reason="no_nodes")
+    lc.replenish(tx, job)
+
+
+def _node_registered(tx: Tx, ev: NodeRegistered) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None:
+        tx.record(None, "ignore", "unknown_node", node_id=ev.node_id)
+        return
+    if node.phase not in (N.REQUESTED, N.BOOTING):
+        if ev.host and not node.host:
+            tx.update_node(node, host=ev.host)
+        return  # redelivered (or re-registration of an agent that restarted)
+    job = tx.jobs.get(node.job_id)
+    changes: dict = {"host": ev.host or node.host, "last_seen": tx.now}
+    if ev.instance_id and node.instance_id is None:
+        changes["instance_id"] = ev.instance_id
+        changes["launched_ts"] = node.launched_ts if node.launched_ts is not None else tx.now
+        if job is not None:
+            job = lc.accrue(tx, job)
+    node = tx.node_phase(node, N.REGISTERED, **changes)
+    if job is None or job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED:
+        lc.remove_node(tx, job, node, reason="job_not_active", lost=False, terminate=True)
+        return
+    _reconcile(tx, job)
+
+
+def _generation_started(tx: Tx, ev: GenerationStarted) -> None:
+    job = tx.jobs.get(ev.job_id)
+    if job is None or ev.generation != job.generation or ev.node_id not in job.gen_nodes:
+        return
+    if job.phase == J.STARTING:
+        tx.job_phase(job, J.RUNNING, reason="training", gen_confirmed=True)
+        tx.record(job.job_id, "running", "generation_started", generation=ev.generation, first_step=ev.first_step)
+
+
+def _checkpoint_committed(tx: Tx, ev: CheckpointCommitted) -> None:
+    job = tx.jobs.get(ev.job_id)
+    if job is None or ev.step <= job.committed_step and job.committed_url is not None:
+        return  # unknown job, or a commit we already know (redelivered, or one per node)
+    save = job.save_s
+    if ev.save_s > 0:
+        save = ev.save_s if save is None else 0.5 * save + 0.5 * ev.save_s
+    tx.update_job(job, committed_step=ev.step, committed_url=ev.url, committed_ts=tx.now, save_s=save,
+                  step=max(job.step, ev.step))
+    tx.record(job.job_id, "checkpoint_committed", "emergency" if ev.emergency else "periodic", step=ev.step,
+              url=ev.url, save_s=ev.save_s, deadline_margin_s=ev.deadline_margin_s)
+
+
+def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
+    job = tx.jobs.get(ev.job_id)
+    node = tx.nodes.get(ev.node_id)
+    if job is None or node is None or ev.generation != job.generation or job.phase not in GEN_PHASES:
+        return
+    if ev.node_id not in job.gen_nodes or ev.node_id in job.gen_exited:
+        return  # redelivered
+    if ev.last_step > node.step:
+        node = tx.update_node(node, step=ev.last_step)
+    job = tx.update_job(job, gen_exited=job.gen_exited + (ev.node_id,))
+    tx.record(job.job_id, "ranks_exited", ev.reason, node_id=ev.node_id, exit_code=ev.exit_code, last_step=ev.last_step)
+    if ev.reason == "completed" and ev.last_step >= job.spec.total_steps:
+        job = tx.update_job(job, step=ev.last_step)
+        job = lc.terminate_all(tx, job, "completed")
+        tx.job_phase(job, J.SUCCEEDED, reason="completed")
+        return
+    if job.phase in (J.STARTING, J.RUNNING):
+        if ev.reason == "failed":
+            job = tx.update_job(job, failures=job.failures + 1)
+            if job.failures > tx.cfg.max_restarts:
+                job = lc.terminate_all(tx, job, "trainer_failed")
+                tx.job_phase(job, J.FAILED, reason="trainer_failed")
+                return
+        job = lc.abandon_generation(tx, job, f"ranks_exited_{ev.reason}")
+    job = lc.maybe_end_generation(tx, job)
+    lc.replenish(tx, job)
+
+
+def _notice(tx: Tx, ev: PreemptionNotice) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None:
+        tx.record(None, "ignore", "unknown_node", node_id=ev.node_id)
+        return
+    if ev.kind == NoticeKind.REBALANCE or ev.deadline_ts is None:
+        ps = tx.pools.get(node.pool_name)
+        if ps is not None and node.pool.market == Market.SPOT:
+            tx.put_pool(node.pool_name, _replace(ps, last_preempted_ts=tx.now))
+        tx.record(node.job_id, "note", "rebalance_recommendation", node_id=node.node_id, pool=node.pool_name)
+        return
+    if node.phase not in (N.BOOTING, N.REGISTERED, N.RUNNING, N.DRAINING):
+        return  # already noticed (redelivered), or not launched
+    ps = tx.pools.get(node.pool_name)
+    if ps is not None:
+        tx.put_pool(node.pool_name, _replace(ps, **record_exposure(ps, tx.cfg, tx.now, 0.0, True)))
+    node = tx.node_phase(node, N.NOTICED, notice_deadline=ev.deadline_ts)
+    job = tx.jobs.get(node.job_id)
+    tx.record(node.job_id, "preemption_notice", ev.source, node_id=node.node_id, pool=node.pool_name,
+              deadline_ts=ev.deadline_ts)
+    if job is None or job.phase in TERMINAL_JOB_PHASES:
+        lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
+        return
+    member = node.node_id in job.gen_nodes and node.node_id not in job.gen_exited and job.phase in GEN_PHASES
+    if member:
+        if job.phase in (J.STARTING, J.RUNNING):
+            job = lc.checkpoint_job(tx, job, Intent.PREEMPTION, "preemption_notice", ev.deadline_ts)
+    else:
+        job = lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
+    lc.replenish(tx, job, exclude=frozenset({node.pool_name}))
+
+
+def _node_gone(tx: Tx, ev: NodeGone) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None:
+        return
+    preempted = ev.reason != "terminated_by_us" and node.pool.market == Market.SPOT and node.phase != N.NOTICED
+    lc.lose_node(tx, node, f"node_gone_{ev.reason}", preempted=preempted, terminate=False)
+
+
+def _agent_disconnected(tx: Tx, ev: AgentDisconnected) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None or node.disconnected:
+        return
+    if node.suspect_since is not None:
+        lc.lose_node(tx, node, "agent_disconnected_after_timeout", preempted=False)
+    else:
+        tx.update_node(node, disconnected=True)
+        tx.record(node.job_id, "note", "agent_disconnected", node_id=node.node_id)
+
+
+def _node_leaving(tx: Tx, ev: NodeLeaving) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None or node.phase in (N.NOTICED, N.DRAINING):
+        return  # expected: it leaves after its checkpoint / at its deadline
+    lc.lose_node(tx, node, f"node_leaving_{ev.reason}", preempted=False)
+
+
+def _drain(tx: Tx, ev: NodeDrainRequested) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None or node.phase in (N.NOTICED, N.DRAINING):
+        return
+    job = tx.jobs.get(node.job_id)
+    tx.record(node.job_id, "drain", ev.reason, node_id=node.node_id)
+    if job is not None and node.node_id in job.gen_nodes and job.phase in (J.STARTING, J.RUNNING):
+        tx.node_phase(node, N.DRAINING)
+        job = lc.checkpoint_job(tx, job, Intent.DRAIN, "drain")
+    elif job is not None and node.node_id in job.gen_nodes and job.phase in GEN_PHASES:
+        tx.node_phase(node, N.DRAINING)  # leaves at the end of the current checkpoint/recovery
+    else:
+        job = lc.remove_node(tx, job, node, reason="drain", lost=False, terminate=True)
+    if job is not None:
+        lc.replenish(tx, tx.job(job.job_id))
+
+
+def _command_failed(tx: Tx, ev: CommandFailed) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None or node.suspect_since is not None or node.phase in (N.REQUESTED, N.BOOTING):
+        return
+    policy.suspect(tx, node, f"command_failed_{ev.kind}")

@@ -1,0 +1,378 @@
+"""The generation protocol and node bookkeeping, as steps on a ``Tx``.
+
+Role: everything that changes which nodes a job has and which generation runs on them: launching,
+removing nodes (with cost accrual and pool statistics), starting a generation, asking for a checkpoint
+or abandoning a generation, ending it, and the one rule for what the job should look like next
+(``replenish`` + ``try_start`` + ``regroup``). Event handlers (decide.py) and timer policies
+(policy.py) only call these.
+
+Vocabulary: a node is *acceptable* for its job when it is alive, not suspect, in the job's zone, of a
+market the job may use now, and not in a pool the job is leaving (price migration). Unacceptable
+members keep training until the next checkpoint, then are terminated.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from orchestrator.core.commands import Launch, Terminate
+from orchestrator.core.model import (
+    GEN_PHASES,
+    TERMINAL_JOB_PHASES,
+    Intent,
+    Job,
+    JobPhase,
+    Node,
+    NodePhase,
+    PoolStats,
+)
+from orchestrator.core.placement import alternatives, markets_for, ranked, zone_of
+from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds
+from orchestrator.core.tx import Tx
+from orchestrator.events import AbandonGenerationCmd, CheckpointCmd, StartGenerationCmd
+
+J = JobPhase
+N = NodePhase
+_COUNTING = frozenset({N.REQUESTED, N.BOOTING, N.REGISTERED, N.RUNNING})
+_INFLIGHT = frozenset({N.REQUESTED, N.BOOTING})
+_STOP_PHASE = {Intent.PAUSE: J.PAUSED, Intent.BUDGET: J.STOPPED, Intent.CANCEL: J.CANCELLED}
+
+
+# --- queries ------------------------------------------------------------------------------------
+
+
+def job_nodes(tx: Tx, job: Job) -> list[Node]:
+    nodes = tx.nodes
+    return [nodes[n] for n in job.nodes if n in nodes]
+
+
+def acceptable(job: Job, node: Node) -> bool:
+    return (
+        node.phase in _COUNTING
+        and node.suspect_since is None
+        and zone_of(node.pool) == job.zone
+        and node.pool.market in markets_for(job)
+        and node.pool_name not in job.avoid_pools
+    )
+
+
+def members_alive(tx: Tx, job: Job) -> list[Node]:
+    """Members of the current generation whose ranks have not exited."""
+    nodes = tx.nodes
+    return [nodes[n] for n in job.gen_nodes if n not in job.gen_exited and n in nodes]
+
+
+def progress_step(tx: Tx, job: Job) -> int:
+    step = max(job.step, job.committed_step)
+    nodes = tx.nodes
+    for nid in job.gen_nodes:
+        n = nodes.get(nid)
+        if n is not None and n.generation == job.generation and n.step > step:
+            step = n.step
+    return step
+
+
+def burn_usd_h(tx: Tx, job: Job) -> float:
+    """$ per hour the job's launched nodes cost now."""
+    total = 0.0
+    nodes, pools = tx.nodes, tx.pools
+    for nid in job.nodes:
+        n = nodes.get(nid)
+        if n is None or n.phase == N.REQUESTED:
+            continue
+        ps = pools.get(n.pool_name)
+        if ps is not None and ps.price_usd_h is not None:
+            total += ps.price_usd_h
+    return total
+
+
+def cost_now(tx: Tx, job: Job) -> float:
+    return job.cost_usd + burn_usd_h(tx, job) * max(0.0, tx.now - job.cost_ts) / 3600.0
+
+
+def accrue(tx: Tx, job: Job, force: bool = True) -> Job:
+    """Bring job.cost_usd up to now (call before anything that changes the burn rate)."""
+    dt = tx.now - job.cost_ts
+    if dt <= 0 or (not force and dt < tx.cfg.accrue_interval_s):
+        return job
+    return tx.update_job(job, cost_usd=job.cost_usd + burn_usd_h(tx, job) * dt / 3600.0, cost_ts=tx.now)
+
+
+# --- nodes --------------------------------------------------------------------------------------
+
+
+def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple = ()) -> Job:
+    cfg = tx.cfg
+    if count <= 0:
+        return job
+    if job.spec.budget_usd is not None:
+        burn = burn_usd_h(tx, job) + count * (ps.price_usd_h or 0.0)
+        margin_s = save_seconds(job) + cfg.terminate_s + 2 * cfg.tick_s
+        if cost_now(tx, job) + burn * margin_s / 3600.0 >= job.spec.budget_usd:
+            if job.reason != "launch_refused_budget":
+                tx.record(job.job_id, "launch_refused", "budget", alts, pool=ps.pool.name, count=count)
+                job = tx.update_job(job, reason="launch_refused_budget")
+            return job
+    token = tx.new_launch_token(job.job_id)
+    ids: list[str] = []
+    for _ in range(count):
+        nid = tx.new_node_id(job.job_id)
+        tx.put_node(
+            Node(
+                node_id=nid,
+                job_id=job.job_id,
+                pool=ps.pool,
+                pool_name=ps.pool.name,
+                token=token,
+                phase=N.REQUESTED,
+                phase_ts=tx.now,
+                requested_ts=tx.now,
+            )
+        )
+        ids.append(nid)
+    tx.emit(Launch(job_id=job.job_id, pool=ps.pool, node_ids=tuple(ids), token=token))
+    tx.record(
+        job.job_id, "launch", reason, alts, pool=ps.pool.name, price_usd_h=ps.price_usd_h, node_ids=ids, token=token
+    )
+    return tx.update_job(job, nodes=job.nodes + tuple(ids), reason=reason)
+
+
+def remove_node(
+    tx: Tx, job: Job | None, node: Node, *, reason: str, lost: bool, terminate: bool, preempted: bool = False
+) -> Job | None:
+    """Terminal phase for ``node`` (GONE when lost, else TERMINATED); its record is deleted."""
+    cfg = tx.cfg
+    if job is not None:
+        job = accrue(tx, job)
+    if terminate:
+        tx.emit(Terminate(node_id=node.node_id, instance_id=node.instance_id, pool=node.pool, reason=reason))
+    ps = tx.pools.get(node.pool_name)
+    if ps is not None and (node.launched_ts is not None or preempted):
+        hours = (tx.now - (node.launched_ts if node.launched_ts is not None else tx.now)) / 3600.0
+        tx.put_pool(node.pool_name, msgspec.structs.replace(ps, **record_exposure(ps, cfg, tx.now, hours, preempted)))
+    tx.drop_node(node, N.GONE if lost else N.TERMINATED)
+    if job is None:
+        return None
+    changes: dict = {"nodes": tuple(n for n in job.nodes if n != node.node_id)}
+    if node.node_id in job.gen_nodes and node.node_id not in job.gen_exited:
+        changes["gen_exited"] = job.gen_exited + (node.node_id,)
+    if terminate and node.phase != N.REQUESTED and ps is not None and ps.price_usd_h:
+        # Billing continues until the cloud has really stopped the instance.
+        changes["cost_usd"] = job.cost_usd + ps.price_usd_h * cfg.terminate_s / 3600.0
+    tx.record(job.job_id, "remove_node", reason, node_id=node.node_id, lost=lost, terminate=terminate)
+    return tx.update_job(job, **changes)
+
+
+def terminate_all(tx: Tx, job: Job, reason: str) -> Job:
+    for node in job_nodes(tx, job):
+        job = remove_node(tx, job, node, reason=reason, lost=False, terminate=True)  # type: ignore[assignment]
+    return job
+
+
+# --- generations --------------------------------------------------------------------------------
+
+
+def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
+    cfg = tx.cfg
+    gen = job.generation + 1
+    nn = len(members)
+    gpn = job.spec.gpus_per_node
+    master = members[0].host or members[0].node_id
+    port = cfg.master_port_base + gen % cfg.master_port_span
+    interval = checkpoint_interval_s(job, tx.pools.get(members[0].pool_name), nn, cfg, tx.now)
+    ids = []
+    for rank, node in enumerate(members):
+        node = tx.node_phase(node, N.RUNNING, generation=gen, rank=rank)
+        tx.send(
+            node,
+            StartGenerationCmd,
+            generation=gen,
+            node_rank=rank,
+            nnodes=nn,
+            gpus_per_node=gpn,
+            world_size=nn * gpn,
+            master_addr=master,
+            master_port=port,
+            resume_from=job.committed_url,
+            checkpoint_url=job.spec.checkpoint.url,
+            total_steps=job.spec.total_steps,
+            checkpoint_interval_s=interval,
+            trainer=job.spec.trainer,
+        )
+        ids.append(node.node_id)
+    tx.record(
+        job.job_id, "start_generation", job.reason or "nodes_ready", generation=gen, nodes=ids,
+        resume_from=job.committed_url, checkpoint_interval_s=interval, master_addr=master, master_port=port,
+    )
+    return tx.job_phase(
+        job, J.STARTING, reason="generation_started", generation=gen, gen_nodes=tuple(ids), gen_exited=(),
+        gen_ts=tx.now, gen_confirmed=False, intent=Intent.NONE, ckpt_interval_s=interval,
+    )
+
+
+def checkpoint_job(tx: Tx, job: Job, intent: Intent, reason: str, deadline: float | None = None) -> Job:
+    """CheckpointCmd to every live member; the generation ends when all ranks exited."""
+    for node in members_alive(tx, job):
+        tx.send(node, CheckpointCmd, generation=job.generation, reason=reason, deadline_ts=deadline)
+    tx.record(job.job_id, "checkpoint", reason, generation=job.generation, deadline_ts=deadline)
+    return tx.job_phase(job, J.CHECKPOINTING, reason=reason, intent=intent)
+
+
+def abandon_generation(tx: Tx, job: Job, reason: str) -> Job:
+    """AbandonGenerationCmd to the live members; resume later from the last committed checkpoint."""
+    for node in members_alive(tx, job):
+        if node.phase in (N.RUNNING, N.DRAINING, N.NOTICED) and node.suspect_since is None:
+            tx.send(node, AbandonGenerationCmd, generation=job.generation, reason=reason)
+    tx.record(job.job_id, "abandon_generation", reason, generation=job.generation, resume_from=job.committed_url)
+    intent = job.intent if job.intent in _STOP_PHASE else Intent.RECOVER
+    return tx.job_phase(job, J.RECOVERING, reason=reason, intent=intent)
+
+
+def maybe_end_generation(tx: Tx, job: Job) -> Job:
+    """End the generation once every member exited, was lost, or is suspect."""
+    if job.phase not in GEN_PHASES or not job.gen_nodes:
+        return job
+    nodes = tx.nodes
+    for nid in job.gen_nodes:
+        if nid in job.gen_exited:
+            continue
+        n = nodes.get(nid)
+        if n is not None and n.suspect_since is None:
+            return job
+    if job.phase in (J.STARTING, J.RUNNING):
+        job = tx.job_phase(job, J.RECOVERING, reason="generation_lost", intent=Intent.RECOVER)
+    return end_generation(tx, job)
+
+
+def end_generation(tx: Tx, job: Job) -> Job:
+    step = progress_step(tx, job)
+    times = []
+    for nid in job.gen_nodes:
+        n = tx.nodes.get(nid)
+        if n is None:
+            continue
+        if n.step_time_s is not None and n.step_time_s > 0:
+            times.append(n.step_time_s)
+        if n.phase == N.RUNNING:
+            tx.node_phase(n, N.REGISTERED)
+    step_time = sum(times) / len(times) if times else job.step_time_s
+    job = tx.update_job(job, step=step, step_time_s=step_time)
+    intent = job.intent
+    if intent in _STOP_PHASE:
+        job = terminate_all(tx, job, reason=str(intent))
+        zone = "" if intent == Intent.PAUSE else job.zone
+        return tx.job_phase(job, _STOP_PHASE[intent], reason=str(intent), intent=Intent.NONE, zone=zone)
+    for n in job_nodes(tx, job):
+        if n.phase in (N.NOTICED, N.DRAINING):
+            job = remove_node(tx, job, n, reason=f"leaving_after_{intent or 'generation'}", lost=False, terminate=True)  # type: ignore[assignment]
+    job = tx.job_phase(job, J.RESIZING, reason=str(intent) or "generation_ended", intent=Intent.NONE)
+    return try_start(tx, job)
+
+
+def try_start(tx: Tx, job: Job) -> Job:
+    """PLACING/RESIZING: start the next generation when enough acceptable nodes are registered."""
+    if job.phase not in (J.PLACING, J.RESIZING):
+        return job
+    spec = job.spec
+    nodes = job_nodes(tx, job)
+    for n in nodes:  # registered nodes that can never join (other zone/market/pool) cost money: drop them
+        if n.phase == N.REGISTERED and n.suspect_since is None and not acceptable(job, n):
+            job = remove_node(tx, job, n, reason="not_usable", lost=False, terminate=True)  # type: ignore[assignment]
+    nodes = job_nodes(tx, job)
+    ready = [n for n in nodes if n.phase == N.REGISTERED and acceptable(job, n)]
+    inflight = [n for n in nodes if n.phase in _INFLIGHT and acceptable(job, n)]
+    target = job.target_nodes
+    enough = len(ready) >= target or (
+        len(ready) >= max(spec.nodes_min, 1) and (job.phase == J.RESIZING or not inflight)
+    )
+    if not enough:
+        return replenish(tx, job)
+    big = 1 << 30
+    ready.sort(key=lambda n: (n.rank if n.generation == job.generation and n.rank >= 0 else big, n.requested_ts, n.node_id))
+    members = ready[: min(target, spec.nodes_max)]
+    for n in ready[len(members):]:
+        job = remove_node(tx, job, n, reason="excess", lost=False, terminate=True)  # type: ignore[assignment]
+    job = start_generation(tx, job, members)
+    return replenish(tx, job)
+
+
+def regroup(tx: Tx, job: Job) -> Job:
+    """RUNNING: checkpoint to grow back (replacement registered) or to switch to acceptable nodes."""
+    if job.phase != J.RUNNING:
+        return job
+    nodes = job_nodes(tx, job)
+    idle = [n for n in nodes if n.phase == N.REGISTERED and acceptable(job, n)]
+    if not idle:
+        return job
+    members = members_alive(tx, job)
+    good = sum(1 for m in members if acceptable(job, m))
+    inflight = any(n.phase in _INFLIGHT and acceptable(job, n) for n in nodes)
+    enough = good + len(idle) >= job.target_nodes or (good + len(idle) >= job.spec.nodes_min and not inflight)
+    if good < len(members):
+        if enough:
+            return checkpoint_job(tx, job, Intent.MIGRATE, "migrate")
+    elif len(members) < job.target_nodes and enough:
+        return checkpoint_job(tx, job, Intent.GROW, "resize")
+    return job
+
+
+def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
+    """Launch what the job lacks: in its zone when it already has nodes there, else move/place whole."""
+    if job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED or job.intent in _STOP_PHASE:
+        return job
+    cfg, spec = tx.cfg, job.spec
+    nodes = job_nodes(tx, job)
+    have = [n for n in nodes if acceptable(job, n)]
+    deficit = job.target_nodes - len(have)
+    if deficit <= 0:
+        return job
+    step = progress_step(tx, job)
+    if have and job.zone:
+        rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, zone=job.zone, exclude=exclude)
+        if rank:
+            return launch(tx, job, rank[0][2], deficit, "replacement", alternatives(rank, cfg))
+        if len(have) >= max(spec.nodes_min, 1):
+            if job.reason != "no_capacity_in_zone":
+                tx.record(job.job_id, "wait", "no_capacity_in_zone", zone=job.zone, nodes=len(have))
+                job = tx.update_job(job, reason="no_capacity_in_zone")
+            return job
+    rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, exclude=exclude)
+    if not rank:
+        if job.reason != "no_feasible_pool":
+            tx.record(job.job_id, "wait", "no_feasible_pool")
+            job = tx.update_job(job, reason="no_feasible_pool")
+        return job
+    best = rank[0][2]
+    new_zone = zone_of(best.pool)
+    if job.zone and new_zone != job.zone:
+        tx.record(job.job_id, "move_zone", "no_capacity_in_zone", alternatives(rank, cfg), src=job.zone, dst=new_zone)
+    job = tx.update_job(job, zone=new_zone)
+    for n in job_nodes(tx, job):  # idle/in-flight nodes left behind in the old zone are useless now
+        if n.phase in (N.REQUESTED, N.BOOTING, N.REGISTERED) and n.suspect_since is None and not acceptable(job, n):
+            job = remove_node(tx, job, n, reason="zone_move", lost=False, terminate=True)  # type: ignore[assignment]
+    have = [n for n in job_nodes(tx, job) if acceptable(job, n)]
+    reason = "placement" if job.phase == J.PENDING else "move"
+    job = launch(tx, job, best, job.target_nodes - len(have), reason, alternatives(rank, cfg))
+    if job.phase == J.PENDING and any(n.phase in _INFLIGHT for n in job_nodes(tx, job)):
+        job = tx.job_phase(job, J.PLACING, reason="placement")
+    return job
+
+
+def lose_node(tx: Tx, node: Node, reason: str, *, preempted: bool, terminate: bool = True) -> None:
+    """A confirmed failure: abandon the generation it was in, resume from the last commit, replace it."""
+    job = tx.jobs.get(node.job_id)
+    was_member = (
+        job is not None
+        and node.node_id in job.gen_nodes
+        and node.node_id not in job.gen_exited
+        and job.phase in (J.STARTING, J.RUNNING)
+    )
+    job = remove_node(tx, job, node, reason=reason, lost=True, terminate=terminate, preempted=preempted)
+    if job is None or job.phase in TERMINAL_JOB_PHASES:
+        return
+    if was_member:
+        job = abandon_generation(tx, job, reason)
+    job = maybe_end_generation(tx, job)
+    if job.phase in (J.PLACING, J.RESIZING):
+        job = try_start(tx, job)
+    replenish(tx, job)

@@ -1,0 +1,263 @@
+"""The decision core's state: frozen records for jobs, nodes, pools and the daemon's own counters.
+
+Role: pure data. Every record is a frozen ``msgspec.Struct`` so it encodes to one JSON value per
+persistence key (see ``records.py``); collections are ``immutables.Map`` (a HAMT) so that changing one
+node of 10,000 costs O(log n) instead of a dict copy.
+
+Concurrency contract: none needed - everything here is immutable; ``decide`` returns a new ``State``.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Final
+
+import immutables
+import msgspec
+
+from orchestrator.events import JobSpec, PoolKey
+
+# Characters allowed in ids we mint (node ids are NATS subject tokens and KV key parts).
+_ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def safe_token(value: str) -> str:
+    """``value`` with every character that is not ``[A-Za-z0-9_-]`` replaced by ``_`` (never empty)."""
+    out = "".join(c if c in _ID_OK else "_" for c in value)
+    return out or "_"
+
+
+def pool_record_key(pool_name: str) -> str:
+    return "pool." + pool_name.replace("/", "_")
+
+
+class JobPhase(StrEnum):
+    PENDING = "pending"  # submitted; no feasible pool yet (waits for prices / backoff)
+    PLACING = "placing"  # first nodes launched, waiting for them to register
+    STARTING = "starting"  # StartGenerationCmd sent, waiting for GenerationStarted / a training heartbeat
+    RUNNING = "running"
+    CHECKPOINTING = "checkpointing"  # CheckpointCmd sent; waiting for the commit and every rank's exit
+    RECOVERING = "recovering"  # a node was lost: AbandonGenerationCmd sent, waiting for the survivors' exit
+    RESIZING = "resizing"  # between generations: waiting for enough registered nodes to start the next
+    PAUSED = "paused"  # price above the pause ratio: checkpointed, no nodes
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    STOPPED = "stopped"  # budget exhausted: final checkpoint committed (or hard stop), no nodes
+
+
+TERMINAL_JOB_PHASES: Final = frozenset(
+    {JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.CANCELLED, JobPhase.STOPPED}
+)
+# Phases in which a generation of trainer ranks may be alive on the job's nodes.
+GEN_PHASES: Final = frozenset(
+    {JobPhase.STARTING, JobPhase.RUNNING, JobPhase.CHECKPOINTING, JobPhase.RECOVERING}
+)
+
+
+class NodePhase(StrEnum):
+    REQUESTED = "requested"  # Launch emitted, no instance yet
+    BOOTING = "booting"  # NodeLaunched: the cloud has an instance; the agent has not registered
+    REGISTERED = "registered"  # agent registered; not in a running generation (idle)
+    RUNNING = "running"  # member of the job's current generation (rank = node.rank)
+    NOTICED = "noticed"  # preemption notice: leaves after the checkpoint (or dies at the deadline)
+    DRAINING = "draining"  # we decided to remove it (admin drain, zone move, scale down)
+    GONE = "gone"  # lost (provider says gone / confirmed failure); record deleted
+    TERMINATED = "terminated"  # we sent Terminate; record deleted
+
+
+LIVE_NODE_PHASES: Final = frozenset(
+    {
+        NodePhase.REQUESTED,
+        NodePhase.BOOTING,
+        NodePhase.REGISTERED,
+        NodePhase.RUNNING,
+        NodePhase.NOTICED,
+        NodePhase.DRAINING,
+    }
+)
+
+
+class Intent(StrEnum):
+    """Why the current generation is being ended (what happens at its end)."""
+
+    NONE = ""
+    PREEMPTION = "preemption"
+    GROW = "grow"
+    MIGRATE = "migrate"
+    PAUSE = "pause"
+    BUDGET = "budget"
+    CANCEL = "cancel"
+    DRAIN = "drain"
+    RECOVER = "recover"
+
+
+class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Tunables of the decision policy. Units are in the names."""
+
+    heartbeat_timeout_s: float = 10.0
+    tick_s: float = 5.0  # the shell feeds a Tick at least this often (budget margins rely on it)
+    notice_window_aws_s: float = 120.0
+    notice_window_gcp_s: float = 30.0
+    notice_window_azure_s: float = 30.0
+    notice_window_default_s: float = 30.0
+    notice_save_margin_s: float = 5.0  # an emergency save must finish this long before the deadline
+    launch_timeout_s: float = 900.0  # Launch -> agent registered; after it the node is given up
+    checkpoint_timeout_s: float = 300.0  # extra wait for a generation to end before abandoning it
+    boot_s_estimate: float = 240.0  # launch -> trainer running, for cost/deadline estimates
+    restart_overhead_s: float = 120.0  # new generation -> first step (load + warm-up)
+    terminate_s: float = 60.0  # billing still accrues this long after Terminate
+    max_restarts: int = 3  # trainer failures (exit "failed") before the job fails
+    master_port_base: int = 29500
+    master_port_span: int = 500
+    # Preemption statistics per pool: decayed counts with a prior.
+    stats_half_life_s: float = 3 * 86400.0
+    spot_prior_rate_h: float = 0.05  # preemptions per node-hour before any observation
+    prior_weight_h: float = 20.0  # node-hours of pseudo-exposure the prior is worth
+    on_demand_rate_h: float = 0.0005
+    preempted_penalty: float = 1.0  # expected cost x (1 + penalty * decay) right after a preemption
+    preempted_penalty_half_life_s: float = 1800.0
+    # Launch failures: per-pool exponential backoff.
+    backoff_base_s: float = 60.0
+    backoff_max_s: float = 1800.0
+    # Checkpoint interval (Young/Daly).
+    ckpt_interval_min_s: float = 120.0
+    ckpt_interval_max_s: float = 4 * 3600.0
+    unfit_interval_factor: float = 0.5  # when the emergency save cannot fit the notice window
+    # Price policy.
+    scale_up_below_ratio: float = 0.5  # grow toward nodes_max when spot/on-demand is below this
+    migrate_cooldown_s: float = 1800.0
+    migrate_horizon_h: float = 6.0
+    checkpoint_gb_estimate: float = 20.0
+    cross_region_usd_per_gb: float = 0.02
+    cross_cloud_usd_per_gb: float = 0.09
+    transfer_gbps: float = 1.0
+    # Deadline: fall back to on-demand when slack < remaining work x (1 + margin) + overheads.
+    deadline_margin: float = 0.1
+    # Cost accrual is written to the job record at most this often (and on every burn-rate change).
+    accrue_interval_s: float = 60.0
+    max_alternatives: int = 5
+
+    def notice_window_s(self, cloud: str) -> float:
+        if cloud == "aws":
+            return self.notice_window_aws_s
+        if cloud == "gcp":
+            return self.notice_window_gcp_s
+        if cloud == "azure":
+            return self.notice_window_azure_s
+        return self.notice_window_default_s
+
+
+class Job(msgspec.Struct, frozen=True, kw_only=True):
+    job_id: str
+    spec: JobSpec
+    phase: JobPhase = JobPhase.PENDING
+    phase_ts: float
+    submitted_ts: float
+    intent: Intent = Intent.NONE
+    reason: str = ""  # why the last phase change happened (terminal reason for terminal phases)
+    target_nodes: int  # desired node count (spec.nodes, raised toward nodes_max when spot is cheap)
+    zone: str = ""  # "cloud/region/zone" the job lives in (or moves to); "" before placement
+    nodes: tuple[str, ...] = ()  # every live node of the job, any phase
+    generation: int = 0
+    gen_nodes: tuple[str, ...] = ()  # members of the current generation, in rank order
+    gen_exited: tuple[str, ...] = ()  # members whose ranks exited (or that were lost)
+    gen_ts: float | None = None  # when the current generation was started
+    gen_confirmed: bool = False  # GenerationStarted / a training heartbeat seen
+    step: int = 0  # progress known at the last generation end (live progress is on the nodes)
+    committed_step: int = 0
+    committed_url: str | None = None
+    committed_ts: float | None = None
+    save_s: float | None = None  # measured checkpoint save time (EWMA)
+    step_time_s: float | None = None  # measured step time (from heartbeats, at generation end)
+    ckpt_interval_s: float | None = None  # the interval sent with the last StartGenerationCmd
+    cost_usd: float = 0.0  # accrued up to cost_ts
+    cost_ts: float
+    force_on_demand: bool = False  # deadline fallback engaged
+    failures: int = 0  # trainer failures (exit "failed")
+    migrate_ts: float | None = None
+    avoid_pools: tuple[str, ...] = ()  # pools being left (price migration): their nodes go at the next checkpoint
+
+
+class Node(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    job_id: str
+    pool: PoolKey
+    pool_name: str
+    token: str  # idempotency token of the Launch that created it
+    phase: NodePhase = NodePhase.REQUESTED
+    phase_ts: float
+    requested_ts: float
+    launched_ts: float | None = None
+    instance_id: str | None = None
+    host: str = ""
+    last_seen: float = 0.0
+    hb_seq: int = 0
+    step: int = 0
+    loss: float | None = None
+    step_time_s: float | None = None
+    generation: int = 0
+    rank: int = -1
+    notice_deadline: float | None = None
+    suspect_since: float | None = None  # heartbeat timeout seen, CheckInstance sent
+    disconnected: bool = False  # AgentDisconnected seen (second signal)
+    cmd_seq: int = 0
+
+
+class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
+    pool: PoolKey
+    gpu_type: str
+    gpus_per_node: int
+    price_usd_h: float | None = None
+    on_demand_usd_h: float | None = None
+    price_ts: float = 0.0
+    capacity_hint: float | None = None
+    # Decayed preemption statistics (decayed to stats_ts).
+    preemptions: float = 0.0
+    exposure_h: float = 0.0
+    stats_ts: float = 0.0
+    last_preempted_ts: float | None = None
+    # Launch failures.
+    failures: int = 0
+    backoff_until: float = 0.0
+
+
+class Meta(msgspec.Struct, frozen=True, kw_only=True):
+    config: CoreConfig = CoreConfig()
+    fencing_token: int = 0
+    node_seq: int = 0
+    launch_seq: int = 0
+    bus_connected: bool = True
+    detect_paused_until: float = 0.0  # failure detection off until then (bus outage, restart)
+
+
+class State(msgspec.Struct, frozen=True):
+    jobs: immutables.Map  # JobId -> Job
+    nodes: immutables.Map  # NodeId -> Node
+    pools: immutables.Map  # pool name -> PoolStats
+    meta: Meta
+
+    @classmethod
+    def empty(cls, config: CoreConfig = CoreConfig()) -> State:
+        return cls(immutables.Map(), immutables.Map(), immutables.Map(), Meta(config=config))
+
+    @property
+    def config(self) -> CoreConfig:
+        return self.meta.config
+
+
+class AuditEntry(msgspec.Struct, frozen=True, kw_only=True):
+    ts: float
+    job_id: str | None
+    event: str  # the type name of the event decided on
+    action: str
+    reason: str
+    alternatives: tuple[tuple[str, float, float], ...] = ()  # (pool name, price_usd_h, expected_cost_usd)
+    details: dict[str, Any] = {}
+
+
+class Decision(msgspec.Struct, frozen=True):
+    state: State
+    commands: tuple[Any, ...]  # orchestrator.core.commands.Command
+    audit: tuple[AuditEntry, ...]
+    dirty: frozenset[str]

@@ -1,0 +1,325 @@
+"""Timer- and market-driven policies: failure detection, launch timeouts, budget, deadline, price.
+
+Role: what ``decide`` does on a ``Tick`` (scan nodes for silence and launch timeouts, then each active
+job for budget, deadline, price, stuck checkpoints and missing nodes) and on a ``PriceTick`` (update the
+pool, accrue cost at the old price for the jobs in that zone, pause/budget checks for them).
+
+Failure detection is two-signal: a heartbeat timeout only makes a node *suspect* (CheckInstance);
+NodeGone or AgentDisconnected confirms it. Detection is off while the daemon's bus is down and for one
+heartbeat timeout after it reconnects (a NATS outage must never look like node failures).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from orchestrator.core import lifecycle as lc
+from orchestrator.core.commands import CheckInstance
+from orchestrator.core.model import (
+    GEN_PHASES,
+    TERMINAL_JOB_PHASES,
+    Intent,
+    Job,
+    JobPhase,
+    Node,
+    NodePhase,
+    PoolStats,
+)
+from orchestrator.core.placement import alternatives, has_capacity, markets_for, matches, ranked, zone_of
+from orchestrator.core.pricing import (
+    expected_cost_usd,
+    migration_cost_usd,
+    remaining_work_s,
+    save_seconds,
+)
+from orchestrator.core.tx import Tx
+from orchestrator.events import AbandonGenerationCmd, Market, MarketPolicy, PriceTick
+
+J = JobPhase
+N = NodePhase
+_replace = msgspec.structs.replace
+_WATCHED = frozenset({N.REGISTERED, N.RUNNING, N.NOTICED, N.DRAINING})
+_ACTIVE = frozenset({J.PENDING, J.PLACING, J.STARTING, J.RUNNING, J.CHECKPOINTING, J.RECOVERING, J.RESIZING})
+NOTICE_GRACE_S = 60.0  # after a notice deadline passes, the instance is surely gone
+
+
+def suspect(tx: Tx, node: Node, reason: str) -> None:
+    node = tx.update_node(node, suspect_since=tx.now)
+    if node.instance_id is not None:
+        tx.emit(CheckInstance(node_id=node.node_id, instance_id=node.instance_id, pool=node.pool))
+    tx.record(node.job_id, "suspect", reason, node_id=node.node_id, last_seen=node.last_seen)
+
+
+# --- Tick ---------------------------------------------------------------------------------------
+
+
+def on_tick(tx: Tx) -> None:
+    cfg, now = tx.cfg, tx.now
+    detect = tx.meta.bus_connected and now >= tx.meta.detect_paused_until
+    timeout = cfg.heartbeat_timeout_s
+    for node in list(tx.nodes.values()):
+        phase = node.phase
+        if phase in (N.REQUESTED, N.BOOTING):
+            if now - node.requested_ts > cfg.launch_timeout_s:
+                _launch_timed_out(tx, node)
+        elif phase in _WATCHED:
+            if phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S:
+                lc.lose_node(tx, node, "notice_deadline_passed", preempted=False)
+            elif detect and node.suspect_since is None and now - node.last_seen > timeout:
+                if node.disconnected:
+                    lc.lose_node(tx, node, "heartbeat_timeout_after_disconnect", preempted=False)
+                else:
+                    suspect(tx, node, "heartbeat_timeout")
+    for job in list(tx.jobs.values()):
+        if job.phase in _ACTIVE or job.phase == J.PAUSED:
+            _job_tick(tx, tx.job(job.job_id))
+
+
+def _launch_timed_out(tx: Tx, node: Node) -> None:
+    ps = tx.pools.get(node.pool_name)
+    if ps is not None:
+        cfg = tx.cfg
+        backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures, 20))
+        tx.put_pool(node.pool_name, _replace(ps, failures=ps.failures + 1, backoff_until=tx.now + backoff))
+    job = tx.jobs.get(node.job_id)
+    lc.remove_node(tx, job, node, reason="launch_timeout", lost=True, terminate=True)
+
+
+def _job_tick(tx: Tx, job: Job) -> None:
+    cfg = tx.cfg
+    if job.phase == J.PAUSED:
+        _deadline(tx, job)
+        _resume(tx, tx.job(job.job_id))
+        return
+    job = lc.accrue(tx, job, force=False)
+    if check_budget(tx, job):
+        return
+    job = tx.job(job.job_id)
+    _deadline(tx, job)
+    job = tx.job(job.job_id)
+    if job.phase == J.RUNNING:
+        job = _price(tx, job)
+    if job.phase in (J.CHECKPOINTING, J.RECOVERING):
+        limit = 2 * save_seconds(job) + cfg.checkpoint_timeout_s
+        if tx.now - job.phase_ts > limit:
+            _force_end(tx, job)
+            job = tx.job(job.job_id)
+    elif job.phase == J.STARTING and tx.now - job.phase_ts > cfg.restart_overhead_s + cfg.checkpoint_timeout_s:
+        job = lc.abandon_generation(tx, job, "start_timeout")
+        job = lc.maybe_end_generation(tx, job)
+    if job.phase in (J.PLACING, J.RESIZING):
+        job = lc.try_start(tx, job)
+    elif job.phase == J.RUNNING:
+        job = lc.regroup(tx, job)
+    if job.phase not in TERMINAL_JOB_PHASES:
+        lc.replenish(tx, job)
+
+
+def _force_end(tx: Tx, job: Job) -> None:
+    """A checkpoint/recovery that never finished: abandon the members still silent, end the generation."""
+    exited = job.gen_exited
+    for node in lc.members_alive(tx, job):
+        tx.send(node, AbandonGenerationCmd, generation=job.generation, reason="generation_end_timeout")
+        exited += (node.node_id,)
+    tx.record(job.job_id, "force_end_generation", "timeout", generation=job.generation)
+    job = tx.update_job(job, gen_exited=exited)
+    lc.maybe_end_generation(tx, job)
+
+
+# --- budget -------------------------------------------------------------------------------------
+
+
+def check_budget(tx: Tx, job: Job) -> bool:
+    """Stop early enough that the final checkpoint and the termination fit under the cap.
+
+    Hard stop (terminate now) when even one more tick plus termination would cross it. True when the
+    job was stopped or asked to stop."""
+    budget = job.spec.budget_usd
+    if budget is None or job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED:
+        return False
+    cfg = tx.cfg
+    burn = lc.burn_usd_h(tx, job)
+    cost = lc.cost_now(tx, job)
+    if cost + burn * (cfg.terminate_s + cfg.tick_s) / 3600.0 >= budget:
+        job = lc.accrue(tx, job)
+        tx.record(job.job_id, "stop", "budget_hard_stop", cost_usd=round(cost, 6), budget_usd=budget)
+        job = lc.terminate_all(tx, job, "budget")
+        tx.job_phase(job, J.STOPPED, reason="budget", intent=Intent.NONE)
+        return True
+    if job.intent == Intent.BUDGET:
+        return True
+    if cost + burn * (save_seconds(job) + cfg.terminate_s + 2 * cfg.tick_s) / 3600.0 >= budget:
+        tx.record(job.job_id, "stop", "budget", cost_usd=round(cost, 6), budget_usd=budget, burn_usd_h=burn)
+        if job.phase in (J.STARTING, J.RUNNING):
+            lc.checkpoint_job(tx, job, Intent.BUDGET, "budget")
+        elif job.phase in (J.CHECKPOINTING, J.RECOVERING):
+            tx.update_job(job, intent=Intent.BUDGET)
+        else:
+            job = lc.accrue(tx, job)
+            job = lc.terminate_all(tx, job, "budget")
+            tx.job_phase(job, J.STOPPED, reason="budget")
+        return True
+    return False
+
+
+# --- deadline -----------------------------------------------------------------------------------
+
+
+def _deadline(tx: Tx, job: Job) -> None:
+    """Fall back to on-demand when the slack no longer covers the remaining work plus a restart."""
+    spec = job.spec
+    if spec.deadline_ts is None or job.force_on_demand or spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
+        return
+    cfg = tx.cfg
+    step = lc.progress_step(tx, job)
+    need = remaining_work_s(job, step) + cfg.restart_overhead_s + cfg.boot_s_estimate + save_seconds(job)
+    slack = spec.deadline_ts - tx.now
+    if slack >= need * (1.0 + cfg.deadline_margin):
+        return
+    tx.record(job.job_id, "on_demand_fallback", "deadline", slack_s=round(slack, 3), need_s=round(need, 3), step=step)
+    tx.update_job(job, force_on_demand=True)
+
+
+# --- price --------------------------------------------------------------------------------------
+
+
+def _current_pool(tx: Tx, job: Job) -> PoolStats | None:
+    for nid in job.gen_nodes:
+        n = tx.nodes.get(nid)
+        if n is not None:
+            return tx.pools.get(n.pool_name)
+    return None
+
+
+def _ratio(ps: PoolStats) -> float | None:
+    if ps.pool.market != Market.SPOT or ps.price_usd_h is None or not ps.on_demand_usd_h:
+        return None
+    return ps.price_usd_h / ps.on_demand_usd_h
+
+
+def pause_check(tx: Tx, job: Job) -> Job:
+    """RUNNING on spot and the pool's price went above pause_above_ratio x on-demand: pause (or move
+    to a spot pool that is below resume_below_ratio)."""
+    if job.phase != J.RUNNING or job.force_on_demand:
+        return job
+    ps = _current_pool(tx, job)
+    ratio = _ratio(ps) if ps is not None else None
+    pp = job.spec.price
+    if ratio is None or ratio <= pp.pause_above_ratio:
+        return job
+    step = lc.progress_step(tx, job)
+    rank = [r for r in ranked(tx.pools, job, job.target_nodes, step, tx.cfg, tx.now, markets=frozenset({Market.SPOT}))
+            if (_ratio(r[2]) or 1.0) < pp.resume_below_ratio]
+    if rank:
+        return _migrate(tx, job, rank, "price_above_pause_ratio", ps)
+    tx.record(job.job_id, "pause", "price_above_pause_ratio", pool=ps.pool.name if ps else None, ratio=round(ratio, 4))
+    return lc.checkpoint_job(tx, job, Intent.PAUSE, "price_pause")
+
+
+def _migrate(tx: Tx, job: Job, rank: list, reason: str, cur: PoolStats | None) -> Job:
+    best = rank[0][2]
+    avoid = tuple(sorted({tx.nodes[n].pool_name for n in job.gen_nodes if n in tx.nodes}))
+    tx.record(job.job_id, "migrate", reason, alternatives(rank, tx.cfg), src=cur.pool.name if cur else None,
+              dst=best.pool.name)
+    job = tx.update_job(job, zone=zone_of(best.pool), avoid_pools=avoid, migrate_ts=tx.now)
+    return lc.replenish(tx, job)
+
+
+def _price(tx: Tx, job: Job) -> Job:
+    job = pause_check(tx, job)
+    if job.phase != J.RUNNING or job.avoid_pools:
+        return job
+    cfg, spec = tx.cfg, job.spec
+    cur = _current_pool(tx, job)
+    if cur is None or cur.price_usd_h is None:
+        return job
+    step = lc.progress_step(tx, job)
+    nn = job.target_nodes
+    # Migration: a cheaper pool saves more than moving costs (over the next horizon).
+    if job.migrate_ts is None or tx.now - job.migrate_ts >= cfg.migrate_cooldown_s:
+        rank = ranked(tx.pools, job, nn, step, cfg, tx.now, exclude={cur.pool.name})
+        if rank and zone_of(rank[0][2].pool) != "":
+            cur_cost = expected_cost_usd(job, cur, nn, step, cfg, tx.now)
+            alt_cost, _, alt = rank[0]
+            remaining_h = max(remaining_work_s(job, step) / 3600.0, 1e-9)
+            frac = min(1.0, cfg.migrate_horizon_h / remaining_h)
+            saving = (cur_cost - alt_cost) * frac
+            move = migration_cost_usd(job, lc.burn_usd_h(tx, job), job.zone, alt, cfg)
+            if saving - move > spec.price.migrate_min_saving * cur_cost * frac:
+                return _migrate(tx, job, rank, "cheaper_pool", cur)
+    # Scale up toward nodes_max while spot is cheap.
+    ratio = _ratio(cur)
+    if (
+        ratio is not None
+        and ratio < cfg.scale_up_below_ratio
+        and job.target_nodes < spec.nodes_max
+        and not any(n.phase in (N.REQUESTED, N.BOOTING) for n in lc.job_nodes(tx, job))
+        and not job.force_on_demand
+    ):
+        tx.record(job.job_id, "scale_up", "price_low", ratio=round(ratio, 4), target=job.target_nodes + 1)
+        job = tx.update_job(job, target_nodes=job.target_nodes + 1)
+        job = lc.replenish(tx, job)
+    return job
+
+
+def _resume(tx: Tx, job: Job) -> None:
+    """PAUSED: resume when some feasible spot pool is below resume_below_ratio (or on-demand is forced)."""
+    step = job.step
+    rank = ranked(tx.pools, job, job.target_nodes, step, tx.cfg, tx.now)
+    if not job.force_on_demand:
+        rank = [r for r in rank if (_ratio(r[2]) if _ratio(r[2]) is not None else 1.0) < job.spec.price.resume_below_ratio]
+    if not rank:
+        return
+    tx.record(job.job_id, "resume", "on_demand_deadline" if job.force_on_demand else "price_below_resume_ratio",
+              alternatives(rank, tx.cfg))
+    job = tx.job_phase(job, J.PENDING, reason="resume", zone="", avoid_pools=())
+    lc.replenish(tx, job)
+
+
+# --- PriceTick ----------------------------------------------------------------------------------
+
+
+def _update_pool(tx: Tx, name: str, pt: PriceTick, market: Market, price: float, od: float | None) -> bool:
+    ps = tx.pools.get(name)
+    if ps is None:
+        pool = pt.pool if pt.pool.market == market else _replace(pt.pool, market=market)
+        ps = PoolStats(pool=pool, gpu_type=pt.gpu_type, gpus_per_node=pt.gpus_per_node)
+    elif ps.price_usd_h == price and ps.on_demand_usd_h == od and ps.capacity_hint == pt.capacity_hint:
+        return False
+    hint = pt.capacity_hint if market == pt.pool.market else None
+    tx.put_pool(name, _replace(ps, price_usd_h=price, on_demand_usd_h=od, price_ts=tx.now, capacity_hint=hint,
+                               gpu_type=pt.gpu_type, gpus_per_node=pt.gpus_per_node))
+    return True
+
+
+def on_price(tx: Tx, pt: PriceTick) -> None:
+    if pt.price_usd_h is None or pt.price_usd_h != pt.price_usd_h:  # NaN
+        return
+    zone = zone_of(pt.pool)
+    affected = [j for j in tx.jobs.values() if j.nodes and j.phase in _ACTIVE and _touches(tx, j, zone)]
+    for job in affected:  # accrue at the old price before it changes
+        lc.accrue(tx, job)
+    od = pt.on_demand_usd_h if pt.pool.market == Market.SPOT else pt.price_usd_h
+    changed = _update_pool(tx, pt.pool.name, pt, pt.pool.market, pt.price_usd_h, od)
+    if pt.pool.market == Market.SPOT and pt.on_demand_usd_h is not None:
+        od_pool = _replace(pt.pool, market=Market.ON_DEMAND)
+        changed |= _update_pool(tx, od_pool.name, pt, Market.ON_DEMAND, pt.on_demand_usd_h, pt.on_demand_usd_h)
+    if not changed:
+        return
+    for job in affected:
+        job = tx.job(job.job_id)
+        if check_budget(tx, job):
+            continue
+        pause_check(tx, tx.job(job.job_id))
+
+
+def _touches(tx: Tx, job: Job, zone: str) -> bool:
+    if job.zone == zone:
+        return True
+    if not job.avoid_pools and job.phase not in (J.CHECKPOINTING, J.RECOVERING, J.RESIZING):
+        return False  # outside moves, all of a job's nodes are in its zone
+    for nid in job.nodes:
+        n = tx.nodes.get(nid)
+        if n is not None and zone_of(n.pool) == zone:
+            return True
+    return False

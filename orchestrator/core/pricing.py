@@ -1,0 +1,128 @@
+"""Pricing arithmetic: preemption-rate estimates, expected cost of running on a pool, Young/Daly.
+
+Role: pure functions of records and ``now``; no state changes here (``decide`` applies the results).
+
+Model (documented in docs/core.md):
+- A pool's preemption rate (per node-hour) is a decayed count of observed preemptions over decayed
+  node-hours of exposure, with a prior (``spot_prior_rate_h`` worth ``prior_weight_h`` node-hours).
+  Both decay with ``stats_half_life_s``, so a pool that calmed down regains trust.
+- A job of n nodes is interrupted at n times the per-node rate. Each interruption costs the restart
+  overhead, the checkpoint save, and - when the emergency save cannot fit the cloud's notice window -
+  half a checkpoint interval of lost work. Expected cost = price x nodes x remaining hours / efficiency,
+  times a decaying penalty right after a preemption in that pool.
+"""
+
+from __future__ import annotations
+
+import math
+
+from orchestrator.core.model import CoreConfig, Job, PoolStats
+from orchestrator.events import Market
+
+
+def decay(value: float, since_ts: float, now: float, half_life_s: float) -> float:
+    if now <= since_ts or half_life_s <= 0:
+        return value
+    return value * 0.5 ** ((now - since_ts) / half_life_s)
+
+
+def preemption_rate_h(ps: PoolStats, cfg: CoreConfig, now: float) -> float:
+    """Estimated preemptions per node-hour in this pool."""
+    if ps.pool.market == Market.ON_DEMAND:
+        return cfg.on_demand_rate_h
+    hl = cfg.stats_half_life_s
+    events = decay(ps.preemptions, ps.stats_ts, now, hl)
+    exposure = decay(ps.exposure_h, ps.stats_ts, now, hl)
+    return (cfg.spot_prior_rate_h * cfg.prior_weight_h + events) / (cfg.prior_weight_h + exposure)
+
+
+def record_exposure(ps: PoolStats, cfg: CoreConfig, now: float, node_hours: float, preempted: bool) -> dict:
+    """Field changes for ``ps`` after a node spent ``node_hours`` in it (and was preempted or not)."""
+    hl = cfg.stats_half_life_s
+    changes: dict = {
+        "preemptions": decay(ps.preemptions, ps.stats_ts, now, hl) + (1.0 if preempted else 0.0),
+        "exposure_h": decay(ps.exposure_h, ps.stats_ts, now, hl) + max(0.0, node_hours),
+        "stats_ts": max(now, ps.stats_ts),
+    }
+    if preempted:
+        changes["last_preempted_ts"] = now
+    return changes
+
+
+def recent_penalty(ps: PoolStats, cfg: CoreConfig, now: float) -> float:
+    if ps.last_preempted_ts is None:
+        return 1.0
+    return 1.0 + cfg.preempted_penalty * decay(1.0, ps.last_preempted_ts, now, cfg.preempted_penalty_half_life_s)
+
+
+def save_seconds(job: Job) -> float:
+    return job.save_s if job.save_s is not None else job.spec.checkpoint.save_s_estimate
+
+
+def step_seconds(job: Job) -> float:
+    return job.step_time_s if job.step_time_s is not None else job.spec.step_time_s_estimate
+
+
+def remaining_work_s(job: Job, step: int) -> float:
+    return max(0, job.spec.total_steps - step) * step_seconds(job)
+
+
+def emergency_fits(job: Job, cfg: CoreConfig, cloud: str) -> bool:
+    return save_seconds(job) <= cfg.notice_window_s(cloud) - cfg.notice_save_margin_s
+
+
+def young_daly_s(save_s: float, mtbf_s: float) -> float:
+    """Young/Daly optimal periodic checkpoint interval sqrt(2 C M)."""
+    return math.sqrt(2.0 * max(save_s, 0.0) * max(mtbf_s, 0.0))
+
+
+def checkpoint_interval_s(job: Job, ps: PoolStats | None, nnodes: int, cfg: CoreConfig, now: float) -> float:
+    """Interval sent with StartGenerationCmd: the spec's when fixed, else Young/Daly from the pool's rate
+    (a job of n nodes fails n times as often), halved-ish when an emergency save cannot fit the notice."""
+    if job.spec.checkpoint.interval_s is not None:
+        return job.spec.checkpoint.interval_s
+    rate = preemption_rate_h(ps, cfg, now) if ps is not None else cfg.spot_prior_rate_h
+    rate_job_s = max(rate * max(nnodes, 1), 1e-9) / 3600.0
+    interval = young_daly_s(save_seconds(job), 1.0 / rate_job_s)
+    if ps is not None and not emergency_fits(job, cfg, ps.pool.cloud):
+        interval *= cfg.unfit_interval_factor
+    return min(max(interval, cfg.ckpt_interval_min_s), cfg.ckpt_interval_max_s)
+
+
+def efficiency(job: Job, ps: PoolStats, nnodes: int, cfg: CoreConfig, now: float) -> float:
+    """Useful fraction of paid time on this pool, given its interruption rate."""
+    rate_job_h = preemption_rate_h(ps, cfg, now) * max(nnodes, 1)
+    loss_s = cfg.restart_overhead_s + cfg.boot_s_estimate + save_seconds(job)
+    if not emergency_fits(job, cfg, ps.pool.cloud):
+        loss_s += checkpoint_interval_s(job, ps, nnodes, cfg, now) / 2.0
+    return max(0.05, 1.0 - rate_job_h * loss_s / 3600.0)
+
+
+def expected_cost_usd(job: Job, ps: PoolStats, nnodes: int, step: int, cfg: CoreConfig, now: float) -> float:
+    """Expected $ to finish the job's remaining work on ``nnodes`` nodes of this pool."""
+    price = ps.price_usd_h if ps.price_usd_h is not None else math.inf
+    hours = remaining_work_s(job, step) / 3600.0
+    eff = efficiency(job, ps, nnodes, cfg, now)
+    return price * nnodes * hours / eff * recent_penalty(ps, cfg, now)
+
+
+def transfer_cost_usd(src_zone: str, dst: PoolStats, cfg: CoreConfig) -> float:
+    """$ to move the checkpoint from ``src_zone`` ("cloud/region/zone") to the pool's region."""
+    if not src_zone:
+        return 0.0
+    cloud, region, _ = (src_zone.split("/") + ["", "", ""])[:3]
+    if cloud != dst.pool.cloud:
+        return cfg.checkpoint_gb_estimate * cfg.cross_cloud_usd_per_gb
+    if region != dst.pool.region:
+        return cfg.checkpoint_gb_estimate * cfg.cross_region_usd_per_gb
+    return 0.0
+
+
+def migration_cost_usd(job: Job, burn_usd_h: float, src_zone: str, dst: PoolStats, cfg: CoreConfig) -> float:
+    """One-off cost of moving: paid time for save + restart (+ transfer time) and the transfer itself."""
+    transfer = transfer_cost_usd(src_zone, dst, cfg)
+    transfer_s = 0.0
+    if transfer > 0:
+        transfer_s = cfg.checkpoint_gb_estimate * 8.0 / max(cfg.transfer_gbps, 1e-6)
+    pause_s = save_seconds(job) + cfg.restart_overhead_s + transfer_s
+    return burn_usd_h * pause_s / 3600.0 + transfer

@@ -1,0 +1,161 @@
+"""A decision under construction: the working copy of the state, commands, audit and dirty keys.
+
+Role: a small mutable builder that lives only inside one ``decide`` call (so ``decide`` stays pure).
+Every phase change goes through ``job_phase`` / ``node_phase``, which check the transition maps; every
+record write marks its persistence key dirty; every agent command gets its deterministic cmd_id and the
+current fencing token here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from orchestrator.core.commands import SendToAgent
+from orchestrator.core.model import (
+    AuditEntry,
+    Decision,
+    Job,
+    JobPhase,
+    Meta,
+    Node,
+    NodePhase,
+    PoolStats,
+    State,
+    pool_record_key,
+    safe_token,
+)
+from orchestrator.core.transitions import check_job, check_node
+
+_replace = msgspec.structs.replace
+
+
+class Tx:
+    __slots__ = ("state0", "jobs", "nodes", "pools", "meta", "cfg", "now", "event", "cmds", "audit", "dirty")
+
+    def __init__(self, state: State, event: str, now: float) -> None:
+        self.state0 = state
+        self.jobs = state.jobs
+        self.nodes = state.nodes
+        self.pools = state.pools
+        self.meta = state.meta
+        self.cfg = state.meta.config
+        self.now = now
+        self.event = event
+        self.cmds: list[Any] = []
+        self.audit: list[AuditEntry] = []
+        self.dirty: set[str] = set()
+
+    # --- records -------------------------------------------------------------------------------
+
+    def put_job(self, job: Job) -> Job:
+        self.jobs = self.jobs.set(job.job_id, job)
+        self.dirty.add("job." + job.job_id)
+        return job
+
+    def job(self, job_id: str) -> Job:
+        return self.jobs[job_id]
+
+    def update_job(self, job: Job, **changes: Any) -> Job:
+        return self.put_job(_replace(job, **changes))
+
+    def job_phase(self, job: Job, phase: JobPhase, reason: str = "", **changes: Any) -> Job:
+        check_job(job.phase, phase)
+        if phase != job.phase:
+            changes["phase_ts"] = self.now
+        return self.put_job(_replace(job, phase=phase, reason=reason or job.reason, **changes))
+
+    def put_node(self, node: Node) -> Node:
+        self.nodes = self.nodes.set(node.node_id, node)
+        self.dirty.add("node." + node.node_id)
+        return node
+
+    def update_node(self, node: Node, **changes: Any) -> Node:
+        return self.put_node(_replace(node, **changes))
+
+    def node_phase(self, node: Node, phase: NodePhase, **changes: Any) -> Node:
+        check_node(node.phase, phase)
+        if phase != node.phase:
+            changes["phase_ts"] = self.now
+        return self.put_node(_replace(node, phase=phase, **changes))
+
+    def drop_node(self, node: Node, phase: NodePhase) -> None:
+        """The node reaches a terminal phase: its record is deleted (the shell deletes the key)."""
+        check_node(node.phase, phase)
+        self.nodes = self.nodes.delete(node.node_id)
+        self.dirty.add("node." + node.node_id)
+
+    def put_pool(self, name: str, ps: PoolStats) -> PoolStats:
+        self.pools = self.pools.set(name, ps)
+        self.dirty.add(pool_record_key(name))
+        return ps
+
+    def put_meta(self, **changes: Any) -> Meta:
+        self.meta = _replace(self.meta, **changes)
+        self.dirty.add("meta")
+        return self.meta
+
+    # --- deterministic ids ----------------------------------------------------------------------
+
+    def new_node_id(self, job_id: str) -> str:
+        seq = self.meta.node_seq + 1
+        self.put_meta(node_seq=seq)
+        return f"{safe_token(job_id)}-n{seq}"
+
+    def new_launch_token(self, job_id: str) -> str:
+        seq = self.meta.launch_seq + 1
+        self.put_meta(launch_seq=seq)
+        return f"{safe_token(job_id)}-L{seq}"
+
+    # --- outputs --------------------------------------------------------------------------------
+
+    def emit(self, cmd: Any) -> None:
+        self.cmds.append(cmd)
+
+    def send(self, node: Node, cls: type, **fields: Any) -> Node:
+        """SendToAgent(cls(...)) with cmd_id f"{node_id}-c{seq}" and the current fencing token."""
+        seq = node.cmd_seq + 1
+        cmd = cls(
+            cmd_id=f"{node.node_id}-c{seq}",
+            fencing_token=self.meta.fencing_token,
+            node_id=node.node_id,
+            job_id=node.job_id,
+            issued_ts=self.now,
+            **fields,
+        )
+        self.emit(SendToAgent(command=cmd))
+        return self.update_node(node, cmd_seq=seq)
+
+    def record(
+        self,
+        job_id: str | None,
+        action: str,
+        reason: str,
+        alternatives: tuple[tuple[str, float, float], ...] = (),
+        **details: Any,
+    ) -> None:
+        self.audit.append(
+            AuditEntry(
+                ts=self.now,
+                job_id=job_id,
+                event=self.event,
+                action=action,
+                reason=reason,
+                alternatives=alternatives,
+                details=details,
+            )
+        )
+
+    def decision(self) -> Decision:
+        s0 = self.state0
+        if (
+            self.jobs is s0.jobs
+            and self.nodes is s0.nodes
+            and self.pools is s0.pools
+            and self.meta is s0.meta
+        ):
+            state = s0
+        else:
+            state = State(self.jobs, self.nodes, self.pools, self.meta)
+        return Decision(state, tuple(self.cmds), tuple(self.audit), frozenset(self.dirty))
