@@ -46,10 +46,12 @@ def job_nodes(tx: Tx, job: Job) -> list[Node]:
     return [nodes[n] for n in job.nodes if n in nodes]
 
 
-def acceptable(job: Job, node: Node) -> bool:
+def acceptable(job: Job, node: Node, suspect_ok: bool = False) -> bool:
+    """Usable by the job now; ``suspect_ok``: a suspect node still counts (for launch decisions: we do
+    not act on one signal)."""
     return (
         node.phase in _COUNTING
-        and node.suspect_since is None
+        and (suspect_ok or node.suspect_since is None)
         and zone_of(node.pool) == job.zone
         and node.pool.market in markets_for(job)
         and node.pool_name not in job.avoid_pools
@@ -70,6 +72,17 @@ def progress_step(tx: Tx, job: Job) -> int:
         if n is not None and n.generation == job.generation and n.step > step:
             step = n.step
     return step
+
+
+def live_step_time(tx: Tx, job: Job) -> float | None:
+    """Mean step time the current generation's nodes report (None before any report)."""
+    total, count = 0.0, 0
+    for nid in job.gen_nodes:
+        n = tx.nodes.get(nid)
+        if n is not None and n.generation == job.generation and n.step_time_s:
+            total += n.step_time_s
+            count += 1
+    return total / count if count else job.step_time_s
 
 
 def burn_usd_h(tx: Tx, job: Job) -> float:
@@ -322,7 +335,7 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
         return job
     cfg, spec = tx.cfg, job.spec
     nodes = job_nodes(tx, job)
-    have = [n for n in nodes if acceptable(job, n)]
+    have = [n for n in nodes if acceptable(job, n, suspect_ok=True)]
     deficit = job.target_nodes - len(have)
     if deficit <= 0:
         return job
@@ -350,7 +363,7 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     for n in job_nodes(tx, job):  # idle/in-flight nodes left behind in the old zone are useless now
         if n.phase in (N.REQUESTED, N.BOOTING, N.REGISTERED) and n.suspect_since is None and not acceptable(job, n):
             job = remove_node(tx, job, n, reason="zone_move", lost=False, terminate=True)  # type: ignore[assignment]
-    have = [n for n in job_nodes(tx, job) if acceptable(job, n)]
+    have = [n for n in job_nodes(tx, job) if acceptable(job, n, suspect_ok=True)]
     reason = "placement" if job.phase == J.PENDING else "move"
     job = launch(tx, job, best, job.target_nodes - len(have), reason, alternatives(rank, cfg))
     if job.phase == J.PENDING and any(n.phase in _INFLIGHT for n in job_nodes(tx, job)):

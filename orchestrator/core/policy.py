@@ -172,7 +172,7 @@ def _deadline(tx: Tx, job: Job) -> None:
         return
     cfg = tx.cfg
     step = lc.progress_step(tx, job)
-    need = remaining_work_s(job, step) + cfg.restart_overhead_s + cfg.boot_s_estimate + save_seconds(job)
+    need = remaining_work_s(job, step, lc.live_step_time(tx, job)) + cfg.restart_overhead_s + cfg.boot_s_estimate + save_seconds(job)
     slack = spec.deadline_ts - tx.now
     if slack >= need * (1.0 + cfg.deadline_margin):
         return

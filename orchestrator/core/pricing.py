@@ -63,8 +63,8 @@ def step_seconds(job: Job) -> float:
     return job.step_time_s if job.step_time_s is not None else job.spec.step_time_s_estimate
 
 
-def remaining_work_s(job: Job, step: int) -> float:
-    return max(0, job.spec.total_steps - step) * step_seconds(job)
+def remaining_work_s(job: Job, step: int, step_time_s: float | None = None) -> float:
+    return max(0, job.spec.total_steps - step) * (step_time_s if step_time_s else step_seconds(job))
 
 
 def emergency_fits(job: Job, cfg: CoreConfig, cloud: str) -> bool:
