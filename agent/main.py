@@ -105,6 +105,8 @@ class AgentConfig:
     sigterm_grace_s: float = 30.0
     collective_timeout_s: float = 60.0
     exit_with_parent: bool = False
+    advertise_host: str = ""
+    """Address other nodes reach this one at (the rendezvous host when it is rank 0); default: hostname."""
 
 
 class Agent:
@@ -249,7 +251,7 @@ class Agent:
         self._publish_event(NodeRegistered(
             id=f"reg-{self.node_id}-{self.boot_id}", node_id=self.node_id,
             instance_id=InstanceId(self.cfg.instance_id) if self.cfg.instance_id else None,
-            pool=self.cfg.pool, agent_version=AGENT_VERSION, host=socket.gethostname(), ts=time.time()))
+            pool=self.cfg.pool, agent_version=AGENT_VERSION, host=self.cfg.advertise_host or socket.gethostname(), ts=time.time()))
 
     def heartbeat(self) -> Heartbeat:
         self.seq += 1
@@ -493,6 +495,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--collective-timeout-s", type=float, default=60.0)
     p.add_argument("--no-checkpoint-on-notice", action="store_true",
                    help="only report notices; wait for orchd's checkpoint command")
+    p.add_argument("--advertise-host", default=_env("ORCH_ADVERTISE_HOST"),
+                   help="address peers use to reach this node (default: hostname)")
     p.add_argument("--exit-with-parent", action="store_true", help="leave when the parent process exits")
     p.add_argument("--log-level", default=_env("ORCH_LOG_LEVEL", "info"))
     a = p.parse_args(argv)
@@ -505,7 +509,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         instance_id=a.instance_id, pool=pool, heartbeat_s=a.heartbeat_s, metadata_poll_s=a.metadata_poll_s,
         gcp_notice_s=a.gcp_notice_s, checkpoint_on_notice=not a.no_checkpoint_on_notice,
         sigterm_grace_s=a.sigterm_grace_s, collective_timeout_s=a.collective_timeout_s,
-        exit_with_parent=a.exit_with_parent)
+        exit_with_parent=a.exit_with_parent, advertise_host=a.advertise_host)
     _LOG_LEVEL[0] = a.log_level
     return cfg
 
