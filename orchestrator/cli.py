@@ -46,7 +46,7 @@ _COLUMNS: dict[str, tuple[str, ...]] = {
     "nodes": ("node_id", "job_id", "phase", "pool", "instance_id", "generation", "rank", "step", "heartbeat_age_s"),
     "pools": ("pool", "gpu_type", "price_usd_h", "on_demand_usd_h", "ratio", "preemptions", "exposure_h"),
     "events": ("seq", "ts", "event", "command", "kind", "job", "node", "pool", "reason"),
-    "entries": ("ts", "kind", "reason", "detail"),
+    "entries": ("ts", "event", "action", "reason", "details"),
 }
 
 
@@ -105,7 +105,7 @@ def format_reply(kind: str, reply: Any, fmt: str) -> str:
         rows = data["entries"]
         if not rows:
             return f"(no decisions recorded for {data['job_id']})\n"
-        return render_table(rows, None)
+        return render_table(rows, _COLUMNS["entries"])
     if kind == "status":
         return render_kv(data)
     if kind == "reap":

@@ -75,6 +75,8 @@ class Daemon:
         self.recent: deque[dict] = deque(maxlen=2000)  # decided commands, for `orchctl events`
         self.recent_seq = 0
         self.notice_ts: dict[str, float] = {}  # cmd_id -> notice publish ts (latency metric)
+        self._live: set[str] = set()  # node keys changed by heartbeats only, not yet persisted
+        self._flush_live = False
         self._stop = anyio.Event()
 
     def request_stop(self) -> None:
@@ -106,6 +108,7 @@ class Daemon:
     async def decide_loop(self) -> None:
         tick_s = self.settings.daemon.tick_s
         next_tick = time.monotonic() + tick_s
+        next_flush = time.monotonic() + self.settings.daemon.liveness_flush_s
         while not self._stop.is_set():
             with anyio.move_on_after(max(0.0, next_tick - time.monotonic())):
                 await _first(self.intake.wait, self._stop.wait)
@@ -114,6 +117,9 @@ class Daemon:
                 batch.shell.append(ShellItem(Tick()))
                 next_tick = time.monotonic() + tick_s
                 refresh_gauges(self)
+                if time.monotonic() >= next_flush:
+                    self._flush_live = True
+                    next_flush = time.monotonic() + self.settings.daemon.liveness_flush_s
                 sdnotify.notify_watchdog()
             if len(batch):
                 await self.process(batch)
@@ -130,14 +136,24 @@ class Daemon:
         notice_of: dict[str, float] = {}
         decided = 0
 
-        def run(event: Any, now: float, publish_ts: float | None = None) -> None:
+        live = self._live
+        is_hb = ev.Heartbeat
+
+        def run(event: Any, now: float, publish_ts: float | None = None) -> bool:
             nonlocal state, decided
-            d = core.decide(state, event, now)
+            try:
+                d = core.decide(state, event, now)
+            except Exception as e:  # a core bug must not stop the daemon: skip the event, loudly
+                self.metrics.rejected.labels(type(event).__name__, "core_error").inc()
+                log.exception("decide_failed", event_type=type(event).__name__, error=repr(e))
+                return False
             state = d.state
             decided += 1
             counts[type(event).__name__] += 1
             if d.dirty:
                 dirty.update(d.dirty)
+            elif type(event) is is_hb:
+                live.add("node." + event.node_id)  # liveness only: persisted at a lower rate
             if d.commands or d.audit:
                 self._log_decision(event, d)
                 for c in d.commands:
@@ -149,6 +165,11 @@ class Daemon:
                             notice_of[inner.cmd_id] = publish_ts
                 for a in d.audit:
                     audit.append((getattr(a, "job_id", None), core.encode_audit(a)))
+            if isinstance(event, ev.PreemptionNotice):
+                node = state.nodes.get(event.node_id)
+                if node is not None:
+                    self.metrics.preemptions.labels(node.pool.cloud, node.pool_name, "notice").inc()
+            return True
 
         now = time.time()
         for item in batch.shell:
@@ -172,8 +193,10 @@ class Daemon:
                 publish_ts = None
             if publish_ts is not None:
                 self.metrics.event_lag.observe(max(0.0, now - publish_ts))
-            run(event, time.time(), publish_ts)
-            to_ack.append(msg)
+            if run(event, time.time(), publish_ts):
+                to_ack.append(msg)
+            else:
+                await _term(msg)  # poison for the core: never redeliver it forever
         hb_decoder = ev.decode
         for i, msg in enumerate(batch.hb):
             try:
@@ -185,7 +208,14 @@ class Daemon:
                 now = time.time()
                 self.metrics.event_lag.observe(max(0.0, now - hb.ts))
             run(hb, now)
+        if live and (self._flush_live or len(live) > 4 * self.settings.daemon.liveness_flush_max):
+            take = len(live) if self._stop.is_set() else self.settings.daemon.liveness_flush_max
+            while live and take:
+                dirty.add(live.pop())
+                take -= 1
+            self._flush_live = bool(live)
         records = core.state_to_records(state, frozenset(dirty)) if dirty else {}
+        live.difference_update(dirty)
         await self.store.persist(records, new_cmds, done_keys, audit)  # type: ignore[union-attr]
         self.state = state
         for msg in to_ack:
@@ -291,7 +321,7 @@ async def run_daemon(
         topo = await bus.ensure_topology(nc, settings.nats.stream_replicas)
         d.store = Store(topo)
         records, outbox = await d.store.load()
-        d.state = d.core.state_from_records(records) if records else d.core.empty_state()
+        d.state = d.core.restore(records) if records else d.core.empty_state()
         d.fencing_token = await topo.lease_kv.put(
             "leader", json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "ts": time.time()}).encode())
         d.intake.put_shell(ShellItem(LeaseChanged(revision=d.fencing_token)))
@@ -330,8 +360,8 @@ async def run_daemon(
                 for _, psub in pulls:
                     await _quietly(psub.unsubscribe())
                 leftover = d.intake.take()
-                if len(leftover):
-                    await d.process(leftover)  # finish what was already taken in: decided and persisted
+                d._flush_live = True  # and persist every liveness-only change
+                await d.process(leftover)  # finish what was already taken in: decided and persisted
             tg.cancel_scope.cancel()  # in-flight commands stay in the outbox for the next daemon
     finally:
         with anyio.CancelScope(shield=True):

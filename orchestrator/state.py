@@ -31,6 +31,13 @@ class CoreApi:
     state_from_records: Callable[[Mapping[str, bytes]], Any]
     empty_state: Callable[[], Any]
     encode_audit: Callable[[Any], bytes] = _enc.encode
+    configure: Callable[[Any], Any] | None = None
+    """Applied to a state restored from records, so the settings of this run (not the persisted
+    ones) drive the policy; None leaves the restored state as it is."""
+
+    def restore(self, records: Mapping[str, bytes]) -> Any:
+        state = self.state_from_records(records)
+        return self.configure(state) if self.configure is not None else state
 
 
 def default_core(settings: Settings) -> CoreApi:
@@ -45,6 +52,7 @@ def default_core(settings: Settings) -> CoreApi:
         state_to_records=core.state_to_records,
         state_from_records=core.state_from_records,
         empty_state=lambda: core.State.empty(config),
+        configure=lambda s: msgspec.structs.replace(s, meta=msgspec.structs.replace(s.meta, config=config)),
     )
 
 
