@@ -77,13 +77,9 @@ def summarize(results: list[JobResult], sc: Scenario) -> Summary:
     )
 
 
-def policy_factory(name: str, **kw) -> Callable[[], Policy]:
+def policy_factory(name: str) -> Callable[[], Policy]:
     if name in ONLINE:
         return ONLINE[name]
-    if name == "orchd":
-        from simulations.orchd_policy import OrchdPolicy
-
-        return lambda: OrchdPolicy(**kw)
     raise ValueError(f"unknown policy {name!r}")
 
 
@@ -117,8 +113,18 @@ def replay(
             if progress:
                 progress(len(jobs))
             continue
-        make = policy_factory(name, **(orchd_kw or {}))
         results = []
+        if name == "orchd":
+            from simulations.orchd_policy import OrchdRunner
+
+            runner = OrchdRunner(**(orchd_kw or {}))
+            for job in jobs:
+                results.append(runner.run(sc, job, ov))
+                if progress:
+                    progress(1)
+            out[name] = summarize(results, sc)
+            continue
+        make = policy_factory(name)
         for job in jobs:
             results.append(run_job(make(), sc, job, ov, usable=usable))
             if progress:

@@ -19,6 +19,9 @@ import numpy as np
 from simulations.traces import ON_DEMAND_USD_H, AvailabilityTrace, PriceBook
 
 
+ONE_NODE_SCALE = 1 << 16
+
+
 @dataclass(frozen=True, slots=True)
 class Zone:
     name: str
@@ -101,7 +104,9 @@ def build(
     zones = tuple(Zone(t.zone, t.region, t.cloud, t.instance_type) for t in traces)
     regions = tuple(dict.fromkeys((z.cloud, z.region) for z in zones))
     zr = np.asarray([regions.index((z.cloud, z.region)) for z in zones], dtype=np.int64)
-    avail = np.stack([_resample_min(t.values, t.gap_s, tick_s, n_ticks) for t in traces])
+    # a 1-node probe that got its node says "the zone has capacity": any job size fits
+    avail = np.stack([_resample_min(t.values, t.gap_s, tick_s, n_ticks) * (ONE_NODE_SCALE if t.nodes_probed == 1 else 1)
+                      for t in traces])
     od_zone = np.full(len(zones), np.nan)
     spot = np.full((len(zones), n_ticks), np.nan)
     src = ""
