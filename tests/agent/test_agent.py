@@ -164,3 +164,25 @@ def test_new_generation_resumes_and_abandon_kills(nats_url: str, tmp_path) -> No
         await nc.close()
 
     anyio.run(go)
+
+
+def test_rank_logs_are_shipped_and_read_back(nats_url: str, tmp_path) -> None:
+    from orchestrator.logs_cmd import read_logs
+
+    async def go() -> None:
+        nc = await nats.connect(nats_url)
+        await ensure_events_stream(nc)
+        async with running_agent(_cfg("n-logs", nats_url, tmp_path)) as agent:
+            assert (await send(nc, start_cmd("n-logs", ckpt=str(tmp_path / "ck"), steps=3, step_time_s=0.01))).ok
+            await wait_for(lambda: agent.group.done.is_set())
+            await agent.logs.flush(2)
+        lines: list[str] = []
+        n = await read_logs([nats_url], "j1", node="n-logs", out=lines.append)
+        assert n == len(lines) == 2
+        assert "fake trainer rank 0/1 generation 1" in lines[0] or "fake trainer rank 0/1 generation 1" in lines[1]
+        assert any(" r0 ! | a line on stderr" in x for x in lines)
+        assert not any('{"orch":' in x for x in lines)  # report lines are parsed, not shipped as logs
+        assert await read_logs([nats_url], "j1", node="nobody", out=lines.append) == 0
+        await nc.close()
+
+    anyio.run(go)
