@@ -47,8 +47,10 @@ def run_orchd_job(
     billed_h = r.billed_node_s / 3600.0 / job.nodes
     done_ticks = (r.done_ts / sc.tick_s) if r.done_ts is not None else float("inf")
     q = sc.quantum_s / 3600.0
+    # a job the core did not finish is finished on on-demand afterwards, as the engine does for baselines
+    unfinished_h = max(0.0, work_h - r.useful_s / 3600.0) if r.done_ts is None else 0.0
     jr = JobResult(
-        cost_usd=r.cost_usd,
+        cost_usd=r.cost_usd + unfinished_h * job.nodes * od_price,
         od_work_cost_usd=work_h * job.nodes * od_price,
         done_ticks=done_ticks,
         deadline_met=r.deadline_met,

@@ -96,6 +96,8 @@ class WorldResult:
     useful_s: float
     decisions: int
     phase: str
+    od_node_s: float = 0.0
+    actions: dict[str, int] = field(default_factory=dict)  # audit "action:reason" -> count
     timeline: list[tuple[float, str, str]] = field(default_factory=list)  # (t, what, detail)
 
 
@@ -142,6 +144,8 @@ class World:
         # accounting
         self.cost = 0.0
         self.billed_s = 0.0
+        self.od_s = 0.0
+        self.actions: dict[str, int] = {}
         self.bill_ts = BASE_TS
         self.preemptions = 0
         self.done_ts: float | None = None
@@ -185,6 +189,8 @@ class World:
                 if n.alive and n.launched is not None:
                     self.cost += self.price(n, k) * dt / 3600.0
                     self.billed_s += dt
+                    if n.pool.market != Market.SPOT:
+                        self.od_s += dt
             t = end
         self.bill_ts = ts
 
@@ -209,6 +215,12 @@ class World:
         d = decide(self.state, ev, self.now)
         self.decisions += 1
         self.state = d.state
+        for a in d.audit:
+            key = f"{a.action}:{a.reason}"
+            self.actions[key] = self.actions.get(key, 0) + 1
+        if self.record:
+            for a in d.audit:
+                self.timeline.append((self.now - BASE_TS, "core:" + a.action, a.reason))
         for c in d.commands:
             self.execute(c)
 
@@ -246,9 +258,19 @@ class World:
             room = self.capacity(z, k) - used if self.usable[z, self.trace_t(k)] else 0
             ok = ids[: max(0, room)]
         failed = ids[len(ok):]
+        k = self.tick_index(self.now)
+        doomed = (
+            c.pool.market == Market.SPOT and z is not None
+            and not self.usable[z, self.trace_t(k + 1)]
+        )
         for nid in ok:
             n = WNode(nid, c.pool, z, launched=self.now)
             self.nodes[nid] = n
+            if doomed:  # launched into a zone that loses its capacity at the next boundary
+                death = BASE_TS + (k + 1) * self.sc.tick_s
+                n.doomed_at = death
+                self.at(max(self.now, death - self.ov.notice_s), "notice", nid, death)
+                self.at(death, "death", nid)
             self.at(self.now, "core", NodeLaunched(node_id=nid, job_id=c.job_id, instance_id=f"i-{nid}",
                                                    pool=c.pool, token=c.token))
             self.at(self.now + self.ov.launch_delay_s, "registered", nid)
@@ -452,6 +474,8 @@ class World:
             useful_s=self.progress() if self.done_ts is None else self.work_s,
             decisions=self.decisions,
             phase=str(phase) if phase is not None else "",
+            od_node_s=self.od_s,
+            actions=self.actions,
             timeline=self.timeline,
         )
 
