@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from providers.base import TAG_CLUSTER, CloudProvider, Instance, ProviderError
+from providers.base import TAG_CLUSTER, CloudProvider, Instance, InstanceState, ProviderError
 
 log = structlog.get_logger("orch.reaper")
 
@@ -75,7 +75,9 @@ def plan(
     ``known``: node id -> KnownNode (or a (job_state, instance_id) tuple). ``first_seen``: instance id ->
     when it was first seen as an orphan (from the previous plan). An orphan is terminated once
     ``now - min(first_seen, launched_ts) >= grace_s``; a new orphan without a launch time starts waiting now."""
-    alive = [i for i in instances if i.alive and (cluster_id is None or i.tags.get(TAG_CLUSTER) == cluster_id)]
+    # Every instance that still exists counts (a stopped GCP VM or a deallocated Azure VM still holds a disk).
+    alive = [i for i in instances if i.state is not InstanceState.TERMINATED
+             and (cluster_id is None or i.tags.get(TAG_CLUSTER) == cluster_id)]
     if not state_ok:
         return ReapPlan(refused_reason="state_unreadable", first_seen=dict(first_seen))
     if not known and alive and not allow_empty_state:
