@@ -99,6 +99,7 @@ class WorldResult:
     od_node_s: float = 0.0
     actions: dict[str, int] = field(default_factory=dict)  # audit "action:reason" -> count
     timeline: list[tuple[float, str, str]] = field(default_factory=list)  # (t, what, detail)
+    progress_log: list[tuple[float, float, str]] = field(default_factory=list)
 
 
 class World:
@@ -151,6 +152,7 @@ class World:
         self.done_ts: float | None = None
         self.decisions = 0
         self.timeline: list[tuple[float, str, str]] = []
+        self.progress_log: list[tuple[float, float, str]] = []  # (t, progress_s, idle|spot|od) per tick
         self.msg = itertools.count()
 
     # --- time and trace ------------------------------------------------------------------------
@@ -426,6 +428,10 @@ class World:
                     self.at(max(self.now, death - self.ov.notice_s), "notice", n.node_id, death)
                     self.at(death, "death", n.node_id)
         # liveness and progress, then the timer
+        if self.record:
+            running = [n for n in self.nodes.values() if n.alive and n.training]
+            kind = "idle" if not running else ("spot" if running[0].pool.market == Market.SPOT else "od")
+            self.progress_log.append((self.now - BASE_TS, self.progress(), kind))
         step = int(self.progress() // self.step_s)
         for n in list(self.nodes.values()):
             if n.alive and n.registered:
@@ -477,6 +483,7 @@ class World:
             od_node_s=self.od_s,
             actions=self.actions,
             timeline=self.timeline,
+            progress_log=self.progress_log,
         )
 
     def on_tick_prices_only(self) -> None:
