@@ -211,6 +211,18 @@ class CheckpointManager:
             fs = store.filesystem(self.root, self.storage_options)
             fs.rm(store._path(store.join(self.root, "_warmup")), recursive=True)
 
+    def close(self) -> None:
+        """Stop the process-based saver (idle by now: callers settle pending saves first). Killed rather
+        than asked: its own process-group teardown can wait on peers that already left."""
+        if self.async_mode != "process":
+            return
+        from torch.distributed.checkpoint import _async_process_executor as ape
+
+        proc = getattr(ape._CHECKPOINT_PROCESS, "_save_process", None)
+        if proc is not None and proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
     # --- loading ---------------------------------------------------------------------------------
 
     def resolve(self, resume_from: str) -> str | None:

@@ -145,6 +145,8 @@ class Session:
         self._print(contract.ExitReport(rank=self.rank, generation=self.generation, exit_code=code,
                                         reason=reason or contract.EXIT_REASONS.get(code, "failed"),
                                         last_step=self.last_step, ts=time.time()))
+        if self.ckpt is not None:
+            self.ckpt.close()
         sys.stderr.flush()
         os._exit(code)
 

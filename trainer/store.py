@@ -188,7 +188,8 @@ class CommitWriter(FileSystemWriter):
         inner: FileSystemBase = _LocalFS() if local else _FsspecFS()
         self.sink = _ChecksumSink()
         self.fs = _HashingFS(inner, self.sink)
-        self.path = self.fs.init_path(self.path, **(storage_options or {})) if not local else self.fs.init_path(self.path)
+        target = local_path(dir_url) if local else dir_url  # the base class mangled "s3://" into a Path
+        self.path = self.fs.init_path(target) if local else self.fs.init_path(target, **(storage_options or {}))
         self.fs.mkdir(self.path)
 
     def write_extra(self, name: str, payload: bytes) -> None:
