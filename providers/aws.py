@@ -57,6 +57,7 @@ log = structlog.get_logger("orch.providers.aws")
 
 CLOUD = "aws"
 _LIVE_STATES = ["pending", "running", "stopping", "stopped", "shutting-down"]
+_LINUX = ("Linux/UNIX", "Linux/UNIX (Amazon VPC)")  # the second on accounts that predate default VPCs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -191,7 +192,8 @@ class AwsProvider:
         self._session: Any = None
         self._clients: dict[str, Any] = {}
         self._zone_ids: dict[str, dict[str, str]] = {}  # region -> zone id -> zone name
-        self._token_locks: dict[str, threading.Lock] = {}
+        # Striped per-token locks (bounded memory): two threads launching the same token serialize.
+        self._token_locks = tuple(threading.Lock() for _ in range(64))
 
     @classmethod
     def from_settings(cls, raw: Mapping[str, Any]) -> AwsProvider:
@@ -243,9 +245,8 @@ class AwsProvider:
         if pool.cloud != CLOUD:
             raise ProviderError(f"not an AWS pool: {pool.name}", pool=pool)
         region = pool.region
-        with self._lock:
-            tlock = self._token_locks.setdefault(request.idempotency_token, threading.Lock())
-        with tlock:
+        stripe = int(hashlib.sha256(request.idempotency_token.encode()).hexdigest()[:8], 16) % len(self._token_locks)
+        with self._token_locks[stripe]:
             existing = {i.node_id: i for i in self._by_token(region, request)}
             got: list[Instance] = [existing[n] for n in request.node_ids if n in existing]
             failure: ProviderError | None = None
@@ -416,7 +417,7 @@ class AwsProvider:
         start = datetime.fromtimestamp(now, tz=timezone.utc) - timedelta(seconds=self.config.price_lookback_s)
         newest: dict[tuple[str, str], tuple[datetime, float]] = {}
         for row in self._pages(region, "describe_spot_price_history", "SpotPriceHistory",
-                               InstanceTypes=list(instance_types), ProductDescriptions=["Linux/UNIX"],
+                               InstanceTypes=list(instance_types), ProductDescriptions=list(_LINUX),
                                StartTime=start):
             key = (row["AvailabilityZone"], row["InstanceType"])
             ts = row["Timestamp"]

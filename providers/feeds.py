@@ -86,7 +86,7 @@ async def publish_quotes(js: Any, quotes: Sequence[PriceQuote], *, attempts: int
         for attempt in range(1, attempts + 1):
             try:
                 ack = await js.publish(subject, encode(tick), timeout=timeout_s, headers={"Nats-Msg-Id": tick.id})
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionReconnectingError) as e:
+            except nats.errors.Error as e:  # timeout, no responders (no stream), reconnecting, JetStream API errors
                 if attempt == attempts:
                     failed += 1
                     log.warning("price_publish_failed", pool=q.pool.name, error=type(e).__name__)
@@ -108,6 +108,9 @@ async def feed_once(js: Any, provider: CloudProvider, *, pools: Sequence[PoolKey
         quotes = await anyio.to_thread.run_sync(provider.prices, pools, limiter=limiter)
     except ProviderError as e:
         log.warning("price_feed_failed", cloud=provider.cloud, error=str(e), reason=e.reason, retryable=e.retryable)
+        return FeedRound(provider.cloud, error=f"{type(e).__name__}: {e}")
+    except Exception as e:  # noqa: BLE001 - a provider bug must not take the daemon's task group down
+        log.exception("price_feed_crashed", cloud=provider.cloud)
         return FeedRound(provider.cloud, error=f"{type(e).__name__}: {e}")
     published, duplicates, failed = await publish_quotes(js, quotes)
     r = FeedRound(provider.cloud, len(quotes), published, duplicates, failed)

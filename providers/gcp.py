@@ -424,15 +424,23 @@ class GcpProvider:
     def list_instances(self, cluster_id: str) -> list[Instance]:
         instances, _ = self._clients()
         flt = f'labels.{TAG_CLUSTER} = "{label_value(cluster_id)}"'
-        out = []
+        from google.api_core import exceptions as gx
+
         try:
-            for _zone, scoped in instances.aggregated_list(request={"project": self.config.project, "filter": flt}):
-                for d in scoped.instances:
-                    inst = self._to_instance(d)
-                    if inst.tags.get(TAG_CLUSTER) == cluster_id and inst.state is not InstanceState.TERMINATED:
-                        out.append(inst)
+            try:
+                pages = list(instances.aggregated_list(request={"project": self.config.project, "filter": flt}))
+            except gx.BadRequest as e:
+                # A filter the API refuses must not hide the fleet: list everything, filter here.
+                log.warning("label_filter_refused", filter=flt, error=str(e))
+                pages = list(instances.aggregated_list(request={"project": self.config.project}))
         except Exception as e:  # noqa: BLE001
             raise map_error(e) from e
+        out = []
+        for _zone, scoped in pages:
+            for d in scoped.instances:
+                inst = self._to_instance(d)  # exact tags from metadata: the label value may be mangled
+                if inst.tags.get(TAG_CLUSTER) == cluster_id and inst.state is not InstanceState.TERMINATED:
+                    out.append(inst)
         return out
 
     def describe(self, instance_ids: Sequence[InstanceId]) -> list[Instance]:

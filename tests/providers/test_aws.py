@@ -271,7 +271,8 @@ def _row(zone: str, itype: str, price: str, hour: int) -> dict:
 
 def test_spot_prices_follow_pages_and_keep_newest() -> None:
     p, stub = _stubbed_provider()
-    params = {"InstanceTypes": ["g5.xlarge", "p3.2xlarge"], "ProductDescriptions": ["Linux/UNIX"], "StartTime": ANY}
+    params = {"InstanceTypes": ["g5.xlarge", "p3.2xlarge"], "ProductDescriptions": ["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
+              "StartTime": ANY}
     stub.add_response("describe_spot_price_history", {
         "SpotPriceHistory": [_row("us-east-1a", "g5.xlarge", "0.40", 11), _row("us-east-1a", "p3.2xlarge", "0.95", 9)],
         "NextToken": "page2"}, params)

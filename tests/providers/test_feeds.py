@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import anyio
 import nats
+import nats.js.errors
 import pytest
 
 from orchestrator.events import Market, PriceTick, decode
@@ -110,6 +111,23 @@ async def test_feed_task_rounds_and_survives_provider_errors(nats_url: str) -> N
 
 async def _ignore(e: Exception) -> None:
     pass
+
+
+async def test_no_stream_counts_failures_without_crashing(nats_url: str) -> None:
+    nc = await nats.connect(nats_url, error_cb=_ignore)
+    try:
+        js = nc.jetstream()
+        try:
+            await js.delete_stream(MARKET_STREAM)
+        except nats.js.errors.NotFoundError:
+            pass
+        now = [1_800_000_000.0]
+        cloud = FakeCloud("nowhere", clock=lambda: now[0])
+        cloud.set_price(pool("nowhere", "r1", "r1-a", "t"), 1.0)
+        r = await feed_once(js, cloud)
+        assert (r.quotes, r.published, r.failed) == (1, 0, 1)
+    finally:
+        await nc.close()
 
 
 def test_quote_ts_changes_id() -> None:

@@ -157,6 +157,16 @@ def test_list_pages_describe_terminate(provider: GcpProvider, fake: FakeGcp, clu
     assert [i.instance_id for i in provider.describe([victim, res.instances[1].instance_id])] == [res.instances[1].instance_id]
 
 
+def test_list_survives_a_refused_filter(provider: GcpProvider, fake: FakeGcp, cluster: str) -> None:
+    res = provider.launch(request(pool("gcp", REGION, ZONE, "a2-highgpu-1g"), 2, cluster=cluster))
+    fake.refuse_filters = True
+    try:
+        listed = provider.list_instances(cluster)
+    finally:
+        fake.refuse_filters = False
+    assert {i.instance_id for i in listed} == {i.instance_id for i in res.instances}
+
+
 def test_reaper_on_gcp(provider: GcpProvider, fake: FakeGcp, cluster: str) -> None:
     keep = provider.launch(request(pool("gcp", REGION, ZONE, "a2-highgpu-1g"), 1, cluster=cluster, job="keep"))
     provider.launch(request(pool("gcp", REGION, ZONE, "a2-highgpu-1g"), 2, cluster=cluster, job="leak"))

@@ -30,6 +30,7 @@ class FakeGcp:
         self.skus: list[dict[str, Any]] = []
         self.page_size = page_size
         self.insert_calls = 0
+        self.refuse_filters = False  # answer 400 to any filter (as GCE does to syntax it does not accept)
         self._ids = itertools.count(1000)
         s = self.server
         s.route("POST", P + r"/zones/([^/]+)/instances", self._insert)
@@ -144,7 +145,7 @@ class FakeGcp:
     def _aggregated(self, project: str, *, query: dict, **_: Any) -> Any:
         flt = (query.get("filter") or [""])[0]
         want = re.fullmatch(r'\s*labels\.([a-z0-9_-]+)\s*=\s*"([^"]*)"\s*', flt) if flt else None
-        if flt and want is None:
+        if flt and (want is None or self.refuse_filters):
             return self._err(400, "invalid", f"unsupported filter {flt!r}")
         rows = sorted(((z, n), i) for (z, n), i in self.instances.items()
                       if want is None or i.get("labels", {}).get(want.group(1)) == want.group(2))
