@@ -34,6 +34,19 @@ FINISHED_JOB_STATES = frozenset({"completed", "succeeded", "failed", "cancelled"
 """Job states whose instances must go. Any other state (queued, running, paused, migrating...) is live."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReaperSettings:
+    """``[reaper]`` (for the daemon's Settings; load with ``load_dataclass(ReaperSettings, raw, "reaper")``)."""
+
+    enabled: bool = True
+    interval_s: float = 300.0
+    """Period of the reconcile after the one at start."""
+    grace_s: float = 600.0
+    """How long an instance must be seen as an orphan (or have been launched) before it is terminated."""
+    dry_run: bool = False
+    """Report only, terminate nothing (a first deployment, or after restoring state from a backup)."""
+
+
 @dataclass(frozen=True, slots=True)
 class KnownNode:
     """What the state says about a node: its job's state and the instance id recorded for it (if any)."""
@@ -215,6 +228,7 @@ class Reaper:
         read_state: Callable[[], Awaitable[tuple[Mapping[str, KnownNode | tuple[str, str | None]], bool]]],
         *,
         interval_s: float,
+        dry_run: bool = False,
         on_report: Callable[[ReapReport], Awaitable[None]] | None = None,
         task_status: object = None,
     ) -> None:
@@ -230,7 +244,7 @@ class Reaper:
             except Exception as e:  # noqa: BLE001 - any failure to read state means: do not act
                 log.error("reaper_state_unreadable", error=repr(e))
                 known, ok = {}, False
-            report = await anyio.to_thread.run_sync(lambda: self.reconcile(known, state_ok=ok))
+            report = await anyio.to_thread.run_sync(lambda: self.reconcile(known, state_ok=ok, dry_run=dry_run))
             if on_report is not None:
                 await on_report(report)
             if not started:
