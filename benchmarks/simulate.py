@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline-hours", type=float, default=36.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--policy", action="append", choices=ALL_POLICIES)
+    ap.add_argument("--workers", type=int, default=2, help="processes for optimal and orchd (2 cores)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     sc = build(synth_traces(days=a.days, zones=a.zones, seed=a.seed), spot_price_ratio=0.3)
@@ -44,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in a.policy or ALL_POLICIES:
         t = time.perf_counter()
         try:
-            res = replay(sc, jobs, [name], ov)
+            res = replay(sc, jobs, [name], ov, workers=a.workers)
         except ImportError as e:  # orchd before orchestrator.core exists
             per_policy[name] = None
             summary[name] = f"unavailable: {e}"
@@ -64,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         "goal_s": 10.0,
         "goal_met": total <= 10.0,
         "cpus": os.cpu_count(),
+        "workers": a.workers,
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         "python": platform.python_version(),
         "results": summary,
     }

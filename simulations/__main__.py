@@ -56,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--jobs", type=int, default=10, help="jobs, evenly spaced start times over the trace")
     r.add_argument("--tick-s", type=float, default=300.0, help="minimum simulation tick")
     r.add_argument("--quantum-s", type=float, default=150.0, help="progress quantum (overheads round up to it)")
+    r.add_argument("--workers", type=int, default=1, help="processes for optimal and orchd")
     r.add_argument("--json", action="store_true")
     r.add_argument("--plot", default=None, metavar="OUT.png")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
@@ -64,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("table", help="the documented results table over ../shared/traces")
     t.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
     t.add_argument("--jobs", type=int, default=20)
+    t.add_argument("--workers", type=int, default=2)
     t.add_argument("--json", action="store_true")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
 
@@ -96,7 +98,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
     jobs = make_jobs(sc, job_hours=a.job_hours, deadline_hours=a.deadline_hours, nodes=a.nodes, count=a.jobs)
     policies = a.policy or list(ALL_POLICIES)
     with progress_bar(len(jobs) * len(policies), "replay", a.progress) as adv:
-        res = replay(sc, jobs, policies, ov, progress=adv)
+        res = replay(sc, jobs, policies, ov, progress=adv, workers=a.workers)
     meta = {
         "zones": [z.name for z in sc.zones],
         "tick_s": sc.tick_s,
@@ -126,7 +128,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
 def cmd_table(a: argparse.Namespace) -> int:
     from simulations.results import format_results, run_table, results_json
 
-    rows = run_table(Path(a.traces_dir), jobs=a.jobs, progress=a.progress)
+    rows = run_table(Path(a.traces_dir), jobs=a.jobs, progress=a.progress, workers=a.workers)
     print(results_json(rows) if a.json else format_results(rows))
     return 0
 

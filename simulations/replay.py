@@ -83,6 +83,40 @@ def policy_factory(name: str) -> Callable[[], Policy]:
     raise ValueError(f"unknown policy {name!r}")
 
 
+_CTX: dict = {}
+
+
+def _orchd_chunk(idx: list[int]) -> list[JobResult]:
+    from simulations.orchd_policy import OrchdRunner
+
+    sc, jobs, ov, kw = _CTX["sc"], _CTX["jobs"], _CTX["ov"], _CTX["kw"]
+    runner = OrchdRunner(**kw)
+    return [runner.run(sc, jobs[i], ov) for i in idx]
+
+
+def _optimal_chunk(idx: list[int]) -> np.ndarray:
+    sc, jobs, ov = _CTX["sc"], _CTX["jobs"], _CTX["ov"]
+    return optimal_costs(sc, [jobs[i] for i in idx], ov)
+
+
+def _parallel(fn, n: int, workers: int, sc, jobs, ov, kw) -> list:
+    """Run fn over index chunks in forked worker processes (inputs are inherited, not pickled)."""
+    import multiprocessing as mp
+
+    _CTX.update(sc=sc, jobs=jobs, ov=ov, kw=kw)
+    chunks = [list(range(i, n, workers)) for i in range(workers)]
+    try:
+        with mp.get_context("fork").Pool(workers) as pool:
+            parts = pool.map(fn, chunks)
+    finally:
+        _CTX.clear()
+    out: list = [None] * n
+    for idx, part in zip(chunks, parts):
+        for i, r in zip(idx, part):
+            out[i] = r
+    return out
+
+
 def replay(
     sc: Scenario,
     jobs: list[Job],
@@ -91,12 +125,18 @@ def replay(
     *,
     progress: Callable[[int], None] | None = None,
     orchd_kw: dict | None = None,
+    workers: int = 1,
 ) -> dict[str, Summary]:
+    """Every policy on every job. ``workers`` > 1 forks processes for optimal and orchd (the heavy ones)."""
     out: dict[str, Summary] = {}
     usable = sc.usable(jobs[0].nodes) if jobs else None
+    par = workers > 1 and len(jobs) >= 2 * workers
     for name in policies:
         if name == "optimal":
-            costs = optimal_costs(sc, jobs, ov, usable=usable)
+            if par:
+                costs = np.asarray(_parallel(_optimal_chunk, len(jobs), workers, sc, jobs, ov, {}), dtype=float)
+            else:
+                costs = optimal_costs(sc, jobs, ov, usable=usable)
             base = np.asarray([od_work_cost(sc, j) for j in jobs])
             ok = np.isfinite(costs)
             ratios = np.where(ok, costs / base, np.nan)
@@ -117,11 +157,16 @@ def replay(
         if name == "orchd":
             from simulations.orchd_policy import OrchdRunner
 
-            runner = OrchdRunner(**(orchd_kw or {}))
-            for job in jobs:
-                results.append(runner.run(sc, job, ov))
+            if par:
+                results = _parallel(_orchd_chunk, len(jobs), workers, sc, jobs, ov, orchd_kw or {})
                 if progress:
-                    progress(1)
+                    progress(len(jobs))
+            else:
+                runner = OrchdRunner(**(orchd_kw or {}))
+                for job in jobs:
+                    results.append(runner.run(sc, job, ov))
+                    if progress:
+                        progress(1)
             out[name] = summarize(results, sc)
             continue
         make = policy_factory(name)

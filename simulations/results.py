@@ -68,7 +68,7 @@ def settings_of(sc: scen.Scenario) -> list[tuple[str, list[int]]]:
 
 
 def run_table(root: Path, *, jobs: int = 20, progress: bool | None = None, families=FAMILIES,
-              policies=ALL_POLICIES) -> list[Row]:
+              policies=ALL_POLICIES, workers: int = 1) -> list[Row]:
     ov = Overheads()
     plan = []
     for fam in families:
@@ -83,7 +83,7 @@ def run_table(root: Path, *, jobs: int = 20, progress: bool | None = None, famil
     with progress_bar(len(plan) * jobs * len(policies), "table", progress) as adv:
         for fam, name, sc in plan:
             js = make_jobs(sc, job_hours=JOB_HOURS, deadline_hours=DEADLINE_HOURS, nodes=fam.nodes, count=jobs)
-            res = replay(sc, js, policies, ov, progress=adv)
+            res = replay(sc, js, policies, ov, progress=adv, workers=workers)
             rows.append(Row(fam.key, fam.role, name, tuple(z.name for z in sc.zones), fam.nodes, res))
     return rows
 
@@ -150,12 +150,8 @@ def results_json(rows: list[Row]) -> str:
                     "policies": {k: v.as_dict() for k, v in r.results.items()},
                     "orchd_goal": orchd_goal(r),
                 }
-                for r in r_iter(rows)
+                for r in rows
             ],
         },
         indent=2,
     )
-
-
-def r_iter(rows):
-    return list(rows)

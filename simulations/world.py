@@ -126,7 +126,8 @@ class World:
         self.deadline_ts = BASE_TS + job.deadline_ticks * sc.tick_s
         self.stop_ts = BASE_TS + max(job.deadline_ticks * sc.tick_s * max_overrun, self.work_s * 4)
         self.usable = sc.usable(job.nodes)
-        self.nodes: dict[str, WNode] = {}
+        self.nodes: dict[str, WNode] = {}  # every node ever launched (lookups)
+        self.live: dict[str, WNode] = {}  # alive ones (iteration)
         self.pools_spot = [
             PoolKey(cloud=z.cloud, region=z.region, zone=z.name, instance_type=z.instance_type, market=Market.SPOT)
             for z in sc.zones
@@ -187,8 +188,8 @@ class World:
             k = self.tick_index(t)
             end = min(ts, BASE_TS + (k + 1) * self.sc.tick_s)
             dt = end - t
-            for n in self.nodes.values():
-                if n.alive and n.launched is not None:
+            for n in self.live.values():
+                if n.launched is not None:
                     self.cost += self.price(n, k) * dt / 3600.0
                     self.billed_s += dt
                     if n.pool.market != Market.SPOT:
@@ -237,6 +238,7 @@ class World:
             n = self.nodes.get(c.node_id)
             if n is not None and n.alive:
                 n.alive = False
+                self.live.pop(n.node_id, None)
                 if n.node_id in self.gen_members and n.training:
                     self.stop_training()
                 self.log("terminate", f"{n.node_id} {n.pool.name} ({c.reason})")
@@ -256,7 +258,7 @@ class World:
             ok = []
         elif c.pool.market == Market.SPOT:
             k = self.tick_index(self.now)
-            used = sum(1 for n in self.nodes.values() if n.alive and n.zone == z and n.pool.market == Market.SPOT)
+            used = sum(1 for n in self.live.values() if n.zone == z and n.pool.market == Market.SPOT)
             room = self.capacity(z, k) - used if self.usable[z, self.trace_t(k)] else 0
             ok = ids[: max(0, room)]
         failed = ids[len(ok):]
@@ -268,6 +270,7 @@ class World:
         for nid in ok:
             n = WNode(nid, c.pool, z, launched=self.now)
             self.nodes[nid] = n
+            self.live[nid] = n
             if doomed:  # launched into a zone that loses its capacity at the next boundary
                 death = BASE_TS + (k + 1) * self.sc.tick_s
                 n.doomed_at = death
@@ -389,6 +392,7 @@ class World:
 
     def kill(self, n: WNode) -> None:
         n.alive = False
+        self.live.pop(n.node_id, None)
         self.preemptions += 1
         self.log("preempted", f"{n.node_id} {n.pool.name}")
         if n.node_id in self.gen_members and n.training:
@@ -396,20 +400,26 @@ class World:
             self.p_base = self.committed
         self.feed(NodeGone(node_id=n.node_id, instance_id=f"i-{n.node_id}", reason="provider_terminated"))
 
+    def spot_by_zone(self) -> dict[int, list[WNode]]:
+        out: dict[int, list[WNode]] = {}
+        for n in self.live.values():
+            if n.pool.market == Market.SPOT:
+                out.setdefault(n.zone, []).append(n)
+        return out
+
     def on_tick(self, k: int) -> None:
         t = self.trace_t(k)
         # preemptions at this boundary (nodes whose zone lost capacity; noticed ones already know)
-        for z in range(len(self.sc.zones)):
-            spot = [n for n in self.nodes.values() if n.alive and n.zone == z and n.pool.market == Market.SPOT]
-            if not spot:
-                continue
+        for z, spot in self.spot_by_zone().items():
             cap = self.capacity(z, k) if self.usable[z, t] else 0
             for n in spot[cap:] if cap < len(spot) else ():
                 self.kill(n)
-        # market: prices and capacity of this tick
+        # market: prices and capacity of this tick (only pools that changed)
+        prices = self.sc.spot_price[:, t]
+        hints = self.usable[:, t]
         for z, pk in enumerate(self.pools_spot):
-            price = float(self.sc.spot_price[z, t])
-            hint = 1.0 if self.usable[z, t] else 0.0
+            price = float(prices[z])
+            hint = 1.0 if hints[z] else 0.0
             if self.last_hint[z] != (price, hint):
                 self.last_hint[z] = (price, hint)
                 od = float(self.sc.od_price[self.sc.zone_region[z]])
@@ -419,8 +429,7 @@ class World:
         # notices for the next boundary
         nxt = self.trace_t(k + 1)
         death = self.now + self.sc.tick_s
-        for z in range(len(self.sc.zones)):
-            spot = [n for n in self.nodes.values() if n.alive and n.zone == z and n.pool.market == Market.SPOT]
+        for z, spot in self.spot_by_zone().items():
             cap = self.capacity(z, k + 1) if self.usable[z, nxt] else 0
             for n in spot[cap:] if cap < len(spot) else ():
                 if n.doomed_at != death:
@@ -429,11 +438,11 @@ class World:
                     self.at(death, "death", n.node_id)
         # liveness and progress, then the timer
         if self.record:
-            running = [n for n in self.nodes.values() if n.alive and n.training]
+            running = [n for n in self.live.values() if n.training]
             kind = "idle" if not running else ("spot" if running[0].pool.market == Market.SPOT else "od")
             self.progress_log.append((self.now - BASE_TS, self.progress(), kind))
         step = int(self.progress() // self.step_s)
-        for n in list(self.nodes.values()):
+        for n in list(self.live.values()):
             if n.alive and n.registered:
                 n.hb_seq += 1
                 training = n.training and n.generation == self.gen

@@ -7,7 +7,8 @@ least cost to reach that state. Every online policy's run is one path through th
 and by brute force on tiny traces).
 
 Vectorised with numpy over jobs and progress: per tick O((Z + R) * |r| + R^2) array operations on
-arrays of shape (jobs, ..., W). Memory: jobs x modes x |r| x W float64.
+arrays of shape (jobs, ..., band), where the band holds the progress values that are reachable by
+then and can still finish by the deadline. Memory: 2 x jobs x modes x |r| x W float64.
 """
 
 from __future__ import annotations
@@ -50,57 +51,71 @@ def optimal_costs(sc: Scenario, jobs: list[Job], ov: Overheads, *, usable: np.nd
     inf = np.inf
     V = np.full((J, M, NR, W), inf)
     V[:, FRESH, 0, 0] = 0.0
+    spare = np.full_like(V, inf)
     best = np.full(J, inf)
     pw = np.arange(W)
     for k in range(D):
+        # band of progress worth tracking: reachable (<= k*Q) and still able to finish (>= W-(D-k)*Q)
+        lo = max(0, W - (D - k) * Q)
+        hi = min(W, k * Q + 1)
+        if lo >= hi:
+            break
+        hi2 = min(W, hi + Q)  # where this tick's transitions can land
         t = (starts + k) % T
         U = usable[:, t].T  # (J, Z)
         C = np.empty((J, RUN))
         C[:, :Z] = np.where(U, sc.spot_price[:, t].T * node_tick_h, inf)
         C[:, Z:] = c_od[None, :]
-        Vn = np.full_like(V, inf)
+        Vn = spare
+        Vn[..., lo:hi2] = inf  # the next tick reads only [lo, hi2): older values elsewhere are never read
+        Vb = V[..., lo:hi]
         # 1) keep running the same mode
         for ri, rv in enumerate(rvals):
-            src = V[:, :RUN, ri, :] + C[:, :, None]  # (J, RUN, W)
+            src = Vb[:, :RUN, ri, :] + C[:, :, None]  # (J, RUN, hi-lo)
             if rv >= Q:
-                dst = Vn[:, :RUN, ridx[rv - Q], :]
+                dst = Vn[:, :RUN, ridx[rv - Q], lo:hi]
                 np.minimum(dst, src, out=dst)
             else:
                 g = Q - rv
-                if g < W:
-                    dst = Vn[:, :RUN, 0, g:]
-                    np.minimum(dst, src[:, :, : W - g], out=dst)
-                lo = max(0, W - g)
-                frac = (rv + W - pw[lo:]) / Q  # quanta used in the finishing tick / Q
-                term = V[:, :RUN, ri, lo:] + C[:, :, None] * frac[None, None, :]
-                np.minimum(best, term.min(axis=(1, 2)), out=best)
+                n = min(hi, W - g) - lo
+                if n > 0:
+                    dst = Vn[:, :RUN, 0, lo + g : lo + g + n]
+                    np.minimum(dst, src[:, :, :n], out=dst)
+                tlo = max(lo, W - g)
+                if tlo < hi:
+                    frac = (rv + W - pw[tlo:hi]) / Q  # quanta used in the finishing tick / Q
+                    term = Vb[:, :RUN, ri, tlo - lo :] + C[:, :, None] * frac[None, None, :]
+                    np.minimum(best, term.min(axis=(1, 2)), out=best)
         # 2) where the checkpoint is: min over modes located in g and over r
-        Vr = V.min(axis=2)  # (J, M, W)
-        S = np.stack([Vr[:, by_loc[g]].min(axis=1) for g in range(R)] + [Vr[:, FRESH]], axis=1)  # (J, R+1, W)
+        Vr = Vb[:, :, 0, :] if NR == 1 else Vb.min(axis=2)  # (J, M, hi-lo)
+        S = np.stack([Vr[:, by_loc[g]].min(axis=1) for g in range(R)] + [Vr[:, FRESH]], axis=1)  # (J, R+1, hi-lo)
         # 3) idle
         for g in range(R):
-            Vn[:, Z + R + g, 0, :] = S[:, g]
-        Vn[:, FRESH, 0, :] = V[:, FRESH, 0, :]
+            Vn[:, Z + R + g, 0, lo:hi] = S[:, g]
+        Vn[:, FRESH, 0, lo:hi] = Vb[:, FRESH, 0, :]
         # 4) start a mode in region h from a checkpoint in g (or fresh)
+        wb = hi2 - lo
         for h in range(R):
-            Th = np.full((J, NR, W), inf)
+            Th = np.full((J, NR, wb), inf)
             tgt = targets[h]
             for g in range(R + 1):
                 o = O[g][h]
                 gain0, r0 = max(0, Q - o), max(0, o - Q)
                 Sg = S[:, g]
-                if gain0 < W:
-                    dst = Th[:, ridx[r0], gain0:]
-                    np.minimum(dst, Sg[:, : W - gain0], out=dst)
+                n = min(hi, W - gain0) - lo
+                if n > 0:
+                    dst = Th[:, ridx[r0], gain0 : gain0 + n]
+                    np.minimum(dst, Sg[:, :n], out=dst)
                 if gain0 > 0:
-                    lo = max(0, W - gain0)
-                    frac = (o + W - pw[lo:]) / Q
-                    term = Sg[:, None, lo:] + C[:, tgt, None] * frac[None, None, :]
-                    np.minimum(best, term.min(axis=(1, 2)), out=best)
+                    tlo = max(lo, W - gain0)
+                    if tlo < hi:
+                        frac = (o + W - pw[tlo:hi]) / Q
+                        term = Sg[:, None, tlo - lo :] + C[:, tgt, None] * frac[None, None, :]
+                        np.minimum(best, term.min(axis=(1, 2)), out=best)
             for a in tgt:
-                dst = Vn[:, a]
+                dst = Vn[:, a, :, lo:hi2]
                 np.minimum(dst, Th + C[:, a, None, None], out=dst)
-        V = Vn
+        spare, V = V, Vn
     return best
 
 
