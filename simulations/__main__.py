@@ -2,7 +2,9 @@
 
 Commands:
   replay   run policies over traces given on the command line (see --help)
+  explain  one job through orchd: the core's decision audit and the world's events in virtual time
   table    the documented results table over ../shared/traces (docs/simulations.md)
+  tune     grid-search orchd's CoreConfig overrides on the tuning trace family
   synth    write a seeded synthetic trace set (SkyPilot JSON, one file per zone)
 """
 
@@ -62,12 +64,25 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
     _overhead_args(r)
 
+    e = sub.add_parser("explain", parents=[], help="one job through orchd: the core's decisions in virtual time")
+    for act in r._actions:
+        if act.dest in ("help", "json", "plot", "policy", "workers", "progress"):
+            continue
+        e._add_action(act)
+    e.add_argument("--job-index", type=int, default=0)
+    e.add_argument("--limit", type=int, default=200, help="timeline lines to print")
+
     t = sub.add_parser("table", help="the documented results table over ../shared/traces")
     t.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
     t.add_argument("--jobs", type=int, default=20)
     t.add_argument("--workers", type=int, default=2)
     t.add_argument("--json", action="store_true")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
+    u = sub.add_parser("tune", help="grid-search orchd's CoreConfig overrides on the tuning family")
+    u.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
+    u.add_argument("--jobs", type=int, default=10)
+    u.add_argument("--workers", type=int, default=2)
 
     s = sub.add_parser("synth", help="write a seeded synthetic trace set")
     s.add_argument("--out", required=True)
@@ -78,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def cmd_replay(a: argparse.Namespace) -> int:
+def _scenario(a: argparse.Namespace):
     zones = a.zone or []
     if zones and len(zones) != len(a.trace):
         raise SystemExit("--zone must be given once per --trace")
@@ -92,8 +107,12 @@ def cmd_replay(a: argparse.Namespace) -> int:
     start = None
     if a.price_start:
         start = datetime.fromisoformat(a.price_start).replace(tzinfo=timezone.utc).timestamp()
-    sc = scen.build(trs, prices=book, spot_price_ratio=a.spot_price_ratio, on_demand_usd_h=a.on_demand_price,
-                    price_start_ts=start, min_tick_s=a.tick_s, quantum_s=a.quantum_s)
+    return scen.build(trs, prices=book, spot_price_ratio=a.spot_price_ratio, on_demand_usd_h=a.on_demand_price,
+                      price_start_ts=start, min_tick_s=a.tick_s, quantum_s=a.quantum_s)
+
+
+def cmd_replay(a: argparse.Namespace) -> int:
+    sc = _scenario(a)
     ov = _overheads(a)
     jobs = make_jobs(sc, job_hours=a.job_hours, deadline_hours=a.deadline_hours, nodes=a.nodes, count=a.jobs)
     policies = a.policy or list(ALL_POLICIES)
@@ -125,11 +144,39 @@ def cmd_replay(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_explain(a: argparse.Namespace) -> int:
+    """One job through orchd with the core's decision audit and the world's events, in virtual time."""
+    from simulations.orchd_policy import core_config, run_orchd_job
+
+    sc = _scenario(a)
+    ov = _overheads(a)
+    jobs = make_jobs(sc, job_hours=a.job_hours, deadline_hours=a.deadline_hours, nodes=a.nodes, count=a.jobs)
+    job = jobs[a.job_index]
+    jr, wr = run_orchd_job(sc, job, ov, config=core_config(ov), record=True)
+    print(f"job {a.job_index}: start tick {job.start_tick}; phase {wr.phase}; deadline met {jr.deadline_met}; "
+          f"cost_ratio {jr.cost_usd / jr.od_work_cost_usd:.3f}; on-demand node-hours {wr.od_node_s / 3600:.2f} of "
+          f"{wr.billed_node_s / 3600:.2f}; preemptions {wr.preemptions}; decide() calls {wr.decisions}")
+    for t, what, detail in wr.timeline[: a.limit]:
+        print(f"{t / 3600:9.3f} h  {what:38s} {detail}")
+    if len(wr.timeline) > a.limit:
+        print(f"... {len(wr.timeline) - a.limit} more")
+    top = sorted(wr.actions.items(), key=lambda kv: -kv[1])[:12]
+    print("audit actions:", ", ".join(f"{k}={v}" for k, v in top))
+    return 0
+
+
 def cmd_table(a: argparse.Namespace) -> int:
     from simulations.results import format_results, run_table, results_json
 
     rows = run_table(Path(a.traces_dir), jobs=a.jobs, progress=a.progress, workers=a.workers)
     print(results_json(rows) if a.json else format_results(rows))
+    return 0
+
+
+def cmd_tune(a: argparse.Namespace) -> int:
+    from simulations.tune import tune
+
+    print(tune(Path(a.traces_dir), jobs=a.jobs, workers=a.workers))
     return 0
 
 
@@ -144,7 +191,8 @@ def cmd_synth(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
-        return {"replay": cmd_replay, "table": cmd_table, "synth": cmd_synth}[a.cmd](a)
+        return {"replay": cmd_replay, "explain": cmd_explain, "table": cmd_table, "synth": cmd_synth,
+                "tune": cmd_tune}[a.cmd](a)
     except (traces.TraceFormatError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -409,12 +409,8 @@ class World:
 
     def on_tick(self, k: int) -> None:
         t = self.trace_t(k)
-        # preemptions at this boundary (nodes whose zone lost capacity; noticed ones already know)
-        for z, spot in self.spot_by_zone().items():
-            cap = self.capacity(z, k) if self.usable[z, t] else 0
-            for n in spot[cap:] if cap < len(spot) else ():
-                self.kill(n)
-        # market: prices and capacity of this tick (only pools that changed)
+        # market first (prices and capacity of this tick; only pools that changed), so that decisions
+        # taken on the preemptions below already see the new capacity
         prices = self.sc.spot_price[:, t]
         hints = self.usable[:, t]
         for z, pk in enumerate(self.pools_spot):
@@ -426,6 +422,11 @@ class World:
                 self.feed(PriceTick(id=f"p{next(self.msg)}", pool=pk, gpu_type=GPU, gpus_per_node=1,
                                     price_usd_h=price if math.isfinite(price) else od, on_demand_usd_h=od,
                                     capacity_hint=hint, ts=self.now))
+        # then preemptions at this boundary (nodes whose zone lost capacity; noticed ones already know)
+        for z, spot in self.spot_by_zone().items():
+            cap = self.capacity(z, k) if self.usable[z, t] else 0
+            for n in spot[cap:] if cap < len(spot) else ():
+                self.kill(n)
         # notices for the next boundary
         nxt = self.trace_t(k + 1)
         death = self.now + self.sc.tick_s
