@@ -7,7 +7,6 @@ cloud's view), never from the provider's own return values alone.
 from __future__ import annotations
 
 import base64
-import os
 import threading
 import uuid
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from providers.base import (
     TransientError,
 )
 from providers.reaper import Reaper
-from tests.providers.conftest import AwsErrorInjector, pool, request
+from tests.providers.helpers import AwsErrorInjector, pool, request
 
 REGION = "us-east-1"
 

@@ -14,7 +14,7 @@ from orchestrator.settings import SettingsError
 from providers.azure import AzureProvider, Config, vm_name
 from providers.base import AuthError, CapacityError, CloudProvider, InstanceState, QuotaError, TransientError
 from providers.reaper import Reaper
-from tests.providers.conftest import pool, request
+from tests.providers.helpers import pool, request
 from tests.providers.fakes.azure import FakeAzure, price_row
 
 A100 = "Standard_NC24ads_A100_v4"
@@ -92,6 +92,20 @@ def test_same_token_twice_yields_one_vm(fake: FakeAzure, cluster: str) -> None:
     b = _provider(fake.url).launch(req)
     assert fake.puts == puts  # found by name: no second PUT
     assert {i.instance_id for i in a.instances} == {i.instance_id for i in b.instances}
+    assert len(fake.live(cluster)) == 2
+
+
+def test_same_token_concurrently_yields_one_vm(provider: AzureProvider, fake: FakeAzure, cluster: str) -> None:
+    import threading
+
+    req = request(pool("azure", "eastus", "eastus-1", T4), 2, cluster=cluster)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(provider.launch(req))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4 and all(r.missing == 0 for r in results)
     assert len(fake.live(cluster)) == 2
 
 

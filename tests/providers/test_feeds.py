@@ -11,7 +11,7 @@ from orchestrator.events import Market, PriceTick, decode
 from providers.base import PriceQuote, TransientError
 from providers.fake import FakeCloud
 from providers.feeds import MARKET_STREAM, ensure_market_stream, feed_once, run_price_feed, tick_id
-from tests.providers.conftest import pool
+from tests.providers.helpers import pool
 
 pytestmark = pytest.mark.anyio
 

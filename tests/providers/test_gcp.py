@@ -15,7 +15,7 @@ from orchestrator.settings import SettingsError
 from providers.base import TAG_CLUSTER, CapacityError, CloudProvider, InstanceState, QuotaError, TransientError, AuthError
 from providers.gcp import Config, GcpProvider, label_value, vm_name
 from providers.reaper import Reaper
-from tests.providers.conftest import pool, request
+from tests.providers.helpers import pool, request
 from tests.providers.fakes.gcp import FakeGcp, sku
 
 ZONE = "us-central1-a"
@@ -89,6 +89,20 @@ def test_same_token_twice_yields_one_vm(fake: FakeGcp, cluster: str) -> None:
     a = _provider(fake.url).launch(req)
     b = _provider(fake.url).launch(req)  # a restarted orchd replays the launch
     assert {i.instance_id for i in a.instances} == {i.instance_id for i in b.instances}
+    assert len(fake.live(label_value(cluster))) == 2
+
+
+def test_same_token_concurrently_yields_one_vm(provider: GcpProvider, fake: FakeGcp, cluster: str) -> None:
+    import threading
+
+    req = request(pool("gcp", REGION, ZONE, "a2-highgpu-1g"), 2, cluster=cluster)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(provider.launch(req))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 4 and all(r.missing == 0 for r in results)  # losers of the race get the winner's VM
     assert len(fake.live(label_value(cluster))) == 2
 
 

@@ -8,7 +8,7 @@ from orchestrator.events import InstanceId, Market, NodeId, PoolKey
 from providers.base import TAG_CLUSTER, TAG_NODE, Instance, InstanceState, TransientError
 from providers.fake import FakeCloud
 from providers.reaper import KnownNode, Reaper, plan
-from tests.providers.conftest import request
+from tests.providers.helpers import request
 
 P = PoolKey(cloud="fake", region="r", zone="r-a", instance_type="t", market=Market.SPOT)
 
