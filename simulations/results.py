@@ -88,12 +88,28 @@ def run_table(root: Path, *, jobs: int = 20, progress: bool | None = None, famil
     return rows
 
 
+def core_version() -> str:
+    """The orchestrator/core the orchd numbers came from: last commit touching it, and whether the
+    working tree differs from it (results from a dirty core are not reproducible from git)."""
+    import subprocess
+
+    repo = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "log", "-1", "--format=%h %cs", "--", "orchestrator/core"], cwd=repo,
+                             capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "orchestrator/core"], cwd=repo,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{rev}{' + uncommitted changes' if dirty else ''}"
+
+
 def format_results(rows: list[Row]) -> str:
     pols = list(rows[0].results) if rows else []
     head = "| family (role) | setting | " + " | ".join(pols) + " |"
     lines = [
         f"cost_ratio (deadline_met) per policy; {JOB_HOURS:g} h jobs, {DEADLINE_HOURS:g} h deadline, "
-        f"{rows[0].results[pols[0]].jobs if rows else 0} jobs per setting",
+        f"{rows[0].results[pols[0]].jobs if rows else 0} jobs per setting; orchestrator/core {core_version()}",
         "",
         head,
         "|" + "---|" * (len(pols) + 2),
@@ -144,6 +160,7 @@ def results_json(rows: list[Row]) -> str:
         {
             "job_hours": JOB_HOURS,
             "deadline_hours": DEADLINE_HOURS,
+            "core": core_version(),
             "rows": [
                 {
                     "family": r.family, "role": r.role, "setting": r.setting, "zones": list(r.zones), "nodes": r.nodes,
