@@ -78,6 +78,8 @@ class Config:
     """Instance profile name (the node's role: checkpoint bucket access). Empty: none."""
     key_name: str = ""
     root_volume_gib: int = 200
+    root_device_name: str = "/dev/sda1"
+    """The AMI's root device (Ubuntu/DLAMI: /dev/sda1; Amazon Linux: /dev/xvda). A wrong name adds a second volume."""
     spot_max_price_usd_h: float = 0.0
     """0: AWS default (capped at the on-demand price)."""
     endpoint_url: str = ""
@@ -113,6 +115,10 @@ class Config:
                 out.append(f"{path}.markets: {m!r} is not one of spot, on_demand")
         if self.max_attempts < 1:
             out.append(f"{path}.max_attempts: must be >= 1")
+        if self.zones and self.instance_types:
+            for r in sorted({self.region_of(z) for z in self.zones} - {None}):
+                if r not in self.images:
+                    out.append(f"{path}.images: no AMI for region {r!r} (a zone of it is configured)")
         return out
 
     def region_of(self, zone: str) -> str | None:
@@ -288,7 +294,7 @@ class AwsProvider:
             # IMDSv2 only, one hop: containers on the node cannot read the metadata (and the user data).
             "MetadataOptions": {"HttpTokens": "required", "HttpPutResponseHopLimit": 1, "HttpEndpoint": "enabled",
                                 "InstanceMetadataTags": "enabled"},
-            "BlockDeviceMappings": [{"DeviceName": "/dev/sda1",
+            "BlockDeviceMappings": [{"DeviceName": cfg.root_device_name,
                                      "Ebs": {"VolumeSize": cfg.root_volume_gib, "VolumeType": "gp3",
                                              "DeleteOnTermination": True}}],
             "InstanceInitiatedShutdownBehavior": "terminate",

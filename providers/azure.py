@@ -121,6 +121,10 @@ class Config:
         for z in self.zones:
             if not re.fullmatch(r"[a-z0-9]+(-[1-9])?", z):
                 out.append(f"{path}.zones: {z!r} is not 'region' or 'region-N' (eastus, eastus-1)")
+        if self.zones and self.vm_sizes:
+            for key in ("subnet_id", "ssh_public_key"):
+                if not getattr(self, key):
+                    out.append(f"{path}.{key}: required to launch VMs")
         if not ("id" in self.image or {"publisher", "offer", "sku"} <= set(self.image)):
             out.append(f"{path}.image: needs 'id' or publisher/offer/sku")
         return out

@@ -93,6 +93,8 @@ class Config:
     """machine type -> "accelerator-type:count" for types without built-in GPUs (n1-standard-8 = "nvidia-tesla-t4:1")."""
     image: str = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11-py310"
     disk_gb: int = 200
+    disk_type: str = "pd-balanced"
+    """Boot disk type (pd-balanced, pd-ssd; some newer families need hyperdisk-balanced)."""
     network: str = "global/networks/default"
     subnetwork: str = ""
     external_ip: bool = True
@@ -365,7 +367,7 @@ class GcpProvider:
             labels={k: label_value(v) for k, v in tags.items()},
             scheduling=scheduling,
             disks=[c.AttachedDisk(boot=True, auto_delete=True, initialize_params=c.AttachedDiskInitializeParams(
-                source_image=cfg.image, disk_size_gb=cfg.disk_gb, disk_type=f"zones/{pool.zone}/diskTypes/pd-balanced"))],
+                source_image=cfg.image, disk_size_gb=cfg.disk_gb, disk_type=f"zones/{pool.zone}/diskTypes/{cfg.disk_type}"))],
             network_interfaces=[nic],
             metadata=c.Metadata(items=items),
         )

@@ -95,8 +95,9 @@ def test_config_lists_every_bad_key() -> None:
         Config.from_raw({"regions": ["us-east-1"], "zones": ["eu-west-1a"], "markets": ["cheap"], "bogus": 1})
     text = str(e.value)
     assert "bogus" in text
-    e2 = pytest.raises(SettingsError, Config.from_raw, {"zones": ["eu-west-1a"], "markets": ["cheap"]})
-    assert "eu-west-1a" in str(e2.value) and "cheap" in str(e2.value)
+    e2 = pytest.raises(SettingsError, Config.from_raw, {"zones": ["eu-west-1a", "us-east-1a"], "markets": ["cheap"],
+                                                        "instance_types": ["g5.xlarge"]})
+    assert all(s in str(e2.value) for s in ("eu-west-1a", "cheap", "no AMI for region 'us-east-1'"))
 
 
 def test_spot_launch_tags_user_data_and_imds(provider: AwsProvider, moto_url: str, cluster: str) -> None:
@@ -257,7 +258,7 @@ def test_reaper_against_moto(provider: AwsProvider, moto_url: str, cluster: str)
 
 def _stubbed_provider() -> tuple[AwsProvider, Stubber]:
     p = AwsProvider(Config.from_raw({"regions": [REGION], "zones": ["us-east-1a", "us-east-1b", "us-east-1c"],
-                                     "instance_types": ["g5.xlarge", "p3.2xlarge"],
+                                     "instance_types": ["g5.xlarge", "p3.2xlarge"], "images": {REGION: "ami-1"},
                                      "on_demand_usd_h": {"p3.2xlarge": 3.5}}),
                     clock=lambda: datetime(2026, 11, 21, 12, tzinfo=timezone.utc).timestamp())
     return p, Stubber(p.client(REGION))

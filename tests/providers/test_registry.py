@@ -32,6 +32,7 @@ def test_builds_enabled_providers_only(tmp_path: Path) -> None:
         [providers.aws]
         zones = ["us-east-1a"]
         instance_types = ["g5.xlarge"]
+        images = { "us-east-1" = "ami-0123" }
         [providers.gcp]
         project = "p"
         zones = ["us-central1-a"]
