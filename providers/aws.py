@@ -458,3 +458,8 @@ class AwsProvider:
         with self._lock:
             self._zone_ids[region] = names
         return names
+
+
+def from_settings(table: Mapping[str, Any]) -> AwsProvider:
+    """Module entry point used by the registries: validate ``[providers.aws]`` and build the provider."""
+    return AwsProvider.from_settings(table)

@@ -461,3 +461,8 @@ def _plain(v: Any) -> str:
     if v is None:
         return ""
     return str(getattr(v, "value", v))
+
+
+def from_settings(table: Mapping[str, Any]) -> AzureProvider:
+    """Module entry point used by the registries: validate ``[providers.azure]`` and build the provider."""
+    return AzureProvider.from_settings(table)

@@ -568,3 +568,8 @@ def _gpu_name(accelerator: str) -> str:
         if s.cloud == CLOUD and s.accelerator == accelerator:
             return s.gpu_type
     return accelerator
+
+
+def from_settings(table: Mapping[str, Any]) -> GcpProvider:
+    """Module entry point used by the registries: validate ``[providers.gcp]`` and build the provider."""
+    return GcpProvider.from_settings(table)

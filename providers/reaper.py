@@ -30,7 +30,8 @@ from providers.base import TAG_CLUSTER, CloudProvider, Instance, InstanceState, 
 
 log = structlog.get_logger("orch.reaper")
 
-FINISHED_JOB_STATES = frozenset({"completed", "succeeded", "failed", "cancelled", "canceled", "finished", "deleted"})
+FINISHED_JOB_STATES = frozenset(
+    {"completed", "succeeded", "failed", "cancelled", "canceled", "stopped", "finished", "deleted"})
 """Job states whose instances must go. Any other state (queued, running, paused, migrating...) is live."""
 
 

@@ -51,6 +51,16 @@ def test_builds_enabled_providers_only(tmp_path: Path) -> None:
     assert plan == {"aws": 120.0, "gcp": 3600.0}
 
 
+def test_orchestrator_registry_finds_module_entry_points(tmp_path: Path) -> None:
+    """The daemon's own registry (orchestrator/registry.py) imports providers.<name>.from_settings."""
+    import importlib
+
+    for name, cls in (("aws", AwsProvider), ("gcp", GcpProvider), ("azure", AzureProvider)):
+        mod = importlib.import_module(f"providers.{name}")
+        raw = {"aws": {}, "gcp": {"project": "p"}, "azure": {"subscription_id": "s", "resource_group": "r"}}[name]
+        assert isinstance(mod.from_settings(raw), cls)
+
+
 def test_every_problem_in_one_error(tmp_path: Path) -> None:
     s = _settings(tmp_path, """
         [providers]
