@@ -46,6 +46,7 @@ from agent.heartbeat import SystemSampler
 from agent.logship import LogShipper, ensure_logs_stream
 from agent.outbox import Outbox
 from agent.ranks import RankGroup, resume_step
+from agent.warm import WarmPool
 from agent.watchers import DEFAULT_ENDPOINT, AzureWatcher, Notice, make_watcher
 from orchestrator.events import (
     AbandonGenerationCmd,
@@ -106,6 +107,8 @@ class AgentConfig:
     collective_timeout_s: float = 60.0
     exit_with_parent: bool = False
     advertise_host: str = ""
+    warm_ranks: int = 0
+    """Pre-started interpreters with torch imported, handed to the next generation's ranks (0 = off)."""
     """Address other nodes reach this one at (the rendezvous host when it is rank 0); default: hostname."""
 
 
@@ -136,6 +139,7 @@ class Agent:
         self.outbox: Outbox | None = None
         self.logs: LogShipper | None = None
         self._tg: anyio.abc.TaskGroup | None = None
+        self.warm = WarmPool(cfg.warm_ranks, str(self.work_dir)) if cfg.warm_ranks > 0 else None
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -179,6 +183,8 @@ class Agent:
                 await tg.start(self.outbox.run)
                 tg.start_soon(self.logs.run)
                 tg.start_soon(ensure_logs_stream, nc)
+                if self.warm is not None:
+                    await self.warm.refill()  # before commands can arrive: the first generation starts warm
                 self._register()
                 sub = await nc.subscribe(subject_command(self.node_id), cb=self._on_command_msg)
                 with anyio.move_on_after(2):
@@ -197,6 +203,8 @@ class Agent:
             with anyio.CancelScope(shield=True):
                 if self.group is not None and self.group.running:
                     self.group.abandon()
+                if self.warm is not None:
+                    await self.warm.close()
                 self.logs.close()
                 with anyio.move_on_after(2):
                     await nc.close()
@@ -418,7 +426,8 @@ class Agent:
             cmd=cmd, work_dir=self.work_dir, on_report=self._on_report,
             on_log=lambda rank, stream, line: shipper.ship(job, gen, rank, stream, line),
             step_log=str(self.work_dir / "steps" / f"{job}.jsonl"),
-            sigterm_grace_s=self.cfg.sigterm_grace_s, collective_timeout_s=self.cfg.collective_timeout_s)
+            sigterm_grace_s=self.cfg.sigterm_grace_s, collective_timeout_s=self.cfg.collective_timeout_s,
+            warm=self.warm)
         self.group = group
         self.state = AgentState.STARTING
         first = resume_step(cmd.resume_from)
@@ -431,6 +440,8 @@ class Agent:
         self._publish_event(GenerationStarted(
             id=f"gen-{job}-{gen}-{self.node_id}", node_id=self.node_id, job_id=JobId(job), generation=gen,
             first_step=(first + 1) if first is not None else 0, ts=time.time()))
+        if self.warm is not None and group.warm_used:
+            self._tg.start_soon(self.warm.refill)  # at low priority: see agent/warm.py
         return None
 
     async def _run_generation(self, group: RankGroup, *, task_status: anyio.abc.TaskStatus[None]) -> None:
@@ -497,6 +508,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
                    help="only report notices; wait for orchd's checkpoint command")
     p.add_argument("--advertise-host", default=_env("ORCH_ADVERTISE_HOST"),
                    help="address peers use to reach this node (default: hostname)")
+    p.add_argument("--warm-ranks", type=int, default=int(_env("ORCH_WARM_RANKS", "0")),
+                   help="pre-start this many interpreters with torch imported for the next generation's ranks")
     p.add_argument("--exit-with-parent", action="store_true", help="leave when the parent process exits")
     p.add_argument("--log-level", default=_env("ORCH_LOG_LEVEL", "info"))
     a = p.parse_args(argv)
@@ -509,7 +522,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         instance_id=a.instance_id, pool=pool, heartbeat_s=a.heartbeat_s, metadata_poll_s=a.metadata_poll_s,
         gcp_notice_s=a.gcp_notice_s, checkpoint_on_notice=not a.no_checkpoint_on_notice,
         sigterm_grace_s=a.sigterm_grace_s, collective_timeout_s=a.collective_timeout_s,
-        exit_with_parent=a.exit_with_parent, advertise_host=a.advertise_host)
+        exit_with_parent=a.exit_with_parent, advertise_host=a.advertise_host, warm_ranks=a.warm_ranks)
     _LOG_LEVEL[0] = a.log_level
     return cfg
 

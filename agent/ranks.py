@@ -34,6 +34,7 @@ import anyio
 import anyio.abc
 import structlog
 
+from agent.warm import WarmPool, module_of
 from orchestrator.events import StartGenerationCmd
 from trainer import contract
 
@@ -107,6 +108,9 @@ class RankGroup:
     checkpoint_requested: bool = False
     result: GenerationResult | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
+    warm: WarmPool | None = None
+    warm_used: int = 0
+    ready: anyio.Event = field(default_factory=anyio.Event)  # every rank printed its first report line
 
     @property
     def job_id(self) -> str:
@@ -161,9 +165,9 @@ class RankGroup:
         try:
             async with anyio.create_task_group() as tg:
                 for r in self.ranks:
-                    r.proc = await anyio.open_process(self._argv(), env=self._env(r), cwd=str(self.work_dir),
-                                                      start_new_session=True, stdin=subprocess.DEVNULL)
-                    log.info("rank_started", job_id=self.job_id, generation=c.generation, rank=r.rank, pid=r.proc.pid)
+                    r.proc = await self._spawn(r)
+                    log.info("rank_started", job_id=self.job_id, generation=c.generation, rank=r.rank, pid=r.proc.pid,
+                             warm=self.warm_used > 0)
                     tg.start_soon(self._read, r, "stdout")
                     tg.start_soon(self._read, r, "stderr")
                     tg.start_soon(self._wait, r)
@@ -181,6 +185,23 @@ class RankGroup:
         log.info("ranks_exited", job_id=self.job_id, generation=c.generation, reason=reason, exit_codes=codes)
         self.done.set()
         return self.result
+
+    async def _spawn(self, r: _Rank) -> anyio.abc.Process:
+        argv, env = self._argv(), self._env(r)
+        module = module_of(argv)
+        proc = self.warm.take() if (self.warm is not None and module is not None) else None
+        if proc is not None:
+            assert module is not None
+            req = json.dumps({"env": env, "cwd": str(self.work_dir), "argv": [module, *argv[3:]], "module": module})
+            try:
+                await proc.stdin.send(req.encode() + b"\n")  # type: ignore[attr-defined]
+                await proc.stdin.aclose()  # type: ignore[attr-defined]
+                self.warm_used += 1
+                return proc  # type: ignore[return-value]
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                log.warning("warm_process_unusable", rank=r.rank)
+        return await anyio.open_process(argv, env=env, cwd=str(self.work_dir), start_new_session=True,
+                                        stdin=subprocess.DEVNULL)
 
     async def _wait(self, r: _Rank) -> None:
         assert r.proc is not None
@@ -208,6 +229,8 @@ class RankGroup:
             r.ready = True
             if r.signal_pending:
                 self._signal(r, signal.SIGUSR1)
+            if all(x.ready for x in self.ranks):
+                self.ready.set()
         if isinstance(report, contract.StepReport):
             if self.first_step_ts is None:
                 self.first_step_ts = time.time()

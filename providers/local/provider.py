@@ -122,6 +122,8 @@ class LocalProvider:
         self.price_source = prices
         self.launch_calls = 0
         self.events: list[tuple[float, str, str]] = []  # (ts, kind, node) of injected faults
+        self.ended_ts: dict[InstanceId, float] = {}
+        self._price_log: dict[str, list[tuple[float, float]]] = {}  # zone -> spot price changes seen
 
     # --- pools -----------------------------------------------------------------------------------
 
@@ -229,6 +231,10 @@ class LocalProvider:
             if pool.cloud != self.cloud or pool.zone not in self.config.zones:
                 continue
             spot = self.price_source.price(pool.zone)
+            with self._lock:
+                series = self._price_log.setdefault(pool.zone, [])
+                if not series or series[-1][1] != spot:
+                    series.append((now, spot))
             out.append(PriceQuote(pool=pool, gpu_type=self.config.gpu_type, gpus_per_node=self.config.gpus_per_node,
                                   price_usd_h=spot if pool.market is Market.SPOT else od, on_demand_usd_h=od, ts=now))
         return out
@@ -277,6 +283,7 @@ class LocalProvider:
         with self._lock:
             first = node.instance.state != InstanceState.TERMINATED
             if first:
+                self.ended_ts[iid] = time.time()
                 node.instance = msgspec.structs.replace(node.instance, state=InstanceState.TERMINATED)
                 log.info("local_node_ended", node_id=node.instance.node_id, instance_id=iid, why=why)
             if node.log_file is not None:
@@ -292,6 +299,28 @@ class LocalProvider:
                     if n.instance.alive and n.proc is not None and n.proc.poll() is not None]
         for iid in dead:
             self._kill(iid, "exited")
+
+    def bill(self, now: float | None = None) -> dict[str, float]:
+        """What this cloud would charge: each instance's lifetime priced per second at its pool's price
+        (spot: the prices this provider quoted over time, spikes included; on-demand: fixed)."""
+        now = time.time() if now is None else now
+        od = self.price_source.on_demand_usd_h
+        cost = node_s = 0.0
+        with self._lock:
+            for iid, n in self._nodes.items():
+                start = n.instance.launched_ts or now
+                end = self.ended_ts.get(iid, now)
+                node_s += max(0.0, end - start)
+                if n.instance.pool.market is Market.ON_DEMAND:
+                    cost += od * max(0.0, end - start) / 3600.0
+                    continue
+                series = self._price_log.get(n.instance.pool.zone) or [(start, self.price_source.price(n.instance.pool.zone))]
+                for i, (ts, price) in enumerate(series):
+                    seg_end = series[i + 1][0] if i + 1 < len(series) else float("inf")
+                    lo, hi = max(start, ts if i else float("-inf")), min(end, seg_end)
+                    if hi > lo:
+                        cost += price * (hi - lo) / 3600.0
+        return {"cost_usd": cost, "node_seconds": node_s, "on_demand_cost_usd": od * node_s / 3600.0}
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,391 @@
+"""``orchctl demo``: the whole loop on this machine, on CPU, in one command.
+
+Role: start an embedded NATS and orchd in this process (``run_daemon`` with the local provider), a
+price feed, and a job of the tiny GPT on 3 local nodes (``orch-agent`` processes, one trainer rank
+each); then inject, as the clouds would:
+
+1. a preemption WITH a notice (the node's fake metadata service announces it; the node is killed at
+   the deadline),
+2. a node that VANISHES (kill -9 of the node's processes, no notice),
+3. a price spike in the job's zone (the spot price goes above the pause ratio: orchd moves the job),
+
+show live progress (nodes, generation, step, loss, events) and end with a report derived from the
+trainer's step logs (``demo_report``), plus the local cloud's own bill. ``--json`` prints the report
+as one JSON object on stdout.
+
+Concurrency contract: one anyio (asyncio) event loop hosts the daemon, the price feed, the scenario
+driver and the display; the provider's blocking calls run in the daemon's executor threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from orchestrator.demo_report import Injection, compute_report, load_step_logs
+
+JOB_ID = "demo"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoOptions:
+    steps: int = 200
+    nodes: int = 3
+    nodes_min: int = 2
+    seed: int = 0
+    ckpt_every: int = 10
+    notice_s: float = 20.0
+    """Notice lead time of the noticed preemption (AWS gives 120 s, GCP/Azure 30 s)."""
+    notice_at: float = 0.15
+    vanish_at: float = 0.45
+    spike_at: float = 0.70
+    """Fractions of the steps at which each fault is injected (each waits for the previous recovery)."""
+    spike: bool = True
+    prices: str = "fixed"
+    """fixed | replay (the bundled AWS p3.2xlarge us-west-2 history, 1 trace hour per second)."""
+    timeout_s: float = 175.0
+    state_dir: str | None = None
+    keep: bool = False
+    live: bool = True
+
+
+@dataclass(slots=True)
+class DemoResult:
+    report: dict[str, Any]
+    state_dir: Path
+    injections: list[Injection] = field(default_factory=list)
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+    step_logs: list[Path] = field(default_factory=list)
+
+
+def demo_settings(state_dir: Path) -> Any:
+    from orchestrator.settings import DaemonSettings, LogSettings, MetricsSettings, ProvidersSettings, Settings
+
+    return Settings(
+        daemon=DaemonSettings(state_dir=str(state_dir / "orchd"), cluster_id="orch-demo", heartbeat_interval_s=1.0,
+                              heartbeat_timeout_s=3.0, tick_s=0.5, command_ack_timeout_s=2.0),
+        metrics=MetricsSettings(enabled=False),
+        log=LogSettings(level="info", format="json"),
+        providers=ProvidersSettings(enabled=("local",)),
+    )
+
+
+def demo_core(settings: Any) -> Any:
+    """The real decision core with timings scaled to a CPU demo (seconds instead of minutes)."""
+    from orchestrator import core
+    from orchestrator.state import CoreApi
+
+    config = core.CoreConfig(heartbeat_timeout_s=settings.daemon.heartbeat_timeout_s, tick_s=settings.daemon.tick_s,
+                             boot_s_estimate=5.0, restart_overhead_s=10.0, terminate_s=5.0, launch_timeout_s=60.0,
+                             checkpoint_timeout_s=30.0, backoff_base_s=5.0)
+    return CoreApi(decide=core.decide, state_to_records=core.state_to_records,
+                   state_from_records=core.state_from_records, empty_state=lambda: core.State.empty(config))
+
+
+def demo_provider(state_dir: Path, opts: DemoOptions) -> Any:
+    from providers.local import LocalConfig, LocalProvider
+
+    return LocalProvider(LocalConfig(
+        work_dir=str(state_dir / "nodes"),
+        zones=("local-a", "local-b", "local-c"),
+        metadata={"local-a": "aws", "local-b": "gcp", "local-c": "azure"},
+        spot_usd_h={"local-a": 0.92, "local-b": 0.98, "local-c": 1.04},
+        prices=opts.prices,
+        agent_args=("--heartbeat-s", "1", "--metadata-poll-s", "0.25", "--sigterm-grace-s", "10", "--warm-ranks", "1"),
+        agent_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+        terminate_grace_s=3.0,
+    ))
+
+
+def demo_jobspec(state_dir: Path, opts: DemoOptions) -> Any:
+    from orchestrator.events import CheckpointPolicy, JobSpec, MarketPolicy, TrainerSpec
+
+    return JobSpec(
+        name="tiny-gpt-demo",
+        trainer=TrainerSpec(args={"size": "tiny", "seed": opts.seed, "ckpt_every": opts.ckpt_every},
+                            env={"ORCH_COLLECTIVE_TIMEOUT_S": "10", "OMP_NUM_THREADS": "1"}),
+        total_steps=opts.steps, step_time_s_estimate=0.3, gpu_type="cpu", gpus_per_node=1,
+        nodes=opts.nodes, nodes_min=min(opts.nodes_min, opts.nodes), nodes_max=opts.nodes, clouds=("local",),
+        market=MarketPolicy.SPOT_WITH_FALLBACK,
+        checkpoint=CheckpointPolicy(url=f"file://{state_dir / 'checkpoints'}", interval_s=None, save_s_estimate=2.0),
+    )
+
+
+# --- the run ----------------------------------------------------------------------------------------
+
+
+class _View:
+    """What the display shows; updated by the monitor, rendered by ``render``."""
+
+    def __init__(self, opts: DemoOptions) -> None:
+        self.opts = opts
+        self.t0 = time.time()
+        self.job: dict[str, Any] = {}
+        self.nodes: list[dict[str, Any]] = []
+        self.loss: dict[str, float | None] = {}
+        self.events: list[tuple[float, str]] = []
+
+    def event(self, text: str) -> None:
+        self.events.append((time.time(), text))
+
+
+async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
+    """Run the scenario; return the report. ``progress(view)`` is called about twice a second."""
+    import nats
+
+    from orchestrator.client import AdminClient
+    from orchestrator.daemon import run_daemon
+    from orchestrator.logs import configure
+    from providers.feeds import run_price_feed
+
+    state_dir = Path(opts.state_dir or tempfile.mkdtemp(prefix="orch-demo-")).resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    log_stream = open(state_dir / "demo.log", "a")  # noqa: SIM115 - closed below
+    configure("info", "json", stream=log_stream)
+    settings = demo_settings(state_dir)
+    provider = demo_provider(state_dir, opts)
+    view = _View(opts)
+    injections: list[Injection] = []
+    spec = demo_jobspec(state_dir, opts)
+    finished = anyio.Event()
+    try:
+        async with anyio.create_task_group() as tg:
+            d = await tg.start(functools.partial(run_daemon, core=demo_core(settings)), settings, {"local": provider})
+            view.event(f"orchd up, embedded NATS {d.nats_url}")
+            nc = await nats.connect(d.nats_url.split(","))
+            client = await AdminClient.connect(d.nats_url.split(","), timeout_s=5.0)
+
+            async def monitor() -> None:
+                while not finished.is_set():
+                    try:
+                        reply = await client.job(JOB_ID)
+                        view.job, view.nodes = reply.summary, reply.nodes
+                    except Exception:  # noqa: BLE001 - the daemon is busy or stopping: keep the last view
+                        pass
+                    if d.state is not None:
+                        for nid, node in d.state.nodes.items():
+                            view.loss[nid] = node.loss
+                    if progress is not None:
+                        progress(view)
+                    if view.job.get("phase") in ("succeeded", "failed", "cancelled", "stopped"):
+                        finished.set()
+                    await anyio.sleep(0.5)
+
+            async with anyio.create_task_group() as tasks:
+                await tasks.start(lambda task_status: run_price_feed(nc.jetstream(), provider, interval_s=1.0,
+                                                                     task_status=task_status))
+                await client.submit(spec, JOB_ID)
+                view.event(f"job submitted: {opts.nodes} nodes x tiny GPT, {opts.steps} steps")
+                tasks.start_soon(monitor)
+                tasks.start_soon(_scenario, opts, provider, view, injections, finished)
+                with anyio.move_on_after(opts.timeout_s):
+                    await finished.wait()
+                if not finished.is_set():
+                    view.event(f"timeout after {opts.timeout_s:.0f}s")
+                    finished.set()
+                tasks.cancel_scope.cancel()
+            view.event(f"job {view.job.get('phase', '?')}")
+            await client.close()
+            await nc.close()
+            d.request_stop()
+    finally:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(provider.close)
+    bill = provider.bill()
+    logs = sorted((state_dir / "nodes").glob(f"*/steps/{JOB_ID}.jsonl"))
+    report = compute_report(load_step_logs(logs), injections, total_steps=opts.steps)
+    report = {
+        "job_succeeded": view.job.get("phase") == "succeeded",
+        **report,
+        "cost_usd": round(bill["cost_usd"], 4),
+        "on_demand_cost_usd": round(bill["on_demand_cost_usd"], 4),
+        "orchd_cost_estimate_usd": view.job.get("cost_usd"),
+        "node_seconds": round(bill["node_seconds"], 1),
+        "wall_s": round(time.time() - view.t0, 1),
+        "injected": [{"kind": i.kind, "node": i.node, "t_s": round(i.ts - view.t0, 1), "detail": i.detail}
+                     for i in injections],
+        "state_dir": str(state_dir),
+    }
+    log_stream.close()
+    result = DemoResult(report, state_dir, injections, view.events, logs)
+    if not opts.keep and opts.state_dir is None:
+        shutil.rmtree(state_dir, ignore_errors=True)
+        report["state_dir"] = None
+    return result
+
+
+def _gen_nodes(view: _View) -> list[dict[str, Any]]:
+    g = view.job.get("generation", 0)
+    return [n for n in view.nodes if n.get("generation") == g and n.get("phase") == "running"]
+
+
+async def _wait(view: _View, finished: anyio.Event, pred: Any) -> bool:
+    while not finished.is_set():
+        if view.job and pred():
+            return True
+        await anyio.sleep(0.2)
+    return False
+
+
+async def _scenario(opts: DemoOptions, provider: Any, view: _View, injections: list[Injection],
+                    finished: anyio.Event) -> None:
+    steps = opts.steps
+
+    def running_at(frac: float, after_gen: int) -> Any:
+        return lambda: (view.job.get("phase") == "running" and view.job.get("generation", 0) > after_gen
+                        and view.job.get("step", 0) >= frac * steps and len(_gen_nodes(view)) >= 2)
+
+    # 1. a preemption with a notice, on the highest rank of the running generation
+    if not await _wait(view, finished, running_at(opts.notice_at, 0)):
+        return
+    gen = view.job["generation"]
+    victim = max(_gen_nodes(view), key=lambda n: n["rank"])["node_id"]
+    await anyio.to_thread.run_sync(provider.preempt, victim, opts.notice_s)
+    injections.append(Injection("notice", time.time(), victim, f"deadline in {opts.notice_s:.0f}s"))
+    view.event(f"PREEMPTION NOTICE for {victim} (killed in {opts.notice_s:.0f}s)")
+    # 2. a node that vanishes, once the job runs again (a later generation)
+    if not await _wait(view, finished, running_at(opts.vanish_at, gen)):
+        return
+    gen = view.job["generation"]
+    candidates = [n for n in _gen_nodes(view) if n["node_id"] != victim]
+    gone = max(candidates, key=lambda n: n["rank"])["node_id"]
+    await anyio.to_thread.run_sync(provider.vanish, gone)
+    injections.append(Injection("vanished", time.time(), gone, "kill -9, no notice"))
+    view.event(f"NODE VANISHED: {gone} (kill -9, no notice)")
+    # 3. a price spike in the job's zone
+    if not opts.spike or not await _wait(view, finished, running_at(opts.spike_at, gen)):
+        return
+    zone = str(view.job.get("zone") or "").rsplit("/", 1)[-1]
+    if zone:
+        od = provider.price_source.on_demand_usd_h
+        provider.price_source.override(zone, round(0.97 * od, 3))
+        injections.append(Injection("price_spike", time.time(), "", f"{zone} spot -> {0.97 * od:.2f} USD/h"))
+        view.event(f"PRICE SPIKE in {zone}: spot {0.97 * od:.2f} USD/h (on-demand {od:.2f})")
+
+
+# --- display ----------------------------------------------------------------------------------------
+
+
+def render(view: _View) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    j = view.job
+    t = time.time() - view.t0
+    head = Text(f"orchctl demo  t={t:5.1f}s  job {JOB_ID}: {j.get('phase', 'starting')}  generation "
+                f"{j.get('generation', 0)}  step {j.get('step', 0)}/{j.get('total_steps', view.opts.steps)}  "
+                f"committed {j.get('committed_step', 0)}  zone {j.get('zone') or '-'}  "
+                f"orchd cost ${j.get('cost_usd', 0) or 0:.4f}", style="bold")
+    table = Table(expand=False)
+    for col in ("node", "phase", "pool", "gen", "rank", "step", "loss", "hb age"):
+        table.add_column(col)
+    for n in view.nodes:
+        loss = view.loss.get(n["node_id"])
+        pool = str(n.get("pool", "")).split("/")
+        table.add_row(n["node_id"], n["phase"], "/".join(pool[2:3] + pool[4:5]), str(n.get("generation", "")),
+                      str(n.get("rank", "")), str(n.get("step", "")), f"{loss:.4f}" if loss is not None else "-",
+                      f"{n['heartbeat_age_s']:.1f}" if n.get("heartbeat_age_s") is not None else "-")
+    events = Text("\n".join(f"{ts - view.t0:6.1f}s  {msg}" for ts, msg in view.events[-8:]))
+    return Group(head, table, events)
+
+
+def format_report(r: dict[str, Any]) -> str:
+    lines = [
+        f"job {'SUCCEEDED' if r['job_succeeded'] else 'DID NOT SUCCEED'} in {r['wall_s']}s: "
+        f"{r['steps_completed']}/{r['total_steps']} steps, final loss {r['final_loss']}, {r['generations']} generations",
+        f"cost ${r['cost_usd']:.4f} (local cloud bill; orchd's estimate ${r['orchd_cost_estimate_usd']}) vs "
+        f"${r['on_demand_cost_usd']:.4f} for the same node-hours on-demand",
+        f"steps executed twice: {r['steps_executed_twice']}; sample order exact: {r['sample_order_exact']}",
+    ]
+    for p in r["preemptions"]:
+        lines.append(f"  preemption ({p['kind']}) of {p['node']}: lost_steps={p['lost_steps']} "
+                     f"recovery_s={p['recovery_s']} (generation {p.get('generation')} -> {p.get('next_generation')})")
+    lines.append("  generations: " + ", ".join(
+        f"g{g['generation']} ws={g['world_size']} steps {g['first_step']}-{g['last_step']}" for g in r["generation_table"]))
+    return "\n".join(lines) + "\n"
+
+
+# --- command line -----------------------------------------------------------------------------------
+
+
+def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
+    s = sub.add_parser("demo", help="the whole loop on this machine (embedded NATS, orchd, 3 local CPU nodes)")
+    s.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    s.add_argument("--steps", type=int, default=None, help="training steps (default 200, --fast 90)")
+    s.add_argument("--fast", action="store_true", help="shorter run: fewer steps, shorter notice, no price spike")
+    s.add_argument("--prices", choices=("fixed", "replay"), default="fixed")
+    s.add_argument("--state-dir", dest="demo_state_dir", default=None, help="keep everything here")
+    s.add_argument("--timeout", dest="demo_timeout", type=float, default=None)
+    s.set_defaults(run=run)
+
+
+def options_from_args(args: argparse.Namespace) -> DemoOptions:
+    fast = bool(getattr(args, "fast", False))
+    steps = args.steps or (90 if fast else 200)
+    kw: dict[str, Any] = dict(steps=steps, prices=args.prices, state_dir=args.demo_state_dir,
+                              keep=args.demo_state_dir is not None)
+    if fast:
+        kw.update(notice_s=10.0, spike=False, notice_at=0.15, vanish_at=0.5)
+    if args.demo_timeout:
+        kw["timeout_s"] = args.demo_timeout
+    return DemoOptions(**kw)
+
+
+def run(args: argparse.Namespace) -> int:
+    opts = options_from_args(args)
+    tty = sys.stderr.isatty()
+    live = None
+    if tty:
+        from rich.console import Console
+        from rich.live import Live
+
+        live = Live(console=Console(stderr=True), refresh_per_second=4, transient=False)
+        live.start()
+    last = [0.0]
+
+    def progress(view: _View) -> None:
+        if live is not None:
+            live.update(render(view))
+        elif time.time() - last[0] > 5:
+            last[0] = time.time()
+            j = view.job
+            sys.stderr.write(f"[{time.time() - view.t0:5.1f}s] {j.get('phase', 'starting')} gen {j.get('generation', 0)} "
+                             f"step {j.get('step', 0)}/{opts.steps} " + (view.events[-1][1] if view.events else "") + "\n")
+
+    try:
+        result = anyio.run(lambda: run_demo(opts, progress=progress), backend="asyncio")
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if live is not None:
+            live.stop()
+    if getattr(args, "json", False):
+        sys.stdout.write(json.dumps(result.report) + "\n")
+    else:
+        sys.stdout.write(format_report(result.report))
+    return 0 if result.report["job_succeeded"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m orchestrator.demo``: the same as ``orchctl demo``."""
+    p = argparse.ArgumentParser(prog="orchctl")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    add_parser(sub, argparse.ArgumentParser(add_help=False))
+    return run(p.parse_args(["demo", *(argv if argv is not None else sys.argv[1:])]))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The demo's report, derived from the trainer's own step logs (pure functions, no I/O but ``load_step_logs``).
+
+Role: turn ORCH_STEP_LOG records (generation, step, rank, world size, loss, sample ids, ts) and the list
+of injected faults into the figures ``orchctl demo`` prints. Nothing here trusts what the daemon says
+about itself:
+
+- ``steps_completed``: distinct steps executed; ``final_loss``: the loss of the last step (its last
+  execution, rank 0's record);
+- ``generations``: generations that executed at least one step;
+- per injected preemption (``kind`` notice | vanished, at wall time ``t``): the generation running at
+  ``t`` (the newest one whose first step is before ``t``), the next generation (the first whose first
+  step is after ``t``), ``lost_steps`` = steps of the hit generation that the next generation executed
+  again, ``recovery_s`` = the next generation's first step time - ``t``;
+- ``steps_executed_twice``: every step executed in more than one generation (preemptions, resizes,
+  migrations alike);
+- ``sample_order_exact``: the trajectory that counts (the last execution of each step) consumed every
+  sample id at most once, and every re-executed step fed exactly the same sample ids.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class Rec:
+    generation: int
+    step: int
+    rank: int
+    world_size: int
+    loss: float
+    sample_ids: tuple[int, ...]
+    ts: float
+
+
+@dataclass(frozen=True, slots=True)
+class Injection:
+    kind: str  # notice | vanished | price_spike
+    ts: float
+    node: str = ""
+    detail: str = ""
+
+
+def load_step_logs(paths: Iterable[Path]) -> list[Rec]:
+    out = []
+    for p in paths:
+        for line in p.read_text().splitlines():
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill -9
+            out.append(Rec(int(d["generation"]), int(d["step"]), int(d["rank"]), int(d["world_size"]),
+                           float(d["loss"]), tuple(d.get("sample_ids") or ()), float(d["ts"])))
+    return sorted(out, key=lambda r: (r.ts, r.generation, r.step, r.rank))
+
+
+@dataclass(frozen=True, slots=True)
+class GenInfo:
+    generation: int
+    world_size: int
+    first_step: int
+    last_step: int
+    first_ts: float
+    last_ts: float
+    steps: frozenset[int]
+
+
+def generations(recs: Sequence[Rec]) -> list[GenInfo]:
+    by: dict[int, list[Rec]] = defaultdict(list)
+    for r in recs:
+        by[r.generation].append(r)
+    out = []
+    for g, rs in by.items():
+        steps = frozenset(r.step for r in rs)
+        out.append(GenInfo(g, max(r.world_size for r in rs), min(steps), max(steps), min(r.ts for r in rs),
+                           max(r.ts for r in rs), steps))
+    return sorted(out, key=lambda gi: gi.first_ts)
+
+
+def loss_by_step(recs: Sequence[Rec]) -> dict[int, float]:
+    """The loss of each step's last execution (rank 0's record, else the lowest rank's)."""
+    best: dict[int, Rec] = {}
+    for r in recs:
+        cur = best.get(r.step)
+        if cur is None or (r.generation, -r.rank) > (cur.generation, -cur.rank):
+            best[r.step] = r
+    return {s: r.loss for s, r in sorted(best.items())}
+
+
+def sample_order_exact(recs: Sequence[Rec]) -> bool:
+    fed: dict[tuple[int, int], set[int]] = defaultdict(set)  # (generation, step) -> sample ids of all ranks
+    for r in recs:
+        fed[(r.generation, r.step)].update(r.sample_ids)
+    per_step: dict[int, list[frozenset[int]]] = defaultdict(list)
+    for (g, s), ids in sorted(fed.items()):
+        per_step[s].append(frozenset(ids))
+    seen: set[int] = set()
+    for s in sorted(per_step):
+        variants = per_step[s]
+        if any(v != variants[0] for v in variants):
+            return False  # a re-executed step fed other samples
+        if seen & variants[-1]:
+            return False  # a sample consumed twice
+        seen |= variants[-1]
+    return True
+
+
+def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, total_steps: int) -> dict:
+    gens = generations(recs)
+    losses = loss_by_step(recs)
+    executed_in: dict[int, set[int]] = defaultdict(set)
+    for r in recs:
+        executed_in[r.step].add(r.generation)
+    twice = sorted(s for s, g in executed_in.items() if len(g) > 1)
+    preemptions = []
+    for inj in sorted(injections, key=lambda i: i.ts):
+        if inj.kind not in ("notice", "vanished"):
+            continue
+        hit = [g for g in gens if g.first_ts <= inj.ts]
+        nxt = [g for g in gens if g.first_ts > inj.ts]
+        entry: dict = {"kind": inj.kind, "node": inj.node, "ts": round(inj.ts, 3)}
+        if hit and nxt:
+            h, n = hit[-1], nxt[0]
+            entry.update(generation=h.generation, next_generation=n.generation,
+                         lost_steps=sum(1 for s in h.steps if s >= n.first_step),
+                         recovery_s=round(n.first_ts - inj.ts, 2),
+                         last_step_before=max(s for s in h.steps), first_step_after=n.first_step)
+        else:
+            entry.update(lost_steps=None, recovery_s=None)
+        preemptions.append(entry)
+    last = max(losses) if losses else 0
+    return {
+        "steps_completed": len(losses),
+        "total_steps": total_steps,
+        "final_loss": round(losses[last], 6) if losses else None,
+        "generations": len(gens),
+        "preemptions": preemptions,
+        "steps_executed_twice": len(twice),
+        "sample_order_exact": sample_order_exact(recs),
+        "generation_table": [
+            {"generation": g.generation, "world_size": g.world_size, "first_step": g.first_step,
+             "last_step": g.last_step, "steps": len(g.steps)} for g in gens
+        ],
+    }
