@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--dry-run", action="store_true", help="plan and report only")
     g.add_argument("--yes", action="store_true", help="terminate orphans past their grace period")
+    from orchestrator import demo, logs_cmd  # subcommands that live in their own modules (args.run)
+
+    logs_cmd.add_parser(sub, common)
+    demo.add_parser(sub, common)
     return p
 
 
@@ -261,6 +265,8 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] | None = N
         return int(e.code or 0) if e.code in (0, None) else EXIT_USAGE
     if not hasattr(args, "output"):
         args.output = "table"
+    if hasattr(args, "run"):  # orchctl demo, orchctl logs
+        return int(args.run(args))
     try:
         urls, ns = resolve_server(args)
     except SettingsError as e:
