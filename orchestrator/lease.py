@@ -38,8 +38,10 @@ from nats.js.kv import KeyValue
 LEASE_BUCKET = "orch_lease"
 LEASE_KEY = "leader"
 
-_TRANSIENT = (nats.errors.TimeoutError, nats.errors.ConnectionClosedError, nats.errors.NoRespondersError,
-              nats.js.errors.ServiceUnavailableError, nats.errors.StaleConnectionError, OSError)
+# Anything but a CAS failure is transient for the lease (timeouts, no responders, "no response from
+# stream" during a stream leader election, 503s, closed connections): keep the lease until the local
+# deadline, retry on the next period. KeyWrongLastSequenceError is caught before these.
+_TRANSIENT = (nats.errors.Error, OSError)
 
 
 async def lease_bucket(js, *, ttl_s: float, replicas: int = 1, bucket: str = LEASE_BUCKET) -> KeyValue:

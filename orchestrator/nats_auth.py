@@ -133,7 +133,7 @@ class TlsFiles:
     """Require and verify client certificates (mutual TLS)."""
 
 
-def render_server_config(*, auth_include: str = "auth.conf", host: str = "0.0.0.0", port: int = 4222,
+def render_server_config(*, auth_include: str | None = "auth.conf", host: str = "0.0.0.0", port: int = 4222,
                          store_dir: str | None = "/var/lib/nats/jetstream", tls: TlsFiles | None = None,
                          server_name: str = "", cluster: Mapping[str, Any] | None = None,
                          http_port: int | None = 8222) -> str:
@@ -159,7 +159,8 @@ def render_server_config(*, auth_include: str = "auth.conf", host: str = "0.0.0.
         if cluster.get("tls"):
             lines.append(_render_tls(cluster["tls"], indent="  "))
         lines.append("}")
-    lines.append(f"include {_q(auth_include)}")
+    if auth_include:  # None: no authorization (loopback tests only)
+        lines.append(f"include {_q(auth_include)}")
     return "\n".join(lines) + "\n"
 
 
