@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainer import store
@@ -49,6 +50,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class ReusingStager(AsyncStager):
+    """Stages the state into host buffers allocated once and reused by every async save (pinned on
+    GPU hosts, plain on CPU where pinning is unavailable): the loop is blocked for one memcpy of the
+    state, not an allocation plus a copy. Safe because at most one async save is pending at a time."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] | None = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        if self._cache is None:
+            self._cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self._cache)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._cache = None
 
 
 @dataclass
@@ -90,6 +115,7 @@ class CheckpointManager:
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.pending: PendingSave | None = None
+        self.stager = ReusingStager()
         self.last_committed_step: int | None = None
 
     # --- saving ----------------------------------------------------------------------------------
@@ -132,7 +158,8 @@ class CheckpointManager:
         t0 = time.monotonic()
         dir_url, writer, state = self._prepare(step, model, optimizer, extra)
         kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
-        fut = dcp.async_save(state, storage_writer=writer, process_group=self.info.ckpt_group, async_checkpointer_type=kind)
+        fut = dcp.async_save(state, storage_writer=writer, process_group=self.info.ckpt_group, async_checkpointer_type=kind,
+                             async_stager=self.stager)
         self.pending = PendingSave(step, dir_url, fut, t0)
 
     def pending_status(self) -> tuple[bool, bool]:

@@ -154,68 +154,94 @@ def _grad_norm(model: torch.nn.Module, clip: float) -> float:
     return float(norm)
 
 
-def train(args: TrainerArgs) -> None:
+@dataclass
+class Built:
+    cfg: Any
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    sampler: ExactlyOnceSampler
+    runner: StepRunner
+    bf16: bool
+
+
+def build(args: TrainerArgs, sess: Session) -> Built:
+    """Model (compiled blocks, FSDP2 or DDP), AdamW, warmup+cosine schedule, corpus and sampler."""
+    if sess.info.is_gpu:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    cfg = config_for(args.size, args.seq_len, args.activation_checkpointing)
+    with torch.device(sess.device):
+        model = GPT(cfg)
+    if args.compile:
+        for block in model.blocks:
+            block.compile()
+    bf16 = sess.info.is_gpu if args.bf16 is None else args.bf16
+    model = sess.wrap(model, args.mode, bf16=bf16, cpu_offload=args.cpu_offload, blocks="blocks")
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=sess.info.is_gpu or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, sess.total_steps))
+    corpus = Corpus(load_tokens(args.corpus), args.seq_len)
+    sampler = ExactlyOnceSampler(corpus.num_samples, args.global_batch, args.seed)
+    return Built(cfg, model, opt, sched, sampler, StepRunner(sess, model, corpus, sampler, args), bf16)
+
+
+def train_step(sess: Session, b: Built, args: TrainerArgs, step: int) -> None:
+    """One optimizer step with the agreement, OOM retry, and end_step (which may checkpoint or exit)."""
+    model, opt, sampler, runner = b.model, b.opt, b.sampler, b.runner
+    while True:
+        position, rng = sampler.position.next_sample, rng_state()
+        oom, loss_share, fed = False, 0.0, []
+        try:
+            loss_share, fed = runner.run()
+        except torch.OutOfMemoryError as e:
+            oom = True
+            print(f"oom step={step} micro_batch={runner.micro_batch}: {e}", file=sys.stderr, flush=True)
+        verdict = sess.agree(loss=loss_share, oom=oom)
+        if not verdict.oom:
+            break
+        opt.zero_grad(set_to_none=True)
+        if hasattr(model, "reset_iter_state"):
+            try:
+                model.reset_iter_state()  # FSDP2: drop half-done all-gather/reduce-scatter state
+            except AttributeError:  # torch 2.13: comm context not built yet (OOM before any forward)
+                pass
+        if sess.info.is_gpu:
+            torch.cuda.empty_cache()
+        if runner.micro_batch == 1:
+            raise RuntimeError("out of memory at micro_batch 1")
+        runner.micro_batch = max(1, runner.micro_batch // 2)
+        sampler.position.next_sample = position
+        set_rng_state(rng)
+        print(f"oom_retry step={step} micro_batch={runner.micro_batch}", flush=True)
+    grad_norm = _grad_norm(model, args.grad_clip)
+    opt.step()
+    b.sched.step()
+    opt.zero_grad(set_to_none=True)
+    sess.end_step(step, verdict, loss_mean=verdict.loss_sum, sample_ids=fed, grad_norm=grad_norm,
+                  tokens=args.global_batch * args.seq_len, flops_per_token=b.cfg.flops_per_token())
+
+
+def make_session(args: TrainerArgs) -> Session:
     if args.device == "cpu" or not torch.cuda.is_available():
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", torch.get_num_threads())))
-    sess = Session.from_env(device=args.device, ckpt_every=args.ckpt_every, keep=args.keep, async_mode=args.async_ckpt,
+    return Session.from_env(device=args.device, ckpt_every=args.ckpt_every, keep=args.keep, async_mode=args.async_ckpt,
                             total_steps=args.total_steps, storage_options=args.storage_options, config=args.to_json(),
                             ckpt_threads=args.ckpt_threads)
+
+
+def train(args: TrainerArgs) -> None:
+    sess = make_session(args)
     with sess.guard():
-        if sess.info.is_gpu:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        torch.manual_seed(args.seed)  # identical initial weights on every rank
-        cfg = config_for(args.size, args.seq_len, args.activation_checkpointing)
-        with torch.device(sess.device):
-            model = GPT(cfg)
-        if args.compile:
-            for block in model.blocks:
-                block.compile()
-        bf16 = sess.info.is_gpu if args.bf16 is None else args.bf16
-        model = sess.wrap(model, args.mode, bf16=bf16, cpu_offload=args.cpu_offload, blocks="blocks")
-        decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-        no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                                lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, sess.total_steps))
-        corpus = Corpus(load_tokens(args.corpus), args.seq_len)
-        sampler = ExactlyOnceSampler(corpus.num_samples, args.global_batch, args.seed)
-        runner = StepRunner(sess, model, corpus, sampler, args)
+        b = build(args, sess)
         if sess.rank == 0:
-            print(f"trainer_start size={args.size} params={cfg.n_params()} world_size={sess.world_size} mode={args.mode} "
-                  f"device={sess.device} bf16={bf16} global_batch={args.global_batch} micro_batch={args.micro_batch}", flush=True)
-        for step in sess.steps(model, opt, scheduler=sched, sampler=sampler):
-            while True:
-                position, rng = sampler.position.next_sample, rng_state()
-                oom, loss_share, fed = False, 0.0, []
-                try:
-                    loss_share, fed = runner.run()
-                except torch.OutOfMemoryError as e:
-                    oom = True
-                    print(f"oom step={step} micro_batch={runner.micro_batch}: {e}", file=sys.stderr, flush=True)
-                verdict = sess.agree(loss=loss_share, oom=oom)
-                if not verdict.oom:
-                    break
-                opt.zero_grad(set_to_none=True)
-                if hasattr(model, "reset_iter_state"):
-                    try:
-                        model.reset_iter_state()  # FSDP2: drop half-done all-gather/reduce-scatter state
-                    except AttributeError:  # torch 2.13: comm context not built yet (OOM before any forward)
-                        pass
-                if sess.info.is_gpu:
-                    torch.cuda.empty_cache()
-                if runner.micro_batch == 1:
-                    raise RuntimeError("out of memory at micro_batch 1")
-                runner.micro_batch = max(1, runner.micro_batch // 2)
-                sampler.position.next_sample = position
-                set_rng_state(rng)
-                print(f"oom_retry step={step} micro_batch={runner.micro_batch}", flush=True)
-            grad_norm = _grad_norm(model, args.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
-            sess.end_step(step, verdict, loss_mean=verdict.loss_sum, sample_ids=fed, grad_norm=grad_norm,
-                          tokens=args.global_batch * args.seq_len, flops_per_token=cfg.flops_per_token())
+            print(f"trainer_start size={args.size} params={b.cfg.n_params()} world_size={sess.world_size} mode={args.mode} "
+                  f"device={sess.device} bf16={b.bf16} global_batch={args.global_batch} micro_batch={args.micro_batch}", flush=True)
+        for step in sess.steps(b.model, b.opt, scheduler=b.sched, sampler=b.sampler):
+            train_step(sess, b, args, step)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,0 +1,177 @@
+"""Checkpoint benchmark: save/load throughput vs the disk's own write rate, async blocking, emergency time.
+
+    python benchmarks/checkpoint.py --json [--dir /path/on/the/disk] [--state-gib 1.0] [--threads 1]
+
+One process (world size 1, gloo), a GPT whose parameters + AdamW state are >= --state-gib. Measured in
+the same run, on the same directory, with the same fsync policy (the save fsyncs every file; the disk
+probe writes one file of the same size in 16 MiB chunks and fsyncs it):
+
+  disk_write_gib_s   sequential write + fsync of state_gib bytes
+  save_gib_s         blocking DCP save + CRC32C while writing + fsync + commit marker
+  load_gib_s         verify (read + CRC32C) + DCP load, page cache dropped first (posix_fadvise DONTNEED)
+  async_block_s      time the training loop is blocked by a thread-based async save (staging copy into
+                     reused host buffers; async_block_first_s includes allocating them)
+  step_s             one training step of this model (global batch x seq_len tokens, this CPU/GPU)
+  async_block_steps  async_block_s / step_s (goal <= 1.0)
+  emergency_s        request -> all ranks agree -> save -> commit marker written (the emergency path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from trainer import dist as tdist  # noqa: E402
+from trainer import store  # noqa: E402
+from trainer.checkpoint import CheckpointManager  # noqa: E402
+from trainer.emergency import EmergencyState, agree  # noqa: E402
+from trainer.model import GPT, GPTConfig, per_sample_loss  # noqa: E402
+
+GIB = 1 << 30
+
+
+def disk_write_rate(path: Path, nbytes: int) -> float:
+    chunk = os.urandom(16 << 20)
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(chunk[: min(left, len(chunk))])
+        f.flush()
+        os.fsync(f.fileno())
+    dt = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / dt / GIB
+
+
+def drop_cache(directory: Path) -> None:
+    for p in directory.rglob("*"):
+        if p.is_file():
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def model_for(state_gib: float, seq_len: int) -> GPTConfig:
+    """Smallest GPT-125m-width model whose params + AdamW moments (12 bytes/param) reach state_gib."""
+    for n_layer in range(1, 200):
+        cfg = GPTConfig(n_layer=n_layer, n_head=12, d_model=768, seq_len=seq_len)
+        if cfg.n_params() * 12 >= state_gib * GIB:
+            return cfg
+    raise ValueError("state too large")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
+    ap.add_argument("--state-gib", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=1, help="DCP writer threads (files) per rank")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq-len", type=int, default=128)
+    a = ap.parse_args()
+
+    base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
+    base.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=base))
+    try:
+        info = tdist.init()
+        cfg = model_for(a.state_gib, a.seq_len)
+        torch.manual_seed(0)
+        model = GPT(cfg).to(info.device)
+        model = tdist.wrap_fsdp(model, info, bf16=info.is_gpu)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        tokens = torch.randint(0, 256, (a.batch, a.seq_len + 1), device=info.device)
+
+        def step() -> float:
+            t0 = time.perf_counter()
+            loss = per_sample_loss(model(tokens[:, :-1]), tokens[:, 1:]).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if info.is_gpu:
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
+
+        step()  # creates the AdamW state
+        step_s = min(step() for _ in range(2))
+        state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+        state_gib = state_bytes / GIB
+
+        disk = disk_write_rate(work / "probe.bin", state_bytes)
+
+        root = f"file://{work / 'ckpt'}"
+        mgr = CheckpointManager(root, info, keep=2, async_mode="thread", thread_count=a.threads)
+        t0 = time.perf_counter()
+        mgr.save(1, model, opt, {"bench": True})
+        save_s = time.perf_counter() - t0
+
+        # emergency path: the request is already there, agree (one all-reduce), save, commit
+        em = EmergencyState(None, 30.0)
+        em.request_local("bench", deadline_ts=time.time() + 120)
+        t0 = time.perf_counter()
+        verdict = agree(em)
+        assert verdict.stop
+        res = mgr.save(2, model, opt, {"bench": True}, started=time.monotonic())
+        emergency_s = time.perf_counter() - t0
+
+        # async: blocking part (staging) vs one step. The first save allocates the reused host buffers;
+        # the second is the steady state that every later periodic save sees.
+        blocks = []
+        for s in (3, 4):
+            t0 = time.perf_counter()
+            mgr.save_async(s, model, opt, {"bench": True})
+            blocks.append(time.perf_counter() - t0)
+            step()  # training goes on while the save writes
+            mgr.pending.future.result()
+            mgr.settle(True, False)
+        async_block_first_s, async_block_s = blocks
+        disk = max(disk, disk_write_rate(work / "probe.bin", state_bytes))  # best of two probes: conservative ratio
+
+        drop_cache(work / "ckpt")
+        t0 = time.perf_counter()
+        chosen = mgr.resolve("latest")
+        mgr.load(chosen, model, opt)
+        load_s = time.perf_counter() - t0
+
+        out = {
+            "state_gib": round(state_gib, 3),
+            "disk_write_gib_s": round(disk, 3),
+            "save_gib_s": round(state_gib / save_s, 3),
+            "save_vs_disk": round(state_gib / save_s / disk, 3),
+            "load_gib_s": round(state_gib / load_s, 3),
+            "async_block_s": round(async_block_s, 3),
+            "async_block_first_s": round(async_block_first_s, 3),
+            "step_s": round(step_s, 3),
+            "async_block_steps": round(async_block_s / step_s, 3),
+            "emergency_s": round(emergency_s, 3),
+            "emergency_commit_dir": res.dir_url,
+            "model_params": cfg.n_params(),
+            "step_tokens": a.batch * a.seq_len,
+            "writer_threads": a.threads,
+            "device": torch.cuda.get_device_name() if info.is_gpu else "cpu",
+            "dir": str(base),
+        }
+        print(json.dumps(out) if a.json else "\n".join(f"{k:>18}: {v}" for k, v in out.items()))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if not a.dir:
+            shutil.rmtree(base, ignore_errors=True)
+    sys.stdout.flush()
+    os._exit(0)  # skip process-group teardown
+
+
+if __name__ == "__main__":
+    main()
