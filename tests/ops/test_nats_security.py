@@ -408,3 +408,26 @@ def test_server_config_example_is_current(tmp_path: Path) -> None:
 
 async def _ignore(_e: Exception) -> None:
     return None
+
+
+def test_example_configs_are_valid_for_nats_server(tmp_path: Path) -> None:
+    """config/nats/*.conf pass `nats-server -t` once their TLS paths point at real files."""
+    import shutil
+    import subprocess
+
+    from orchestrator.natsserver import server_binary
+
+    src = Path(__file__).resolve().parents[2] / "config" / "nats"
+    tls = tmp_path / "tls"
+    tls.mkdir()
+    pki = _make_pki(tls)  # writes ca.pem, server.pem, server.key; the route cert reuses the server's
+    shutil.copy(pki["server"], tls / "route.pem")
+    shutil.copy(pki["server_key"], tls / "route.key")
+    shutil.copy(src / "auth.conf.example", tmp_path / "auth.conf")
+    confs = ["server-secure.conf", "cluster-1.conf", "cluster-2.conf", "cluster-3.conf"]
+    for name in confs:
+        text = (src / name).read_text().replace("/etc/nats/tls/", f"{tls}/")
+        (tmp_path / name).write_text(text.replace("/var/lib/nats/jetstream", str(tmp_path / "js")))
+        res = subprocess.run([server_binary(), "-t", "-c", str(tmp_path / name)], capture_output=True, text=True,
+                             timeout=30)
+        assert res.returncode == 0 and "is valid" in res.stdout + res.stderr, (name, res.stdout + res.stderr)
