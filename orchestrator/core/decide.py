@@ -46,6 +46,7 @@ from orchestrator.core.model import (
     NodePhase,
     PoolStats,
     State,
+    fin,
 )
 from orchestrator.core.pricing import record_exposure
 from orchestrator.core.tx import Tx
@@ -149,8 +150,8 @@ def _heartbeat_fast(state: State, hb: Heartbeat, now: float) -> Decision | None:
         last_seen=now,
         hb_seq=hb.seq,
         step=step,
-        loss=hb.loss if hb.loss is not None else node.loss,
-        step_time_s=hb.step_time_s if hb.step_time_s is not None else node.step_time_s,
+        loss=fin(hb.loss) if hb.loss is not None else node.loss,
+        step_time_s=fin(hb.step_time_s) or node.step_time_s,
     )
     return Decision(State(state.jobs, state.nodes.set(node.node_id, new), state.pools, state.meta), (), (), _EMPTY)
 
@@ -162,8 +163,10 @@ def _heartbeat_slow(tx: Tx, hb: Heartbeat) -> None:
     changes: dict = {"last_seen": tx.now, "hb_seq": max(hb.seq, node.hb_seq)}
     if hb.generation == node.generation and hb.step > node.step:
         changes["step"] = hb.step
-    if hb.step_time_s is not None:
+    if fin(hb.step_time_s):
         changes["step_time_s"] = hb.step_time_s
+    if hb.loss is not None:
+        changes["loss"] = fin(hb.loss)
     if node.suspect_since is not None or node.disconnected:
         changes["suspect_since"] = None
         changes["disconnected"] = False
@@ -229,7 +232,8 @@ def _node_launched(tx: Tx, ev: NodeLaunched) -> None:
     if job is not None:
         job = lc.accrue(tx, job)  # the burn rate changes now
     phase = N.BOOTING if node.phase == N.REQUESTED else node.phase
-    node = tx.node_phase(node, phase, instance_id=ev.instance_id, launched_ts=tx.now)
+    launched = node.launched_ts if node.launched_ts is not None else tx.now
+    node = tx.node_phase(node, phase, instance_id=ev.instance_id, launched_ts=launched)
     ps = tx.pools.get(node.pool_name)
     if ps is not None and ps.failures:
         tx.put_pool(node.pool_name, _replace(ps, failures=0))
@@ -279,15 +283,19 @@ def _node_registered(tx: Tx, ev: NodeRegistered) -> None:
             tx.update_node(node, host=ev.host)
         return  # redelivered (or re-registration of an agent that restarted)
     job = tx.jobs.get(node.job_id)
+    billed_now = node.phase == N.REQUESTED  # registration before NodeLaunched: billing starts here
     changes: dict = {"host": ev.host or node.host, "last_seen": tx.now}
     if ev.instance_id and node.instance_id is None:
         changes["instance_id"] = ev.instance_id
-        changes["launched_ts"] = node.launched_ts if node.launched_ts is not None else tx.now
+    if billed_now:
+        changes["launched_ts"] = tx.now
         if job is not None:
             job = lc.accrue(tx, job)
     node = tx.node_phase(node, N.REGISTERED, **changes)
     if job is None or job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED:
         lc.remove_node(tx, job, node, reason="job_not_active", lost=False, terminate=True)
+        return
+    if billed_now and policy.check_budget(tx, tx.job(job.job_id)):
         return
     _reconcile(tx, job)
 
@@ -306,12 +314,13 @@ def _checkpoint_committed(tx: Tx, ev: CheckpointCommitted) -> None:
     if job is None or ev.step <= job.committed_step and job.committed_url is not None:
         return  # unknown job, or a commit we already know (redelivered, or one per node)
     save = job.save_s
-    if ev.save_s > 0:
-        save = ev.save_s if save is None else 0.5 * save + 0.5 * ev.save_s
+    measured = fin(ev.save_s)
+    if measured is not None and measured > 0:
+        save = measured if save is None else 0.5 * save + 0.5 * measured
     tx.update_job(job, committed_step=ev.step, committed_url=ev.url, committed_ts=tx.now, save_s=save,
                   step=max(job.step, ev.step))
     tx.record(job.job_id, "checkpoint_committed", "emergency" if ev.emergency else "periodic", step=ev.step,
-              url=ev.url, save_s=ev.save_s, deadline_margin_s=ev.deadline_margin_s)
+              url=ev.url, save_s=measured, deadline_margin_s=fin(ev.deadline_margin_s))
 
 
 def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
@@ -347,7 +356,7 @@ def _notice(tx: Tx, ev: PreemptionNotice) -> None:
     if node is None:
         tx.record(None, "ignore", "unknown_node", node_id=ev.node_id)
         return
-    if ev.kind == NoticeKind.REBALANCE or ev.deadline_ts is None:
+    if ev.kind == NoticeKind.REBALANCE:
         ps = tx.pools.get(node.pool_name)
         if ps is not None and node.pool.market == Market.SPOT:
             tx.put_pool(node.pool_name, _replace(ps, last_preempted_ts=tx.now))
@@ -358,17 +367,20 @@ def _notice(tx: Tx, ev: PreemptionNotice) -> None:
     ps = tx.pools.get(node.pool_name)
     if ps is not None:
         tx.put_pool(node.pool_name, _replace(ps, **record_exposure(ps, tx.cfg, tx.now, 0.0, True)))
-    node = tx.node_phase(node, N.NOTICED, notice_deadline=ev.deadline_ts)
+    deadline = fin(ev.deadline_ts)
+    if deadline is None:  # a terminate notice without a usable deadline: assume the cloud's window
+        deadline = tx.now + tx.cfg.notice_window_s(ev.cloud)
+    node = tx.node_phase(node, N.NOTICED, notice_deadline=deadline)
     job = tx.jobs.get(node.job_id)
     tx.record(node.job_id, "preemption_notice", ev.source, node_id=node.node_id, pool=node.pool_name,
-              deadline_ts=ev.deadline_ts)
+              deadline_ts=deadline)
     if job is None or job.phase in TERMINAL_JOB_PHASES:
         lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
         return
     member = node.node_id in job.gen_nodes and node.node_id not in job.gen_exited and job.phase in GEN_PHASES
     if member:
         if job.phase in (J.STARTING, J.RUNNING):
-            job = lc.checkpoint_job(tx, job, Intent.PREEMPTION, "preemption_notice", ev.deadline_ts)
+            job = lc.checkpoint_job(tx, job, Intent.PREEMPTION, "preemption_notice", deadline)
     else:
         job = lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
     lc.replenish(tx, job, exclude=frozenset({node.pool_name}))

@@ -99,6 +99,20 @@ def burn_usd_h(tx: Tx, job: Job) -> float:
     return total
 
 
+def worst_burn_usd_h(tx: Tx, job: Job) -> float:
+    """$ per hour the launched nodes could cost before the next check: spot at most at on-demand."""
+    total = 0.0
+    nodes, pools = tx.nodes, tx.pools
+    for nid in job.nodes:
+        n = nodes.get(nid)
+        if n is None or n.phase == N.REQUESTED:
+            continue
+        ps = pools.get(n.pool_name)
+        if ps is not None and ps.price_usd_h is not None:
+            total += max(ps.price_usd_h, ps.on_demand_usd_h or 0.0)
+    return total
+
+
 def cost_now(tx: Tx, job: Job) -> float:
     return job.cost_usd + burn_usd_h(tx, job) * max(0.0, tx.now - job.cost_ts) / 3600.0
 
@@ -119,7 +133,7 @@ def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple
     if count <= 0:
         return job
     if job.spec.budget_usd is not None:
-        burn = burn_usd_h(tx, job) + count * (ps.price_usd_h or 0.0)
+        burn = worst_burn_usd_h(tx, job) + count * max(ps.price_usd_h or 0.0, ps.on_demand_usd_h or 0.0)
         margin_s = save_seconds(job) + cfg.terminate_s + 2 * cfg.tick_s
         if cost_now(tx, job) + burn * margin_s / 3600.0 >= job.spec.budget_usd:
             if job.reason != "launch_refused_budget":

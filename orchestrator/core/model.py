@@ -9,6 +9,7 @@ Concurrency contract: none needed - everything here is immutable; ``decide`` ret
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Any, Final
 
@@ -25,6 +26,12 @@ def safe_token(value: str) -> str:
     """``value`` with every character that is not ``[A-Za-z0-9_-]`` replaced by ``_`` (never empty)."""
     out = "".join(c if c in _ID_OK else "_" for c in value)
     return out or "_"
+
+
+def fin(x: float | None) -> float | None:
+    """``x`` when it is a finite number, else None: non-finite floats never enter the state (they do
+    not survive JSON, and no decision can use them)."""
+    return x if x is not None and math.isfinite(x) else None
 
 
 def pool_record_key(pool_name: str) -> str:

@@ -24,6 +24,7 @@ from orchestrator.core.model import (
     Node,
     NodePhase,
     PoolStats,
+    fin,
 )
 from orchestrator.core.placement import alternatives, has_capacity, markets_for, matches, ranked, zone_of
 from orchestrator.core.pricing import (
@@ -57,7 +58,10 @@ def on_tick(tx: Tx) -> None:
     cfg, now = tx.cfg, tx.now
     detect = tx.meta.bus_connected and now >= tx.meta.detect_paused_until
     timeout = cfg.heartbeat_timeout_s
-    for node in list(tx.nodes.values()):
+    for nid in list(tx.nodes.keys()):
+        node = tx.nodes.get(nid)  # earlier iterations may have removed or changed it
+        if node is None:
+            continue
         phase = node.phase
         if phase in (N.REQUESTED, N.BOOTING):
             if now - node.requested_ts > cfg.launch_timeout_s:
@@ -139,8 +143,9 @@ def check_budget(tx: Tx, job: Job) -> bool:
         return False
     cfg = tx.cfg
     burn = lc.burn_usd_h(tx, job)
+    worst = lc.worst_burn_usd_h(tx, job)  # a spot price may rise up to on-demand before the next check
     cost = lc.cost_now(tx, job)
-    if cost + burn * (cfg.terminate_s + cfg.tick_s) / 3600.0 >= budget:
+    if cost + worst * (cfg.terminate_s + cfg.tick_s) / 3600.0 >= budget:
         job = lc.accrue(tx, job)
         tx.record(job.job_id, "stop", "budget_hard_stop", cost_usd=round(cost, 6), budget_usd=budget)
         job = lc.terminate_all(tx, job, "budget")
@@ -148,7 +153,7 @@ def check_budget(tx: Tx, job: Job) -> bool:
         return True
     if job.intent == Intent.BUDGET:
         return True
-    if cost + burn * (save_seconds(job) + cfg.terminate_s + 2 * cfg.tick_s) / 3600.0 >= budget:
+    if cost + worst * (save_seconds(job) + cfg.terminate_s + 2 * cfg.tick_s) / 3600.0 >= budget:
         tx.record(job.job_id, "stop", "budget", cost_usd=round(cost, 6), budget_usd=budget, burn_usd_h=burn)
         if job.phase in (J.STARTING, J.RUNNING):
             lc.checkpoint_job(tx, job, Intent.BUDGET, "budget")
@@ -284,26 +289,31 @@ def _update_pool(tx: Tx, name: str, pt: PriceTick, market: Market, price: float,
     if ps is None:
         pool = pt.pool if pt.pool.market == market else _replace(pt.pool, market=market)
         ps = PoolStats(pool=pool, gpu_type=pt.gpu_type, gpus_per_node=pt.gpus_per_node)
-    elif ps.price_usd_h == price and ps.on_demand_usd_h == od and ps.capacity_hint == pt.capacity_hint:
+    elif ps.price_usd_h == price and ps.on_demand_usd_h == od and ps.capacity_hint == fin(pt.capacity_hint):
         return False
-    hint = pt.capacity_hint if market == pt.pool.market else None
+    hint = fin(pt.capacity_hint) if market == pt.pool.market else None
     tx.put_pool(name, _replace(ps, price_usd_h=price, on_demand_usd_h=od, price_ts=tx.now, capacity_hint=hint,
                                gpu_type=pt.gpu_type, gpus_per_node=pt.gpus_per_node))
     return True
 
 
 def on_price(tx: Tx, pt: PriceTick) -> None:
-    if pt.price_usd_h is None or pt.price_usd_h != pt.price_usd_h:  # NaN
+    usd = fin(pt.price_usd_h)
+    if usd is None or usd < 0:
+        tx.record(None, "ignore", "bad_price", pool=pt.pool.name)
         return
+    od_usd = fin(pt.on_demand_usd_h)
+    if od_usd is not None and od_usd < 0:
+        od_usd = None
     zone = zone_of(pt.pool)
     affected = [j for j in tx.jobs.values() if j.nodes and j.phase in _ACTIVE and _touches(tx, j, zone)]
     for job in affected:  # accrue at the old price before it changes
         lc.accrue(tx, job)
-    od = pt.on_demand_usd_h if pt.pool.market == Market.SPOT else pt.price_usd_h
-    changed = _update_pool(tx, pt.pool.name, pt, pt.pool.market, pt.price_usd_h, od)
-    if pt.pool.market == Market.SPOT and pt.on_demand_usd_h is not None:
+    od = od_usd if pt.pool.market == Market.SPOT else usd
+    changed = _update_pool(tx, pt.pool.name, pt, pt.pool.market, usd, od)
+    if pt.pool.market == Market.SPOT and od_usd is not None:
         od_pool = _replace(pt.pool, market=Market.ON_DEMAND)
-        changed |= _update_pool(tx, od_pool.name, pt, Market.ON_DEMAND, pt.on_demand_usd_h, pt.on_demand_usd_h)
+        changed |= _update_pool(tx, od_pool.name, pt, Market.ON_DEMAND, od_usd, od_usd)
     if not changed:
         return
     for job in affected:

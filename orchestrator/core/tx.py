@@ -26,7 +26,7 @@ from orchestrator.core.model import (
     pool_record_key,
     safe_token,
 )
-from orchestrator.core.transitions import check_job, check_node
+from orchestrator.core.transitions import IllegalTransition, check_job, check_node
 
 _replace = msgspec.structs.replace
 
@@ -58,9 +58,13 @@ class Tx:
         return self.jobs[job_id]
 
     def update_job(self, job: Job, **changes: Any) -> Job:
+        if self.jobs.get(job.job_id) is not job:
+            raise IllegalTransition(f"update of a stale job record {job.job_id}")
         return self.put_job(_replace(job, **changes))
 
     def job_phase(self, job: Job, phase: JobPhase, reason: str = "", **changes: Any) -> Job:
+        if self.jobs.get(job.job_id) is not job:
+            raise IllegalTransition(f"phase change of a stale job record {job.job_id}")
         check_job(job.phase, phase)
         if phase != job.phase:
             changes["phase_ts"] = self.now
@@ -72,9 +76,13 @@ class Tx:
         return node
 
     def update_node(self, node: Node, **changes: Any) -> Node:
+        if self.nodes.get(node.node_id) is not node:
+            raise IllegalTransition(f"update of a stale or deleted node record {node.node_id}")
         return self.put_node(_replace(node, **changes))
 
     def node_phase(self, node: Node, phase: NodePhase, **changes: Any) -> Node:
+        if self.nodes.get(node.node_id) is not node:
+            raise IllegalTransition(f"phase change of a stale or deleted node record {node.node_id}")
         check_node(node.phase, phase)
         if phase != node.phase:
             changes["phase_ts"] = self.now

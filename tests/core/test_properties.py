@@ -1,0 +1,319 @@
+"""Hypothesis properties: random but meaningful event sequences (a tiny cloud + agents driven by the
+commands decide emits) and fully random events. Checked after every step:
+
+- decide never raises; records round-trip exactly; dirty keys cover every changed record;
+- never two live nodes for one rank of a job's current generation;
+- never a generation spread over two zones (state and every StartGenerationCmd batch);
+- cost including the final checkpoint and termination never exceeds a job's budget;
+- redelivering the event just decided produces no command.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from orchestrator.core import JobPhase, NodePhase, State, decide, state_from_records, state_to_records
+from orchestrator.core.commands import Launch, SendToAgent
+from orchestrator.core.inputs import (
+    AgentDisconnected,
+    BusState,
+    CommandFailed,
+    JobCancelled,
+    JobSubmitted,
+    LaunchFailed,
+    LeaseChanged,
+    NodeDrainRequested,
+    NodeGone,
+    NodeLaunched,
+    Tick,
+)
+from orchestrator.core.lifecycle import burn_usd_h, cost_now
+from orchestrator.core.placement import zone_of
+from orchestrator.core.records import all_keys
+from orchestrator.core.tx import Tx
+from orchestrator.events import (
+    AgentState,
+    CheckpointCommitted,
+    FailureReason,
+    GenerationStarted,
+    Heartbeat,
+    MarketPolicy,
+    NodeLeaving,
+    NodeRegistered,
+    NoticeKind,
+    PreemptionNotice,
+    RanksExited,
+    StartGenerationCmd,
+)
+from tests.core.harness import pool, price, spec
+
+POOLS = [pool("p4d.24xlarge", "z1"), pool("p5.48xlarge", "z1"), pool("p4d.24xlarge", "z2"), pool("p5.48xlarge", "z2")]
+OD = 30.0
+TICK_S = State.empty().config.tick_s
+REASONS = ["emergency_checkpoint", "completed", "failed", "abandoned", "peer_lost", "checkpoint_failed"]
+
+action = st.one_of(
+    st.just(("auto",)),
+    st.just(("auto",)),
+    st.just(("auto",)),
+    st.just(("auto",)),
+    st.just(("auto",)),
+    st.tuples(st.just("tick"), st.just(TICK_S)),
+    st.tuples(st.just("tick"), st.just(TICK_S)),
+    st.tuples(st.just("price"), st.integers(0, 3), st.floats(0.05, 1.0)),
+    st.tuples(st.just("tick"), st.floats(0.0, TICK_S)),
+    st.tuples(st.just("exec"), st.integers(0, 9), st.sampled_from(["ok", "ok", "fail", "partial"])),
+    st.tuples(st.just("register"), st.integers(0, 99)),
+    st.tuples(st.just("started"), st.integers(0, 99)),
+    st.tuples(st.just("hb"), st.integers(0, 99), st.integers(0, 300)),
+    st.tuples(st.just("notice"), st.integers(0, 99), st.booleans()),
+    st.tuples(st.just("commit"), st.integers(0, 1)),
+    st.tuples(st.just("exit"), st.integers(0, 99), st.sampled_from(REASONS)),
+    st.tuples(st.just("gone"), st.integers(0, 99)),
+    st.tuples(st.just("disconnect"), st.integers(0, 99)),
+    st.tuples(st.just("leaving"), st.integers(0, 99)),
+    st.tuples(st.just("drain"), st.integers(0, 99)),
+    st.tuples(st.just("cmd_failed"), st.integers(0, 99)),
+    st.tuples(st.just("bus"), st.booleans()),
+    st.tuples(st.just("cancel"), st.integers(0, 1)),
+)
+
+job_spec = st.fixed_dictionaries(
+    {
+        "nodes": st.integers(1, 3),
+        "nodes_min": st.integers(1, 2),
+        "budget_usd": st.one_of(st.none(), st.floats(0.5, 20.0)),
+        "deadline": st.one_of(st.none(), st.floats(600.0, 20_000.0)),
+        "market": st.sampled_from(list(MarketPolicy)),
+        "total_steps": st.integers(50, 2000),
+    }
+)
+
+
+class World:
+    """Plays cloud and agents for the commands decide emits; checks invariants after every step."""
+
+    def __init__(self) -> None:
+        self.state = State.empty()
+        self.now = 1000.0
+        self.launches: list[Launch] = []
+        self.n = 0
+
+    def nodes(self) -> list[Any]:
+        return [self.state.nodes[k] for k in sorted(self.state.nodes.keys())]
+
+    def pick(self, i: int) -> Any | None:
+        ns = self.nodes()
+        return ns[i % len(ns)] if ns else None
+
+    def eid(self) -> str:
+        self.n += 1
+        return f"e{self.n}"
+
+    def feed(self, ev: Any, redeliver_check: bool = True) -> None:
+        before = self.state
+        d = decide(before, ev, self.now)
+        check(before, d, self.now)
+        self.state = d.state
+        self.launches += [c for c in d.commands if isinstance(c, Launch)]
+        if redeliver_check and not isinstance(ev, (Tick, Heartbeat)) and type(ev).__name__ != "PriceTick":
+            d2 = decide(self.state, ev, self.now)
+            assert not d2.commands, (ev, d2.commands)
+            check(self.state, d2, self.now)
+            self.state = d2.state
+
+    def act(self, a: tuple) -> None:
+        kind = a[0]
+        if kind == "auto":  # a cooperative cloud and agents: launches succeed, nodes register and train
+            while self.launches:
+                self.act(("exec", 0, "ok"))
+            for node in self.nodes():
+                if node.node_id not in self.state.nodes:
+                    continue
+                if node.phase == NodePhase.BOOTING:
+                    self.act(("register", self.nodes().index(self.state.nodes[node.node_id])))
+            for job in list(self.state.jobs.values()):
+                if job.phase == JobPhase.STARTING and job.gen_nodes and job.gen_nodes[0] in self.state.nodes:
+                    self.feed(GenerationStarted(id=self.eid(), node_id=job.gen_nodes[0], job_id=job.job_id,
+                                                generation=job.generation, first_step=1, ts=self.now))
+            for node in self.nodes():
+                if node.node_id in self.state.nodes and node.phase in (NodePhase.RUNNING, NodePhase.REGISTERED):
+                    self.act(("hb", self.nodes().index(self.state.nodes[node.node_id]), 10))
+            return
+        if kind == "price":
+            self.feed(price(POOLS[a[1]], round(OD * a[2], 4), od=OD, ts=self.now))
+        elif kind == "tick":
+            self.now += a[1]
+            self.feed(Tick())
+        elif kind == "exec":
+            if not self.launches:
+                return
+            la = self.launches.pop(a[1] % len(self.launches))
+            ok = {"ok": la.node_ids, "fail": (), "partial": la.node_ids[:1]}[a[2]]
+            for nid in ok:
+                self.feed(NodeLaunched(node_id=nid, job_id=la.job_id, instance_id=f"i-{nid}", pool=la.pool, token=la.token))
+            failed = tuple(n for n in la.node_ids if n not in ok)
+            if failed:
+                self.feed(LaunchFailed(node_ids=failed, job_id=la.job_id, pool=la.pool, token=la.token,
+                                       reason=FailureReason.CAPACITY))
+            return
+        node = self.pick(a[1]) if len(a) > 1 and isinstance(a[1], int) and kind not in ("commit", "cancel") else None
+        if kind == "register" and node is not None:
+            self.feed(NodeRegistered(id=self.eid(), node_id=node.node_id, host=f"h-{node.node_id}", ts=self.now))
+        elif kind == "started" and node is not None and node.generation:
+            self.feed(GenerationStarted(id=self.eid(), node_id=node.node_id, job_id=node.job_id,
+                                        generation=node.generation, first_step=node.step + 1, ts=self.now))
+        elif kind == "hb" and node is not None:
+            st_ = AgentState.TRAINING if node.phase == NodePhase.RUNNING else AgentState.IDLE
+            self.feed(Heartbeat(node_id=node.node_id, seq=node.hb_seq + 1, ts=self.now, state=st_, job_id=node.job_id,
+                                generation=node.generation, step=node.step + a[2], step_time_s=1.0))
+        elif kind == "notice" and node is not None:
+            kind_ = NoticeKind.TERMINATE if a[2] else NoticeKind.REBALANCE
+            self.feed(PreemptionNotice(id=self.eid(), node_id=node.node_id, cloud="aws", kind=kind_,
+                                       deadline_ts=self.now + 120 if a[2] else None, observed_ts=self.now))
+        elif kind == "commit":
+            jobs = sorted(self.state.jobs.keys())
+            if not jobs:
+                return
+            job = self.state.jobs[jobs[a[1] % len(jobs)]]
+            if not job.gen_nodes or job.gen_nodes[0] not in self.state.nodes:
+                return
+            step = max([self.state.nodes[n].step for n in job.gen_nodes if n in self.state.nodes] + [0])
+            self.feed(CheckpointCommitted(id=self.eid(), node_id=job.gen_nodes[0], job_id=job.job_id,
+                                          generation=job.generation, step=step, checkpoint_id=f"s{step}",
+                                          url=f"u{step}", save_s=5.0, emergency=True, ts=self.now))
+        elif kind == "exit" and node is not None and node.generation:
+            job = self.state.jobs.get(node.job_id)
+            last = job.spec.total_steps if (a[2] == "completed" and job is not None) else node.step
+            self.feed(RanksExited(id=self.eid(), node_id=node.node_id, job_id=node.job_id, generation=node.generation,
+                                  exit_code=0, reason=a[2], last_step=last, ts=self.now))
+        elif kind == "gone" and node is not None:
+            self.feed(NodeGone(node_id=node.node_id, reason="provider_missing"))
+        elif kind == "disconnect" and node is not None:
+            self.feed(AgentDisconnected(node_id=node.node_id))
+        elif kind == "leaving" and node is not None:
+            self.feed(NodeLeaving(id=self.eid(), node_id=node.node_id, reason="sigterm", ts=self.now))
+        elif kind == "drain" and node is not None:
+            self.feed(NodeDrainRequested(node_id=node.node_id))
+        elif kind == "cmd_failed" and node is not None:
+            self.feed(CommandFailed(node_id=node.node_id, cmd_id="x", kind="checkpoint"))
+        elif kind == "bus":
+            self.feed(BusState(connected=a[1]))
+        elif kind == "cancel":
+            jobs = sorted(self.state.jobs.keys())
+            if jobs and a[1] == 0:
+                self.feed(JobCancelled(job_id=jobs[0]))
+
+
+def check(before: State, d: Any, now: float) -> None:
+    s = d.state
+    # records: full round trip, and the dirty keys cover every record that changed
+    assert state_from_records(state_to_records(s)) == s
+    old, new = state_to_records(before), state_to_records(s)
+    changed = {k for k in set(old) | set(new) if old.get(k) != new.get(k)}
+    for k in changed:
+        if k.startswith("node.") and k in old and k in new:
+            # heartbeat-only changes are deliberately not dirty (docs/core.md)
+            a, b = before.nodes[k[5:]], s.nodes[k[5:]]
+            import msgspec
+
+            if msgspec.structs.replace(a, last_seen=0.0, hb_seq=0, step=0, loss=None, step_time_s=None) == \
+                    msgspec.structs.replace(b, last_seen=0.0, hb_seq=0, step=0, loss=None, step_time_s=None):
+                continue
+        assert k in d.dirty, (k, type(d))
+    assert set(all_keys(s)) == set(new)
+    # ranks and zones
+    for job in s.jobs.values():
+        members = [s.nodes[n] for n in job.gen_nodes if n in s.nodes]
+        live = [n for n in members if n.generation == job.generation and n.phase in
+                (NodePhase.RUNNING, NodePhase.NOTICED, NodePhase.DRAINING)]
+        ranks = [n.rank for n in live]
+        assert len(ranks) == len(set(ranks)), ranks
+        assert len({zone_of(n.pool) for n in members}) <= 1
+        for nid in job.nodes:
+            assert nid in s.nodes and s.nodes[nid].job_id == job.job_id
+        # budget: accrued + live burn + the termination tail stays under the cap
+        if job.spec.budget_usd is not None:
+            tx = Tx(s, "check", now)
+            tail = burn_usd_h(tx, job) * s.meta.config.terminate_s / 3600.0
+            cost = cost_now(tx, job)
+            assert cost + tail <= job.spec.budget_usd + 1e-9, (cost, tail, job.spec.budget_usd)
+    for n in s.nodes.values():
+        assert n.node_id in s.jobs[n.job_id].nodes
+    starts = [c.command for c in d.commands if isinstance(c, SendToAgent) and isinstance(c.command, StartGenerationCmd)]
+    for job_id in {c.job_id for c in starts}:
+        batch = [c for c in starts if c.job_id == job_id]
+        assert len({zone_of(s.nodes[c.node_id].pool) for c in batch}) == 1
+        assert sorted(c.node_rank for c in batch) == list(range(batch[0].nnodes))
+        assert len({c.generation for c in batch}) == 1
+    for c in d.commands:
+        if isinstance(c, SendToAgent):
+            assert c.command.fencing_token == s.meta.fencing_token
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=st.lists(job_spec, min_size=1, max_size=2), actions=st.lists(action, min_size=10, max_size=80))
+def test_random_operation_keeps_invariants(specs: list[dict], actions: list[tuple]) -> None:
+    w = World()
+    w.feed(LeaseChanged(revision=3))
+    for i, pk in enumerate(POOLS):
+        w.feed(price(pk, 5.0 + i, od=OD, ts=w.now))
+    for i, sp in enumerate(specs):
+        deadline = sp.pop("deadline")
+        sp["nodes_max"] = max(sp["nodes"], sp["nodes_min"]) + 1
+        w.feed(JobSubmitted(job_id=f"job.{i}", spec=spec(**sp, deadline_ts=None if deadline is None else w.now + deadline)))
+    for a in actions:
+        w.act(a)
+    # Let time run out: every budgeted job ends under its cap, whatever else happened.
+    for _ in range(120):
+        w.now += TICK_S
+        w.feed(Tick())
+    for job in w.state.jobs.values():
+        if job.spec.budget_usd is not None:
+            assert job.cost_usd <= job.spec.budget_usd + 1e-9
+            if job.phase in (JobPhase.STOPPED, JobPhase.SUCCEEDED, JobPhase.CANCELLED, JobPhase.FAILED):
+                assert not job.nodes
+
+
+wire_event = st.one_of(
+    st.builds(Tick),
+    st.builds(BusState, connected=st.booleans()),
+    st.builds(NodeGone, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]), reason=st.text(max_size=5)),
+    st.builds(AgentDisconnected, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"])),
+    st.builds(NodeRegistered, id=st.text(max_size=3), node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]),
+              host=st.text(max_size=5), ts=st.floats(allow_nan=False)),
+    st.builds(RanksExited, id=st.text(max_size=3), node_id=st.sampled_from(["job_0-n1", "job_0-n2"]),
+              job_id=st.sampled_from(["job.0", "nope"]), generation=st.integers(-2, 5),
+              exit_code=st.integers(-1, 300), reason=st.sampled_from(REASONS + ["???"]),
+              last_step=st.integers(-10, 10_000), ts=st.floats(allow_nan=False)),
+    st.builds(CheckpointCommitted, id=st.text(max_size=3), node_id=st.sampled_from(["job_0-n1", "x"]),
+              job_id=st.sampled_from(["job.0", "nope"]), generation=st.integers(-1, 5), step=st.integers(-5, 5000),
+              checkpoint_id=st.text(max_size=3), url=st.text(max_size=5), save_s=st.floats(allow_nan=False),
+              ts=st.floats(allow_nan=False)),
+    st.builds(PreemptionNotice, id=st.text(max_size=3), node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]),
+              cloud=st.sampled_from(["aws", "gcp", "zz"]), deadline_ts=st.one_of(st.none(), st.floats(allow_nan=False)),
+              observed_ts=st.floats(allow_nan=False)),
+    st.builds(Heartbeat, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]), seq=st.integers(-5, 50),
+              ts=st.floats(allow_nan=False), state=st.sampled_from(list(AgentState)), generation=st.integers(-1, 5),
+              step=st.integers(-5, 5000), step_time_s=st.one_of(st.none(), st.floats(0, 100))),
+    st.builds(lambda i, p: price(POOLS[i], p), st.integers(0, 3), st.floats(0.0, 100.0)),
+    st.builds(JobCancelled, job_id=st.sampled_from(["job.0", "nope"])),
+    st.builds(LeaseChanged, revision=st.integers(0, 10)),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(events=st.lists(st.tuples(wire_event, st.floats(0.0, 100.0)), max_size=40))
+def test_decide_never_raises_on_arbitrary_events(events: list) -> None:
+    s = State.empty()
+    now = 1000.0
+    s = decide(s, price(POOLS[0], 10.0), now).state
+    s = decide(s, JobSubmitted(job_id="job.0", spec=spec(nodes=2)), now).state
+    for ev, dt in events:
+        now += dt
+        d = decide(s, ev, now)
+        s = d.state
+        assert state_from_records(state_to_records(s)) == s
