@@ -77,7 +77,7 @@ async def run(args: argparse.Namespace) -> dict:
 urls = ["{server.url}"]
 [daemon]
 state_dir = "{tmp / 'state'}"
-tick_s = 1.0
+tick_s = 5.0
 heartbeat_interval_s = 1.0
 heartbeat_timeout_s = 15.0
 command_ack_timeout_s = 5.0
@@ -92,7 +92,8 @@ enabled = ["fake"]
 state_file = "{fake_file}"
 gpus_per_node = 8
 """)
-    daemon = subprocess.Popen([sys.executable, "-m", "orchestrator.daemon", "--config", str(cfg)],
+    prof = ["-m", "cProfile", "-o", os.environ["ORCH_BENCH_PROFILE"]] if os.environ.get("ORCH_BENCH_PROFILE") else []
+    daemon = subprocess.Popen([sys.executable, *prof, "-m", "orchestrator.daemon", "--config", str(cfg)],
                               stdout=subprocess.DEVNULL, stderr=open(tmp / "orchd.log", "w"),
                               cwd=Path(__file__).resolve().parents[1])
     nc = await nats.connect(server.url, pending_size=256 * 1024 * 1024)
@@ -289,7 +290,7 @@ def main() -> None:
     p.add_argument("--job-nodes", type=int, default=8, help="nodes per job")
     p.add_argument("--seconds", type=float, default=20.0, help="latency phase duration")
     p.add_argument("--notice-rate", type=float, default=2.0, help="notices per second in the latency phase")
-    p.add_argument("--price-rate", type=float, default=10.0, help="price ticks per second")
+    p.add_argument("--price-rate", type=float, default=1.0, help="price ticks per second")
     p.add_argument("--burst", type=int, default=200_000, help="heartbeats in the capacity phase")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

@@ -193,27 +193,32 @@ async def ensure_topology(nc: Client, replicas: int = 1) -> Topology:
     return Topology(nc=nc, js=js, state_kv=state_kv, outbox_kv=outbox_kv, lease_kv=lease_kv)
 
 
-def consumer_config(durable: str) -> ConsumerConfig:
+CONSUMERS: tuple[tuple[str, str, str], ...] = (
+    ("events", STREAM_EVENTS, CONSUMER_EVENTS),
+    ("market", STREAM_MARKET, CONSUMER_MARKET),
+)
+"""(kind, stream, durable consumer) of the daemon's ingestion."""
+
+
+def consumer_config(durable: str, subjects: tuple[str, ...]) -> ConsumerConfig:
     return ConsumerConfig(
         durable_name=durable,
+        name=durable,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
         ack_wait=ACK_WAIT_S,
         max_deliver=MAX_DELIVER,
         max_ack_pending=MAX_ACK_PENDING,
-        max_waiting=16,
+        max_waiting=64,
+        filter_subjects=list(subjects),
     )
 
 
-async def pull_subscriptions(js: JetStreamContext) -> list[tuple[str, JetStreamContext.PullSubscription]]:
-    """The daemon's two durable pull consumers: (kind, subscription)."""
-    events = await js.pull_subscribe(
-        "", durable=CONSUMER_EVENTS, stream=STREAM_EVENTS, config=consumer_config(CONSUMER_EVENTS)
-    )
-    market = await js.pull_subscribe(
-        "", durable=CONSUMER_MARKET, stream=STREAM_MARKET, config=consumer_config(CONSUMER_MARKET)
-    )
-    return [("events", events), ("market", market)]
+async def ensure_consumers(js: JetStreamContext) -> None:
+    """Create the durable pull consumers (an existing one is updated to this config)."""
+    for _kind, stream, durable in CONSUMERS:
+        subjects = SUBJECTS_EVENTS if stream == STREAM_EVENTS else SUBJECTS_MARKET
+        await js.add_consumer(stream, consumer_config(durable, subjects))
 
 
 def message_kind(subject: str) -> str:

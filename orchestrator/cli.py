@@ -197,6 +197,7 @@ def resolve_server(args: argparse.Namespace, env: dict[str, str] | os._Environ[s
 
 async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | None, out: Callable[[str], None]) -> int:
     fmt = getattr(args, "output", "table")
+    spec = load_jobspec(args.file) if (args.cmd, getattr(args, "verb", None)) == ("jobs", "submit") else None
     async with await AdminClient.connect(urls, timeout_s=args.timeout, nats_settings=ns) as c:
         cmd, verb = args.cmd, getattr(args, "verb", None)
 
@@ -215,7 +216,7 @@ async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | Non
             raise AssertionError((cmd, verb))
 
         if (cmd, verb) == ("jobs", "submit"):
-            spec = load_jobspec(args.file)
+            assert spec is not None
             reply = await c.submit(spec, args.job_id)
             out(format_reply("submit", reply, fmt))
             return EXIT_OK

@@ -30,9 +30,11 @@ import signal
 import sys
 import time
 from collections import Counter, deque
+from functools import partial
 from typing import Any, Union
 
 import anyio
+import msgspec
 import structlog
 from anyio.abc import TaskStatus
 
@@ -51,6 +53,21 @@ log = structlog.get_logger("orchd")
 _JS_TYPES = Union[ev.PriceTick, ev.PreemptionNotice, ev.NodeRegistered, ev.GenerationStarted,
                   ev.CheckpointCommitted, ev.RanksExited, ev.NodeLeaving]
 _EXPECTED: dict[str, Any] = {"price": ev.PriceTick, "notice": ev.PreemptionNotice, "node_event": ev.NodeEvent}
+
+
+MAX_HEARTBEATS_PER_BATCH = 4000
+GAUGE_REFRESH_S = 10.0
+_HB_DECODER = msgspec.json.Decoder(ev.Heartbeat)
+
+
+def _hb_reason(e: Exception) -> str:
+    """The same rejection labels as ``events.decode``."""
+    text = str(e)
+    if "Invalid value" in text and "type" in text:
+        return "unknown_type"
+    if "malformed" in text or "truncated" in text:
+        return "bad_json"
+    return "bad_schema"
 
 
 class Daemon:
@@ -109,14 +126,17 @@ class Daemon:
         tick_s = self.settings.daemon.tick_s
         next_tick = time.monotonic() + tick_s
         next_flush = time.monotonic() + self.settings.daemon.liveness_flush_s
+        next_gauges = 0.0
         while not self._stop.is_set():
             with anyio.move_on_after(max(0.0, next_tick - time.monotonic())):
                 await _first(self.intake.wait, self._stop.wait)
-            batch = self.intake.take()
+            batch = self.intake.take(MAX_HEARTBEATS_PER_BATCH)
             if time.monotonic() >= next_tick:
                 batch.shell.append(ShellItem(Tick()))
                 next_tick = time.monotonic() + tick_s
-                refresh_gauges(self)
+                if time.monotonic() >= next_gauges:  # O(nodes): not on every tick
+                    refresh_gauges(self)
+                    next_gauges = time.monotonic() + GAUGE_REFRESH_S
                 if time.monotonic() >= next_flush:
                     self._flush_live = True
                     next_flush = time.monotonic() + self.settings.daemon.liveness_flush_s
@@ -197,17 +217,43 @@ class Daemon:
                 to_ack.append(msg)
             else:
                 await _term(msg)  # poison for the core: never redeliver it forever
-        hb_decoder = ev.decode
+        # Heartbeats: the hot path, kept lean (no per-event closure, counter or context binding).
+        hb_decode = _HB_DECODER.decode
+        decide = core.decide
+        n_hb = 0
         for i, msg in enumerate(batch.hb):
             try:
-                hb = hb_decoder(msg.data, ev.Heartbeat)
-            except ev.WireError as e:
-                self.metrics.rejected.labels("heartbeat", e.reason).inc()
+                hb = hb_decode(msg.data)
+                if hb.v != ev.SCHEMA_VERSION:
+                    raise ev.WireError("bad_version", str(hb.v))
+            except (msgspec.DecodeError, ev.WireError) as e:
+                reason = e.reason if isinstance(e, ev.WireError) else _hb_reason(e)
+                self.metrics.rejected.labels("heartbeat", reason).inc()
                 continue
             if i % 256 == 0:
                 now = time.time()
                 self.metrics.event_lag.observe(max(0.0, now - hb.ts))
-            run(hb, now)
+            try:
+                d = decide(state, hb, now)
+            except Exception as e:
+                self.metrics.rejected.labels("Heartbeat", "core_error").inc()
+                log.exception("decide_failed", event_type="Heartbeat", error=repr(e))
+                continue
+            state = d.state
+            n_hb += 1
+            if d.dirty:
+                dirty.update(d.dirty)
+            else:
+                live.add("node." + hb.node_id)
+            if d.commands or d.audit:
+                self._log_decision(hb, d)
+                for c in d.commands:
+                    new_cmds[outbox_key(c)] = c
+                for a in d.audit:
+                    audit.append((getattr(a, "job_id", None), core.encode_audit(a)))
+        decided += n_hb
+        if n_hb:
+            counts["Heartbeat"] += n_hb
         if live and (self._flush_live or len(live) > 4 * self.settings.daemon.liveness_flush_max):
             take = len(live) if self._stop.is_set() else self.settings.daemon.liveness_flush_max
             while live and take:
@@ -294,9 +340,14 @@ async def run_daemon(
     *,
     core: CoreApi | None = None,
     metrics: Metrics | None = None,
+    feeds: bool = True,
     task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run orchd until ``request_stop`` (or cancellation). ``task_status.started`` gets the handle."""
+    """Run orchd until ``request_stop`` (or cancellation). ``task_status.started`` gets the handle.
+
+    ``providers`` maps ``pool.cloud`` to the CloudProvider that serves it; ``core`` defaults to
+    ``orchestrator.core`` (tests may pass another ``CoreApi``); ``feeds`` runs the providers' price
+    feeds (``providers.feeds``, per ``settings.providers.feeds``)."""
     from orchestrator import admin
     from orchestrator.metrics_http import serve_metrics
 
@@ -336,13 +387,15 @@ async def run_daemon(
             await tg.start(d.executor.run)
             for key, cmd in outbox.items():  # decided before a crash: execute again, same ids/tokens
                 d.executor.submit(key, cmd)
+            if feeds:
+                _start_feeds(tg, d, topo.js)
             hb_sub = await nc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
                                         pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
-            pulls = await bus.pull_subscriptions(topo.js)
+            await bus.ensure_consumers(topo.js)
             service = await admin.start_service(nc, d)
             async with anyio.create_task_group() as intake_tg:
-                for kind, psub in pulls:
-                    intake_tg.start_soon(d.intake.fetch_forever, kind, psub)
+                for kind, stream, consumer in bus.CONSUMERS:
+                    intake_tg.start_soon(d.intake.pull_forever, nc, stream, consumer, kind)
                 d.metrics.up.set(1)
                 sdnotify.notify_ready(f"orchd ready, nats {d.nats_url}")
                 log.info("orchd_ready", nats=d.nats_url, metrics=d.metrics_url, fencing_token=d.fencing_token)
@@ -357,8 +410,6 @@ async def run_daemon(
             with anyio.move_on_after(settings.daemon.shutdown_grace_s, shield=True):
                 await _quietly(service.stop())
                 await _quietly(hb_sub.unsubscribe())
-                for _, psub in pulls:
-                    await _quietly(psub.unsubscribe())
                 leftover = d.intake.take()
                 d._flush_live = True  # and persist every liveness-only change
                 await d.process(leftover)  # finish what was already taken in: decided and persisted
@@ -374,6 +425,20 @@ async def run_daemon(
             if server is not None:
                 await anyio.to_thread.run_sync(server.stop)
             log.info("orchd_stopped", events=d.events_decided)
+
+
+def _start_feeds(tg: Any, d: Daemon, js: Any) -> None:
+    """One price feed task per provider with a feed (providers.registry.feed_plan)."""
+    try:
+        from providers.feeds import run_price_feed
+        from providers.registry import feed_plan
+    except ImportError as e:  # the feeds are optional for embedders
+        log.warning("price_feeds_unavailable", error=str(e))
+        return
+    for plan in feed_plan(d.settings, d.providers):
+        limiter = d.executor._limiter(plan.cloud) if d.executor else None
+        tg.start_soon(partial(run_price_feed, js, plan.provider, interval_s=plan.interval_s, limiter=limiter))
+        log.info("price_feed_started", cloud=plan.cloud, interval_s=plan.interval_s)
 
 
 async def _quietly(aw: Any) -> None:

@@ -17,11 +17,11 @@ block), the single consumer is the decide loop.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import nats.errors
 import structlog
 from nats.aio.msg import Msg
 
@@ -80,33 +80,66 @@ class Intake:
             return
         await self._wake.wait()
 
-    def take(self) -> Batch:
-        batch = Batch(self.js, self.hb, self.shell)
-        self.js, self.hb, self.shell = [], [], []
+    def take(self, max_hb: int | None = None) -> Batch:
+        """Everything buffered, but at most ``max_hb`` heartbeats: a bounded batch keeps a notice that
+        arrives behind a heartbeat backlog from waiting for the whole backlog to be decided."""
+        if max_hb is None or len(self.hb) <= max_hb:
+            hb, self.hb = self.hb, []
+        else:
+            hb, self.hb = self.hb[:max_hb], self.hb[max_hb:]
+        batch = Batch(self.js, hb, self.shell)
+        self.js, self.shell = [], []
         self._wake = anyio.Event()
+        if self.hb:
+            self._wake.set()
         self._room.set()
         return batch
 
-    async def fetch_forever(self, kind: str, psub: Any, batch: int = 2000) -> None:
-        """Pull from one durable consumer until cancelled; survives server restarts and outages."""
-        while True:
-            if len(self.js) >= self.max_js:
-                self._room = anyio.Event()
-                await self._room.wait()
-                continue
-            try:
-                msgs = await psub.fetch(batch=batch, timeout=1.0)
-            except nats.errors.TimeoutError:
-                continue
-            except (nats.errors.ConnectionClosedError, nats.errors.ConnectionReconnectingError,
-                    nats.errors.ConnectionDrainingError, nats.errors.NoRespondersError, OSError) as e:
-                log.debug("fetch_unavailable", consumer=kind, error=type(e).__name__)
-                await anyio.sleep(0.25)
-                continue
-            except Exception as e:  # JetStream API errors during a restart: keep trying
-                log.warning("fetch_failed", consumer=kind, error=repr(e))
-                await anyio.sleep(0.5)
-                continue
-            if msgs:
-                self.js.extend((kind, m) for m in msgs)
-                self._wake.set()
+    async def pull_forever(self, nc: Any, stream: str, consumer: str, kind: str, batch: int = 1000,
+                           expires_s: float = 5.0) -> None:
+        """Pull from one durable consumer until cancelled; survives server restarts and outages.
+
+        One outstanding pull request at a time on our own inbox (nats-py's ``fetch`` waits for a full
+        batch or its timeout once the first message arrived, which would add up to ``timeout`` of
+        latency to a lone notice): messages go to the buffer as they arrive; a new request is issued
+        when the previous one is fulfilled, expired (408), or found nothing."""
+        inbox = nc.new_inbox()
+        state = {"delivered": 0, "done": anyio.Event()}
+
+        async def on_msg(msg: Msg) -> None:
+            status = msg.headers.get("Status") if msg.headers else None
+            if status and not msg.data:
+                if status != "100":  # 100 = idle heartbeat / flow control; others end the request
+                    state["done"].set()
+                return
+            self.js.append((kind, msg))
+            self._wake.set()
+            state["delivered"] += 1
+            if state["delivered"] >= batch:
+                state["done"].set()
+
+        sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=10 * batch + 1000)
+        subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        request = json.dumps({"batch": batch, "expires": int(expires_s * 1e9)}).encode()
+        try:
+            while True:
+                if len(self.js) >= self.max_js:
+                    self._room = anyio.Event()
+                    await self._room.wait()
+                    continue
+                state["delivered"] = 0
+                state["done"] = anyio.Event()
+                try:
+                    await nc.publish(subject, request, reply=inbox)
+                except Exception as e:  # disconnected: wait for the reconnect
+                    log.debug("pull_request_failed", consumer=consumer, error=type(e).__name__)
+                    await anyio.sleep(0.25)
+                    continue
+                with anyio.move_on_after(expires_s + 1.0):  # a lost request (server restart) is re-issued
+                    await state["done"].wait()
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass

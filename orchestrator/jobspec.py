@@ -150,8 +150,12 @@ def build_jobspec(raw: dict[str, Any]) -> tuple[JobSpec | None, list[str]]:
         if deadline_ts is not None:
             problems.append("deadline: give either deadline or deadline_ts, not both")
         deadline_ts = _deadline(top["deadline"], problems)
-    if problems:
-        return None, problems
+    # Fill what is missing or failed with valid placeholders, so the value and cross-field rules
+    # below still report every other problem in the same error (never about a placeholder).
+    failed = {p.split(":")[0] for p in problems}
+    for key, placeholder in (("name", "job"), ("total_steps", 1), ("gpu_type", "gpu")):
+        top.setdefault(key, placeholder)
+    ckpt.setdefault("url", "file:///placeholder")
     args = dict(trainer.get("args", {}))
     if "config" in trainer:
         args["config"] = trainer["config"]
@@ -168,8 +172,8 @@ def build_jobspec(raw: dict[str, Any]) -> tuple[JobSpec | None, list[str]]:
             deadline_ts=deadline_ts,
         )
     except (TypeError, msgspec.ValidationError) as e:
-        return None, [str(e)]
-    problems = spec_problems(spec)
+        return None, problems + [str(e)]
+    problems += [p for p in spec_problems(spec) if p.split(":")[0] not in failed]
     return (None if problems else spec), problems
 
 
@@ -203,6 +207,4 @@ def spec_problems(spec: JobSpec) -> list[str]:
     pr = spec.price
     if not 0 < pr.resume_below_ratio <= pr.pause_above_ratio:
         p.append("price: need 0 < resume_below_ratio <= pause_above_ratio")
-    if spec.market is MarketPolicy.ON_DEMAND and spec.price.pause_above_ratio < 1:
-        pass  # price pausing does not apply to on-demand jobs; harmless
     return p

@@ -7,13 +7,13 @@ this and pass their own registry to ``run_daemon``.
            instances and idempotency tokens are kept in that JSON file, so they survive a restart of
            orchd (used by the kill -9 tests: duplicates are counted on the cloud side, from the file).
            Optional ``prices = [{pool..., price_usd_h, on_demand_usd_h}]``.
-    others a module ``providers.<name>`` exposing ``from_settings(table) -> CloudProvider``; a provider
-           whose module is not there is a configuration error, reported at start.
+    others ``providers.registry.build_providers`` (aws, gcp, azure, local; SDKs imported lazily), every
+           problem reported at start in one error.
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import json
 import os
 import threading
@@ -24,7 +24,7 @@ from typing import Any
 import msgspec
 
 from orchestrator.events import InstanceId, PoolKey
-from orchestrator.settings import Settings
+from orchestrator.settings import Settings, SettingsError
 from providers.base import CloudProvider, Instance, LaunchRequest, LaunchResult
 from providers.fake import FakeCloud
 
@@ -53,15 +53,16 @@ class FileFakeCloud(FakeCloud):
             self._ids = itertools.count(n + 1)
 
     def _save(self) -> None:
-        with self._file_lock, self._lock:
-            data = {
-                "instances": [msgspec.to_builtins(i) for i in self._instances.values()],
-                "tokens": {k: list(v) for k, v in self._by_token.items()},
-                "launch_calls": self.launch_calls,
-            }
-        tmp = self.state_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        tmp.replace(self.state_file)
+        with self._file_lock:  # one writer at a time; the snapshot is taken under the cloud's lock
+            with self._lock:
+                data = {
+                    "instances": list(self._instances.values()),
+                    "tokens": {k: list(v) for k, v in self._by_token.items()},
+                    "launch_calls": self.launch_calls,
+                }
+            tmp = self.state_file.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_bytes(msgspec.json.encode(data))
+            tmp.replace(self.state_file)
 
     def launch(self, request: LaunchRequest) -> LaunchResult:
         try:
@@ -104,28 +105,26 @@ def _fake_from_table(table: Mapping[str, Any]) -> FakeCloud:
 
 
 def build_providers(settings: Settings) -> dict[str, CloudProvider]:
-    out: dict[str, CloudProvider] = {}
+    """``providers.registry.build_providers`` (the cloud modules, one SettingsError listing every problem),
+    except that ``fake`` with a ``state_file`` or ``prices`` table is built here (FileFakeCloud)."""
+    from providers import registry
+
+    fake_table = dict(settings.providers.fake or {})
+    own_fake = "fake" in settings.providers.enabled and bool({"state_file", "prices", "capacity"} & set(fake_table))
     problems: list[str] = []
-    for name in settings.providers.enabled:
-        table = getattr(settings.providers, name, {}) or {}
+    out: dict[str, CloudProvider] = {}
+    rest = settings
+    if own_fake:
         try:
-            if name == "fake":
-                out[name] = _fake_from_table(table)
-                continue
-            try:
-                module = importlib.import_module(f"providers.{name}")
-            except ImportError as e:
-                problems.append(f"providers.{name}: cannot import providers.{name} ({e})")
-                continue
-            factory = getattr(module, "from_settings", None)
-            if factory is None:
-                problems.append(f"providers.{name}: providers.{name} has no from_settings(table)")
-                continue
-            out[name] = factory(table)
+            out["fake"] = _fake_from_table(fake_table)
         except ProviderConfigError as e:
             problems.append(str(e))
-        except Exception as e:  # a provider's own config validation
-            problems.append(f"providers.{name}: {e}")
+        rest = dataclasses.replace(settings, providers=dataclasses.replace(
+            settings.providers, enabled=tuple(n for n in settings.providers.enabled if n != "fake")))
+    try:
+        out.update(registry.build_providers(rest))
+    except SettingsError as e:
+        problems += e.problems
     if problems:
         raise ProviderConfigError("invalid provider configuration:\n" + "\n".join(f"  - {p}" for p in problems))
     return out
