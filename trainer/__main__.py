@@ -1,6 +1,10 @@
 """``python -m trainer``: the built-in GPT trainer (see trainer.gpt)."""
 
-from trainer.gpt import main
+from trainer.signals import install_early
+
+install_early()  # before importing torch: a checkpoint request during start-up is kept, not fatal
+
+from trainer.gpt import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

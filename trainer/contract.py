@@ -69,6 +69,15 @@ ENV_CKPT_INTERVAL_S: Final = "ORCH_CKPT_INTERVAL_S"
 CHECKPOINT_REQUEST_FILE: Final = "checkpoint.json"
 REPORT_PREFIX: Final = '{"orch":'
 
+# Defaults the trainer applies when a variable is unset (added with the trainer, issue 3).
+DEFAULT_SIGTERM_GRACE_S: Final = 30.0
+DEFAULT_COLLECTIVE_TIMEOUT_S: Final = 60.0
+
+# Checkpoint layout under ORCH_CKPT_URL (added with the trainer): one directory per step, counted only
+# once the commit marker (JSON: step, world_size, files -> [size, crc32c]) exists; written last by rank 0.
+CHECKPOINT_DIR_FORMAT: Final = "step_{step:09d}"
+CHECKPOINT_COMMIT_MARKER: Final = "COMMITTED"
+
 
 class CheckpointRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str

@@ -46,7 +46,7 @@ def _free_port() -> int:
 
 
 def collective_timeout_s() -> float:
-    return float(os.environ.get(contract.ENV_COLLECTIVE_TIMEOUT_S, "60"))
+    return float(os.environ.get(contract.ENV_COLLECTIVE_TIMEOUT_S) or contract.DEFAULT_COLLECTIVE_TIMEOUT_S)
 
 
 def init(device: str = "auto") -> DistInfo:

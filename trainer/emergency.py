@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import contract
+from trainer import signals as early_signals
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +52,15 @@ class EmergencyState:
     def from_env(cls) -> "EmergencyState":
         return cls(
             os.environ.get(contract.ENV_CONTROL_DIR) or None,
-            float(os.environ.get(contract.ENV_SIGTERM_GRACE_S, "30")),
+            float(os.environ.get(contract.ENV_SIGTERM_GRACE_S) or contract.DEFAULT_SIGTERM_GRACE_S),
         )
 
     def install(self) -> None:
         signal.signal(signal.SIGUSR1, self._on_sigusr1)
         signal.signal(signal.SIGTERM, self._on_sigterm)
+        for signum, _ts in early_signals.received:  # requests that arrived while torch was importing
+            (self._on_sigusr1 if signum == signal.SIGUSR1 else self._on_sigterm)(signum, None)
+        early_signals.received.clear()
 
     def _record(self, req: contract.CheckpointRequest) -> None:
         if self.request is None:

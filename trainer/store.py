@@ -37,7 +37,9 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.filesystem import FileSystem as _LocalFS
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 
-COMMIT_MARKER = "COMMITTED"
+from trainer import contract
+
+COMMIT_MARKER = contract.CHECKPOINT_COMMIT_MARKER
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 
@@ -55,7 +57,7 @@ def join(url: str, *parts: str) -> str:
 
 
 def step_dir(root_url: str, step: int) -> str:
-    return join(root_url, f"step_{step:09d}")
+    return join(root_url, contract.CHECKPOINT_DIR_FORMAT.format(step=step))
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> fsspec.AbstractFileSystem:

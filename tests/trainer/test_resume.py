@@ -127,3 +127,20 @@ def test_vanished_peer_does_not_hang_survivor(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 15
     exits = [r for r in g.ranks[0].reports() if isinstance(r, contract.ExitReport)]
     assert exits and exits[0].reason
+
+
+def test_request_during_startup_is_kept(tmp_path: Path) -> None:
+    """SIGUSR1 while the rank is still importing torch: recorded, honoured after the first step."""
+    g = Generation(GPT_CMD, 1, trainer_env(tmp_path, total_steps=1000, args=ARGS))
+    pid, deadline = g.ranks[0].proc.pid, time.monotonic() + 30
+    while time.monotonic() < deadline:  # wait until SIGUSR1 is caught (SigCgt), i.e. the early handler is in
+        status = Path(f"/proc/{pid}/status").read_text()
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught & (1 << (signal.SIGUSR1 - 1)):
+            break
+        time.sleep(0.002)
+    assert not any(isinstance(r, contract.StepReport) for r in g.ranks[0].reports())
+    g.request_checkpoint(tmp_path / "control0")
+    assert g.wait() == [contract.EXIT_PREEMPTED], g.log()
+    (report,) = [r for r in g.reports(contract.CheckpointReport) if r.emergency]
+    assert report.step <= 2 and report.save_s > 0

@@ -7,10 +7,14 @@ trainer's. Everything about preemption, checkpoints and exact data order is trai
 import json
 import os
 
-import torch
+from trainer.signals import install_early
 
-from trainer.data import ExactlyOnceSampler
-from trainer.lib import Session
+install_early()  # first: keep checkpoint signals that arrive while torch imports
+
+import torch  # noqa: E402
+
+from trainer.data import ExactlyOnceSampler  # noqa: E402
+from trainer.lib import Session  # noqa: E402
 
 
 def main() -> None:
