@@ -75,7 +75,7 @@ async def ensure_market_stream(js: Any, *, replicas: int = 1, duplicate_window_s
 
 
 async def publish_quotes(js: Any, quotes: Sequence[PriceQuote], *, attempts: int = 3,
-                         timeout_s: float = 2.0) -> tuple[int, int, int]:
+                         timeout_s: float = 5.0) -> tuple[int, int, int]:
     """Publish quotes as ticks; returns (published, duplicates, failed)."""
     import nats.errors
 

@@ -59,9 +59,20 @@ def cluster() -> str:
     return f"c-{uuid.uuid4().hex[:8]}"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def provider(moto_url: str) -> AwsProvider:
+    """One provider for the module (clients load the EC2 model once); tests isolate by cluster id."""
     return AwsProvider(_config(moto_url))
+
+
+_VIEW_CLIENTS: dict[str, object] = {}
+
+
+def _ec2(url: str):  # type: ignore[no-untyped-def]
+    """A separate plain boto3 client: the fake cloud's own view, not the provider's."""
+    if url not in _VIEW_CLIENTS:
+        _VIEW_CLIENTS[url] = boto3.client("ec2", region_name=REGION, endpoint_url=url)
+    return _VIEW_CLIENTS[url]
 
 
 def _config(url: str, **kw: object) -> Config:
@@ -79,7 +90,7 @@ def _config(url: str, **kw: object) -> Config:
 
 def _cloud_view(url: str, cluster: str) -> list[dict]:
     """Every non-terminated instance of this cluster, as moto sees it."""
-    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=url)
+    ec2 = _ec2(url)
     out = []
     for r in ec2.describe_instances(Filters=[{"Name": f"tag:{TAG_CLUSTER}", "Values": [cluster]}])["Reservations"]:
         out += [i for i in r["Instances"] if i["State"]["Name"] != "terminated"]
@@ -106,7 +117,7 @@ def test_spot_launch_tags_user_data_and_imds(provider: AwsProvider, moto_url: st
     assert res.missing == 0 and len(res.instances) == 2
     seen = _cloud_view(moto_url, cluster)
     assert len(seen) == 2
-    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=moto_url)
+    ec2 = _ec2(moto_url)
     for inst in seen:
         tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
         assert tags[TAG_CLUSTER] == cluster and tags[TAG_TOKEN] == req.idempotency_token
@@ -133,7 +144,7 @@ def test_on_demand_launch(provider: AwsProvider, moto_url: str, cluster: str) ->
 
 def test_moto_ignores_client_token(moto_url: str) -> None:
     """Why the provider checks the token tag itself: moto creates two instances for one ClientToken."""
-    ec2 = boto3.client("ec2", region_name=REGION, endpoint_url=moto_url)
+    ec2 = _ec2(moto_url)
     tag = uuid.uuid4().hex
     for _ in range(2):
         ec2.run_instances(ImageId="ami-12345678", MinCount=1, MaxCount=1, ClientToken="same-token",
@@ -256,11 +267,19 @@ def test_reaper_against_moto(provider: AwsProvider, moto_url: str, cluster: str)
 # --- prices: botocore Stubber (moto returns one constant price with no paging) --------------------
 
 
+_STUBBED: list[AwsProvider] = []
+
+
 def _stubbed_provider() -> tuple[AwsProvider, Stubber]:
+    """A provider whose client is only ever used under a Stubber (no endpoint is contacted)."""
+    if _STUBBED:
+        _STUBBED[0]._zone_ids.clear()  # each test stubs describe_availability_zones itself
+        return _STUBBED[0], Stubber(_STUBBED[0].client(REGION))
     p = AwsProvider(Config.from_raw({"regions": [REGION], "zones": ["us-east-1a", "us-east-1b", "us-east-1c"],
                                      "instance_types": ["g5.xlarge", "p3.2xlarge"], "images": {REGION: "ami-1"},
                                      "on_demand_usd_h": {"p3.2xlarge": 3.5}}),
                     clock=lambda: datetime(2026, 11, 21, 12, tzinfo=timezone.utc).timestamp())
+    _STUBBED.append(p)
     return p, Stubber(p.client(REGION))
 
 

@@ -64,7 +64,8 @@ async def test_feed_publishes_ticks_and_dedups(nats_url: str) -> None:
         cloud = _cloud(now)
         r1 = await feed_once(js, cloud)
         r2 = await feed_once(js, cloud)  # same quotes, same ts: a replay (retry, standby) is dropped
-        assert (r1.quotes, r1.published, r1.duplicates) == (3, 3, 0)
+        # a publish that timed out on a loaded box and was retried shows up as a duplicate: both are stored once
+        assert (r1.quotes, r1.published + r1.duplicates, r1.failed) == (3, 3, 0)
         assert (r2.published, r2.duplicates) == (0, 3)
         info = await js.stream_info(MARKET_STREAM)
         assert info.state.messages == 3
@@ -97,11 +98,11 @@ async def test_feed_task_rounds_and_survives_provider_errors(nats_url: str) -> N
                                                               task_status=task_status))
             await tg.start(lambda task_status: run_price_feed(js, failing, interval_s=0.05,
                                                               on_round=bad_rounds.append, task_status=task_status))
-            with anyio.fail_after(5):
+            with anyio.fail_after(30):
                 while len(rounds) < 3 or len(bad_rounds) < 2:
                     await anyio.sleep(0.02)
             tg.cancel_scope.cancel()
-        assert all(r.published == 3 for r in rounds[:3])
+        assert all(r.published + r.duplicates == 3 and r.failed == 0 for r in rounds[:3])
         assert all(r.error and "RequestLimitExceeded" in r.error for r in bad_rounds)
         ticks = await _stream_ticks(js, "orch.price.aws.us-east-1")
         assert len(ticks) >= 3 and len({t.id for t in ticks}) == len(ticks)
