@@ -204,7 +204,7 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
             await anyio.to_thread.run_sync(provider.close)
     bill = provider.bill()
     logs = sorted((state_dir / "nodes").glob(f"*/steps/{JOB_ID}.jsonl"))
-    report = compute_report(load_step_logs(logs), injections, total_steps=opts.steps)
+    report = compute_report(load_step_logs(logs), injections, total_steps=opts.steps, node_pools=provider.node_pools())
     report = {
         "job_succeeded": view.job.get("phase") == "succeeded",
         **report,
@@ -312,8 +312,10 @@ def format_report(r: dict[str, Any]) -> str:
     for p in r["preemptions"]:
         lines.append(f"  preemption ({p['kind']}) of {p['node']}: lost_steps={p['lost_steps']} "
                      f"recovery_s={p['recovery_s']} (generation {p.get('generation')} -> {p.get('next_generation')})")
-    lines.append("  generations: " + ", ".join(
-        f"g{g['generation']} ws={g['world_size']} steps {g['first_step']}-{g['last_step']}" for g in r["generation_table"]))
+    lines.append("  generations:")
+    for g in r["generation_table"]:
+        where = ", ".join(f"{n} {p}" for n, p in g["nodes"].items())
+        lines.append(f"    g{g['generation']}: world size {g['world_size']}, steps {g['first_step']}-{g['last_step']} on {where}")
     return "\n".join(lines) + "\n"
 
 

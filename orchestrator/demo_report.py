@@ -35,6 +35,7 @@ class Rec:
     loss: float
     sample_ids: tuple[int, ...]
     ts: float
+    node: str = ""  # the node whose step log held the record
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,8 +47,10 @@ class Injection:
 
 
 def load_step_logs(paths: Iterable[Path]) -> list[Rec]:
+    """Records of ORCH_STEP_LOG files; a file at ``<node>/steps/<job>.jsonl`` tags them with <node>."""
     out = []
     for p in paths:
+        node = p.parent.parent.name if p.parent.name == "steps" else ""
         for line in p.read_text().splitlines():
             if not line.strip():
                 continue
@@ -56,7 +59,7 @@ def load_step_logs(paths: Iterable[Path]) -> list[Rec]:
             except ValueError:
                 continue  # a line cut by a kill -9
             out.append(Rec(int(d["generation"]), int(d["step"]), int(d["rank"]), int(d["world_size"]),
-                           float(d["loss"]), tuple(d.get("sample_ids") or ()), float(d["ts"])))
+                           float(d["loss"]), tuple(d.get("sample_ids") or ()), float(d["ts"]), node))
     return sorted(out, key=lambda r: (r.ts, r.generation, r.step, r.rank))
 
 
@@ -69,6 +72,7 @@ class GenInfo:
     first_ts: float
     last_ts: float
     steps: frozenset[int]
+    nodes: tuple[str, ...] = ()
 
 
 def generations(recs: Sequence[Rec]) -> list[GenInfo]:
@@ -79,7 +83,7 @@ def generations(recs: Sequence[Rec]) -> list[GenInfo]:
     for g, rs in by.items():
         steps = frozenset(r.step for r in rs)
         out.append(GenInfo(g, max(r.world_size for r in rs), min(steps), max(steps), min(r.ts for r in rs),
-                           max(r.ts for r in rs), steps))
+                           max(r.ts for r in rs), steps, tuple(sorted({r.node for r in rs if r.node}))))
     return sorted(out, key=lambda gi: gi.first_ts)
 
 
@@ -111,7 +115,10 @@ def sample_order_exact(recs: Sequence[Rec]) -> bool:
     return True
 
 
-def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, total_steps: int) -> dict:
+def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, total_steps: int,
+                   node_pools: dict[str, str] | None = None) -> dict:
+    """The report (see the module docstring). ``node_pools``: node -> pool name, to label generations."""
+    node_pools = node_pools or {}
     gens = generations(recs)
     losses = loss_by_step(recs)
     executed_in: dict[int, set[int]] = defaultdict(set)
@@ -145,6 +152,7 @@ def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, tota
         "sample_order_exact": sample_order_exact(recs),
         "generation_table": [
             {"generation": g.generation, "world_size": g.world_size, "first_step": g.first_step,
-             "last_step": g.last_step, "steps": len(g.steps)} for g in gens
+             "last_step": g.last_step, "steps": len(g.steps),
+             "nodes": {n: node_pools.get(n, "") for n in g.nodes}} for g in gens
         ],
     }

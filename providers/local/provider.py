@@ -328,6 +328,11 @@ class LocalProvider:
         for iid in ids:
             self._kill(iid, "provider_closed")
 
+    def node_pools(self) -> dict[str, str]:
+        """node id -> the short name of its pool (zone/market), for reports."""
+        with self._lock:
+            return {str(n.instance.node_id): f"{n.instance.pool.zone}/{n.instance.pool.market}" for n in self._nodes.values()}
+
     def alive_nodes(self) -> list[str]:
         self._refresh()
         with self._lock:
