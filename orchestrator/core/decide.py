@@ -197,7 +197,7 @@ def _job_submitted(tx: Tx, ev: JobSubmitted) -> None:
     target = min(max(spec.nodes, spec.nodes_min, 1), max(spec.nodes_max, spec.nodes_min, 1))
     job = Job(
         job_id=ev.job_id, spec=spec, phase=J.PENDING, phase_ts=tx.now, submitted_ts=tx.now,
-        target_nodes=target, cost_ts=tx.now, reason="submitted",
+        target_nodes=target, reason="submitted",
     )
     tx.put_job(job)
     tx.record(ev.job_id, "submit", "admin", name=spec.name, nodes=target, gpu_type=spec.gpu_type)
@@ -229,11 +229,10 @@ def _node_launched(tx: Tx, ev: NodeLaunched) -> None:
     if node.instance_id is not None:
         return  # redelivered
     job = tx.jobs.get(node.job_id)
-    if job is not None:
-        job = lc.accrue(tx, job)  # the burn rate changes now
     phase = N.BOOTING if node.phase == N.REQUESTED else node.phase
     launched = node.launched_ts if node.launched_ts is not None else tx.now
-    node = tx.node_phase(node, phase, instance_id=ev.instance_id, launched_ts=launched)
+    billing = lc.billing_start(tx, node) if node.phase == N.REQUESTED else {}
+    node = tx.node_phase(node, phase, instance_id=ev.instance_id, launched_ts=launched, **billing)
     ps = tx.pools.get(node.pool_name)
     if ps is not None and ps.failures:
         tx.put_pool(node.pool_name, _replace(ps, failures=0))
@@ -289,8 +288,7 @@ def _node_registered(tx: Tx, ev: NodeRegistered) -> None:
         changes["instance_id"] = ev.instance_id
     if billed_now:
         changes["launched_ts"] = tx.now
-        if job is not None:
-            job = lc.accrue(tx, job)
+        changes.update(lc.billing_start(tx, node))
     node = tx.node_phase(node, N.REGISTERED, **changes)
     if job is None or job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED:
         lc.remove_node(tx, job, node, reason="job_not_active", lost=False, terminate=True)
@@ -366,7 +364,7 @@ def _notice(tx: Tx, ev: PreemptionNotice) -> None:
         return  # already noticed (redelivered), or not launched
     ps = tx.pools.get(node.pool_name)
     if ps is not None:
-        tx.put_pool(node.pool_name, _replace(ps, **record_exposure(ps, tx.cfg, tx.now, 0.0, True)))
+        tx.put_pool(node.pool_name, _replace(ps, **record_exposure(ps, tx.cfg, tx.now, 0, True)))
     deadline = fin(ev.deadline_ts)
     if deadline is None:  # a terminate notice without a usable deadline: assume the cloud's window
         deadline = tx.now + tx.cfg.notice_window_s(ev.cloud)

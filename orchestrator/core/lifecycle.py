@@ -27,7 +27,7 @@ from orchestrator.core.model import (
     PoolStats,
 )
 from orchestrator.core.placement import alternatives, markets_for, ranked, zone_of
-from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds
+from orchestrator.core.pricing import checkpoint_interval_s, pool_cum_usd, record_exposure, save_seconds
 from orchestrator.core.tx import Tx
 from orchestrator.events import AbandonGenerationCmd, CheckpointCmd, StartGenerationCmd
 
@@ -113,16 +113,32 @@ def worst_burn_usd_h(tx: Tx, job: Job) -> float:
     return total
 
 
+def node_cost_usd(tx: Tx, node: Node) -> float:
+    """$ this node has cost so far (0 until billing starts: NodeLaunched or registration)."""
+    if node.phase == N.REQUESTED:
+        return 0.0
+    ps = tx.pools.get(node.pool_name)
+    return pool_cum_usd(ps, tx.now) - node.cost0 if ps is not None else 0.0
+
+
 def cost_now(tx: Tx, job: Job) -> float:
-    return job.cost_usd + burn_usd_h(tx, job) * max(0.0, tx.now - job.cost_ts) / 3600.0
+    """Accrued cost: the closed part plus every live node's share of its pool's price integral."""
+    total = job.cost_usd
+    nodes = tx.nodes
+    for nid in job.nodes:
+        n = nodes.get(nid)
+        if n is not None and n.phase != N.REQUESTED:
+            total += node_cost_usd(tx, n)
+    return total
 
 
-def accrue(tx: Tx, job: Job, force: bool = True) -> Job:
-    """Bring job.cost_usd up to now (call before anything that changes the burn rate)."""
-    dt = tx.now - job.cost_ts
-    if dt <= 0 or (not force and dt < tx.cfg.accrue_interval_s):
-        return job
-    return tx.update_job(job, cost_usd=job.cost_usd + burn_usd_h(tx, job) * dt / 3600.0, cost_ts=tx.now)
+def billing_start(tx: Tx, node: Node) -> dict:
+    """Billing starts now: the pool counts one more live node; returns the node's field changes."""
+    ps = tx.pools.get(node.pool_name)
+    if ps is None:
+        return {"cost0": 0.0}
+    tx.put_pool(node.pool_name, msgspec.structs.replace(ps, **record_exposure(ps, tx.cfg, tx.now, 1, False)))
+    return {"cost0": pool_cum_usd(ps, tx.now)}
 
 
 # --- nodes --------------------------------------------------------------------------------------
@@ -169,23 +185,25 @@ def remove_node(
 ) -> Job | None:
     """Terminal phase for ``node`` (GONE when lost, else TERMINATED); its record is deleted."""
     cfg = tx.cfg
-    if job is not None:
-        job = accrue(tx, job)
+    spent = node_cost_usd(tx, node)
     if terminate:
         tx.emit(Terminate(node_id=node.node_id, instance_id=node.instance_id, pool=node.pool, reason=reason))
     ps = tx.pools.get(node.pool_name)
-    if ps is not None and (node.launched_ts is not None or preempted):
-        hours = (tx.now - (node.launched_ts if node.launched_ts is not None else tx.now)) / 3600.0
-        tx.put_pool(node.pool_name, msgspec.structs.replace(ps, **record_exposure(ps, cfg, tx.now, hours, preempted)))
+    billed = node.phase != N.REQUESTED
+    if ps is not None and (billed or preempted):
+        ps = tx.put_pool(
+            node.pool_name,
+            msgspec.structs.replace(ps, **record_exposure(ps, cfg, tx.now, -1 if billed else 0, preempted)),
+        )
     tx.drop_node(node, N.GONE if lost else N.TERMINATED)
     if job is None:
         return None
-    changes: dict = {"nodes": tuple(n for n in job.nodes if n != node.node_id)}
+    changes: dict = {"nodes": tuple(n for n in job.nodes if n != node.node_id), "cost_usd": job.cost_usd + spent}
     if node.node_id in job.gen_nodes and node.node_id not in job.gen_exited:
         changes["gen_exited"] = job.gen_exited + (node.node_id,)
     if terminate and node.phase != N.REQUESTED and ps is not None and ps.price_usd_h:
         # Billing continues until the cloud has really stopped the instance.
-        changes["cost_usd"] = job.cost_usd + ps.price_usd_h * cfg.terminate_s / 3600.0
+        changes["cost_usd"] += ps.price_usd_h * cfg.terminate_s / 3600.0
     tx.record(job.job_id, "remove_node", reason, node_id=node.node_id, lost=lost, terminate=terminate)
     return tx.update_job(job, **changes)
 

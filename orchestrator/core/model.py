@@ -134,6 +134,8 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Price policy.
     scale_up_below_ratio: float = 0.5  # grow toward nodes_max when spot/on-demand is below this
     migrate_cooldown_s: float = 1800.0
+    price_eval_interval_s: float = 60.0  # migration / scale-up evaluated at most this often per job
+    max_price_evals_per_tick: int = 50  # spreads that work over ticks (no latency spike at 10k nodes)
     migrate_horizon_h: float = 6.0
     checkpoint_gb_estimate: float = 20.0
     cross_region_usd_per_gb: float = 0.02
@@ -141,8 +143,6 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     transfer_gbps: float = 1.0
     # Deadline: fall back to on-demand when slack < remaining work x (1 + margin) + overheads.
     deadline_margin: float = 0.1
-    # Cost accrual is written to the job record at most this often (and on every burn-rate change).
-    accrue_interval_s: float = 60.0
     max_alternatives: int = 5
 
     def notice_window_s(self, cloud: str) -> float:
@@ -178,11 +178,12 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     save_s: float | None = None  # measured checkpoint save time (EWMA)
     step_time_s: float | None = None  # measured step time (from heartbeats, at generation end)
     ckpt_interval_s: float | None = None  # the interval sent with the last StartGenerationCmd
-    cost_usd: float = 0.0  # accrued up to cost_ts
-    cost_ts: float
+    cost_usd: float = 0.0  # cost of the job's nodes already gone, incl. their termination tail; the
+    # live nodes' part is derived from the pools' price integrals (lifecycle.cost_now / job_cost_usd)
     force_on_demand: bool = False  # deadline fallback engaged
     failures: int = 0  # trainer failures (exit "failed")
     migrate_ts: float | None = None
+    price_eval_ts: float = 0.0  # last migration / scale-up evaluation
     avoid_pools: tuple[str, ...] = ()  # pools being left (price migration): their nodes go at the next checkpoint
 
 
@@ -209,6 +210,7 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     suspect_since: float | None = None  # heartbeat timeout seen, CheckInstance sent
     disconnected: bool = False  # AgentDisconnected seen (second signal)
     cmd_seq: int = 0
+    cost0: float = 0.0  # the pool's price integral (PoolStats.cum_usd) when billing started
 
 
 class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -218,10 +220,13 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     price_usd_h: float | None = None
     on_demand_usd_h: float | None = None
     price_ts: float = 0.0
+    cum_usd: float = 0.0  # integral of the price over time ($ per node) up to cum_ts: exact cost accrual
+    cum_ts: float = 0.0  # without touching any job when a price changes
     capacity_hint: float | None = None
     # Decayed preemption statistics (decayed to stats_ts).
     preemptions: float = 0.0
-    exposure_h: float = 0.0
+    exposure_h: float = 0.0  # node-hours observed, decayed to stats_ts (live nodes add live x time)
+    live: int = 0  # billed nodes in this pool now
     stats_ts: float = 0.0
     last_preempted_ts: float | None = None
     # Launch failures.

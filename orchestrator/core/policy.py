@@ -1,8 +1,10 @@
 """Timer- and market-driven policies: failure detection, launch timeouts, budget, deadline, price.
 
 Role: what ``decide`` does on a ``Tick`` (scan nodes for silence and launch timeouts, then each active
-job for budget, deadline, price, stuck checkpoints and missing nodes) and on a ``PriceTick`` (update the
-pool, accrue cost at the old price for the jobs in that zone, pause/budget checks for them).
+job for budget, deadline, price pause, stuck checkpoints and missing nodes; migration and scale-up at
+most every ``price_eval_interval_s`` per job) and on a ``PriceTick`` (O(1): update the pool and close
+its price integral at the old price, so every job's cost stays exact without touching the job; the
+price reaction happens on the next Tick; budget margins assume spot may rise up to on-demand until then).
 
 Failure detection is two-signal: a heartbeat timeout only makes a node *suspect* (CheckInstance);
 NodeGone or AgentDisconnected confirms it. Detection is off while the daemon's bus is down and for one
@@ -29,6 +31,7 @@ from orchestrator.core.model import (
 from orchestrator.core.placement import alternatives, has_capacity, markets_for, matches, ranked, zone_of
 from orchestrator.core.pricing import (
     expected_cost_usd,
+    pool_cum_usd,
     migration_cost_usd,
     remaining_work_s,
     save_seconds,
@@ -58,25 +61,35 @@ def on_tick(tx: Tx) -> None:
     cfg, now = tx.cfg, tx.now
     detect = tx.meta.bus_connected and now >= tx.meta.detect_paused_until
     timeout = cfg.heartbeat_timeout_s
-    for nid in list(tx.nodes.keys()):
+    due: list[str] = []  # cheap pass over the snapshot; act on fresh records afterwards
+    for node in tx.nodes.values():
+        phase = node.phase
+        if phase in (N.REQUESTED, N.BOOTING):
+            if now - node.requested_ts > cfg.launch_timeout_s:
+                due.append(node.node_id)
+        elif phase in _WATCHED:
+            if (phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S) or (
+                detect and node.suspect_since is None and now - node.last_seen > timeout
+            ):
+                due.append(node.node_id)
+    for nid in due:
         node = tx.nodes.get(nid)  # earlier iterations may have removed or changed it
         if node is None:
             continue
         phase = node.phase
         if phase in (N.REQUESTED, N.BOOTING):
-            if now - node.requested_ts > cfg.launch_timeout_s:
-                _launch_timed_out(tx, node)
-        elif phase in _WATCHED:
-            if phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S:
-                lc.lose_node(tx, node, "notice_deadline_passed", preempted=False)
-            elif detect and node.suspect_since is None and now - node.last_seen > timeout:
-                if node.disconnected:
-                    lc.lose_node(tx, node, "heartbeat_timeout_after_disconnect", preempted=False)
-                else:
-                    suspect(tx, node, "heartbeat_timeout")
+            _launch_timed_out(tx, node)
+        elif phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S:
+            lc.lose_node(tx, node, "notice_deadline_passed", preempted=False)
+        elif phase in _WATCHED and detect and node.suspect_since is None and now - node.last_seen > timeout:
+            if node.disconnected:
+                lc.lose_node(tx, node, "heartbeat_timeout_after_disconnect", preempted=False)
+            else:
+                suspect(tx, node, "heartbeat_timeout")
+    evals = [cfg.max_price_evals_per_tick]
     for job in list(tx.jobs.values()):
         if job.phase in _ACTIVE or job.phase == J.PAUSED:
-            _job_tick(tx, tx.job(job.job_id))
+            _job_tick(tx, tx.job(job.job_id), evals)
 
 
 def _launch_timed_out(tx: Tx, node: Node) -> None:
@@ -89,20 +102,31 @@ def _launch_timed_out(tx: Tx, node: Node) -> None:
     lc.remove_node(tx, job, node, reason="launch_timeout", lost=True, terminate=True)
 
 
-def _job_tick(tx: Tx, job: Job) -> None:
+def _steady(job: Job) -> bool:
+    """RUNNING with exactly its target nodes, all members, nothing to move: nothing to replenish."""
+    n = len(job.nodes)
+    return (
+        job.phase == J.RUNNING and n == len(job.gen_nodes) == job.target_nodes and not job.gen_exited
+        and not job.avoid_pools and not job.force_on_demand
+    )
+
+
+def _job_tick(tx: Tx, job: Job, evals: list[int]) -> None:
     cfg = tx.cfg
     if job.phase == J.PAUSED:
         _deadline(tx, job)
         _resume(tx, tx.job(job.job_id))
         return
-    job = lc.accrue(tx, job, force=False)
     if check_budget(tx, job):
         return
     job = tx.job(job.job_id)
     _deadline(tx, job)
     job = tx.job(job.job_id)
     if job.phase == J.RUNNING:
-        job = _price(tx, job)
+        job = pause_check(tx, job)
+        if job.phase == J.RUNNING and evals[0] > 0 and tx.now - job.price_eval_ts >= cfg.price_eval_interval_s:
+            evals[0] -= 1
+            job = _price(tx, tx.update_job(job, price_eval_ts=tx.now))
     if job.phase in (J.CHECKPOINTING, J.RECOVERING):
         limit = 2 * save_seconds(job) + cfg.checkpoint_timeout_s
         if tx.now - job.phase_ts > limit:
@@ -111,6 +135,8 @@ def _job_tick(tx: Tx, job: Job) -> None:
     elif job.phase == J.STARTING and tx.now - job.phase_ts > cfg.restart_overhead_s + cfg.checkpoint_timeout_s:
         job = lc.abandon_generation(tx, job, "start_timeout")
         job = lc.maybe_end_generation(tx, job)
+    if _steady(job):
+        return
     if job.phase in (J.PLACING, J.RESIZING):
         job = lc.try_start(tx, job)
     elif job.phase == J.RUNNING:
@@ -146,7 +172,6 @@ def check_budget(tx: Tx, job: Job) -> bool:
     worst = lc.worst_burn_usd_h(tx, job)  # a spot price may rise up to on-demand before the next check
     cost = lc.cost_now(tx, job)
     if cost + worst * (cfg.terminate_s + cfg.tick_s) / 3600.0 >= budget:
-        job = lc.accrue(tx, job)
         tx.record(job.job_id, "stop", "budget_hard_stop", cost_usd=round(cost, 6), budget_usd=budget)
         job = lc.terminate_all(tx, job, "budget")
         tx.job_phase(job, J.STOPPED, reason="budget", intent=Intent.NONE)
@@ -160,7 +185,6 @@ def check_budget(tx: Tx, job: Job) -> bool:
         elif job.phase in (J.CHECKPOINTING, J.RECOVERING):
             tx.update_job(job, intent=Intent.BUDGET)
         else:
-            job = lc.accrue(tx, job)
             job = lc.terminate_all(tx, job, "budget")
             tx.job_phase(job, J.STOPPED, reason="budget")
         return True
@@ -231,7 +255,7 @@ def _migrate(tx: Tx, job: Job, rank: list, reason: str, cur: PoolStats | None) -
 
 
 def _price(tx: Tx, job: Job) -> Job:
-    job = pause_check(tx, job)
+    """Migration to a cheaper pool, scale-up while spot is cheap (every price_eval_interval_s)."""
     if job.phase != J.RUNNING or job.avoid_pools:
         return job
     cfg, spec = tx.cfg, job.spec
@@ -244,7 +268,7 @@ def _price(tx: Tx, job: Job) -> Job:
     if job.migrate_ts is None or tx.now - job.migrate_ts >= cfg.migrate_cooldown_s:
         rank = ranked(tx.pools, job, nn, step, cfg, tx.now, exclude={cur.pool.name})
         if rank and zone_of(rank[0][2].pool) != "":
-            cur_cost = expected_cost_usd(job, cur, nn, step, cfg, tx.now)
+            cur_cost = expected_cost_usd(job, cur, nn, step, cfg, tx.now, penalty=False)
             alt_cost, _, alt = rank[0]
             remaining_h = max(remaining_work_s(job, step) / 3600.0, 1e-9)
             frac = min(1.0, cfg.migrate_horizon_h / remaining_h)
@@ -290,10 +314,13 @@ def _update_pool(tx: Tx, name: str, pt: PriceTick, market: Market, price: float,
         pool = pt.pool if pt.pool.market == market else _replace(pt.pool, market=market)
         ps = PoolStats(pool=pool, gpu_type=pt.gpu_type, gpus_per_node=pt.gpus_per_node)
     elif ps.price_usd_h == price and ps.on_demand_usd_h == od and ps.capacity_hint == fin(pt.capacity_hint):
-        return False
+        return False  # only the timestamp would change
     hint = fin(pt.capacity_hint) if market == pt.pool.market else None
+    # Close the price integral at the old price: jobs' costs stay exact without touching any job.
+    cum = pool_cum_usd(ps, tx.now) if ps.price_usd_h is not None else ps.cum_usd
     tx.put_pool(name, _replace(ps, price_usd_h=price, on_demand_usd_h=od, price_ts=tx.now, capacity_hint=hint,
-                               gpu_type=pt.gpu_type, gpus_per_node=pt.gpus_per_node))
+                               gpu_type=pt.gpu_type, gpus_per_node=pt.gpus_per_node, cum_usd=cum,
+                               cum_ts=max(tx.now, ps.cum_ts)))
     return True
 
 
@@ -305,31 +332,17 @@ def on_price(tx: Tx, pt: PriceTick) -> None:
     od_usd = fin(pt.on_demand_usd_h)
     if od_usd is not None and od_usd < 0:
         od_usd = None
-    zone = zone_of(pt.pool)
-    affected = [j for j in tx.jobs.values() if j.nodes and j.phase in _ACTIVE and _touches(tx, j, zone)]
-    for job in affected:  # accrue at the old price before it changes
-        lc.accrue(tx, job)
     od = od_usd if pt.pool.market == Market.SPOT else usd
-    changed = _update_pool(tx, pt.pool.name, pt, pt.pool.market, usd, od)
-    if pt.pool.market == Market.SPOT and od_usd is not None:
-        od_pool = _replace(pt.pool, market=Market.ON_DEMAND)
-        changed |= _update_pool(tx, od_pool.name, pt, Market.ON_DEMAND, od_usd, od_usd)
-    if not changed:
-        return
-    for job in affected:
-        job = tx.job(job.job_id)
-        if check_budget(tx, job):
-            continue
-        pause_check(tx, tx.job(job.job_id))
+    od_name = _replace(pt.pool, market=Market.ON_DEMAND).name if pt.pool.market == Market.SPOT else None
+    if not _differs(tx, pt.pool.name, usd, od, fin(pt.capacity_hint)) and (
+        od_name is None or od_usd is None or not _differs(tx, od_name, od_usd, od_usd, None)
+    ):
+        return  # same prices again: nothing changes
+    _update_pool(tx, pt.pool.name, pt, pt.pool.market, usd, od)
+    if od_name is not None and od_usd is not None:
+        _update_pool(tx, od_name, pt, Market.ON_DEMAND, od_usd, od_usd)
 
 
-def _touches(tx: Tx, job: Job, zone: str) -> bool:
-    if job.zone == zone:
-        return True
-    if not job.avoid_pools and job.phase not in (J.CHECKPOINTING, J.RECOVERING, J.RESIZING):
-        return False  # outside moves, all of a job's nodes are in its zone
-    for nid in job.nodes:
-        n = tx.nodes.get(nid)
-        if n is not None and zone_of(n.pool) == zone:
-            return True
-    return False
+def _differs(tx: Tx, name: str, price: float, od: float | None, hint: float | None) -> bool:
+    ps = tx.pools.get(name)
+    return ps is None or ps.price_usd_h != price or ps.on_demand_usd_h != od or ps.capacity_hint != hint

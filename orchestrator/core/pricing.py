@@ -32,21 +32,29 @@ def preemption_rate_h(ps: PoolStats, cfg: CoreConfig, now: float) -> float:
         return cfg.on_demand_rate_h
     hl = cfg.stats_half_life_s
     events = decay(ps.preemptions, ps.stats_ts, now, hl)
-    exposure = decay(ps.exposure_h, ps.stats_ts, now, hl)
+    exposure = decay(ps.exposure_h, ps.stats_ts, now, hl) + ps.live * max(0.0, now - ps.stats_ts) / 3600.0
     return (cfg.spot_prior_rate_h * cfg.prior_weight_h + events) / (cfg.prior_weight_h + exposure)
 
 
-def record_exposure(ps: PoolStats, cfg: CoreConfig, now: float, node_hours: float, preempted: bool) -> dict:
-    """Field changes for ``ps`` after a node spent ``node_hours`` in it (and was preempted or not)."""
+def record_exposure(ps: PoolStats, cfg: CoreConfig, now: float, live_delta: int, preempted: bool) -> dict:
+    """Field changes for ``ps``: integrate the live nodes' exposure up to now, then add ``live_delta``
+    billed nodes (+1 billing starts, -1 node gone) and one preemption when ``preempted``."""
     hl = cfg.stats_half_life_s
+    dt_h = max(0.0, now - ps.stats_ts) / 3600.0
     changes: dict = {
         "preemptions": decay(ps.preemptions, ps.stats_ts, now, hl) + (1.0 if preempted else 0.0),
-        "exposure_h": decay(ps.exposure_h, ps.stats_ts, now, hl) + max(0.0, node_hours),
+        "exposure_h": decay(ps.exposure_h, ps.stats_ts, now, hl) + ps.live * dt_h,
         "stats_ts": max(now, ps.stats_ts),
+        "live": max(0, ps.live + live_delta),
     }
     if preempted:
         changes["last_preempted_ts"] = now
     return changes
+
+
+def pool_cum_usd(ps: PoolStats, now: float) -> float:
+    """$ one node of this pool has cost from the epoch of the integral up to ``now``."""
+    return ps.cum_usd + (ps.price_usd_h or 0.0) * max(0.0, now - ps.cum_ts) / 3600.0
 
 
 def recent_penalty(ps: PoolStats, cfg: CoreConfig, now: float) -> float:
@@ -98,12 +106,15 @@ def efficiency(job: Job, ps: PoolStats, nnodes: int, cfg: CoreConfig, now: float
     return max(0.05, 1.0 - rate_job_h * loss_s / 3600.0)
 
 
-def expected_cost_usd(job: Job, ps: PoolStats, nnodes: int, step: int, cfg: CoreConfig, now: float) -> float:
-    """Expected $ to finish the job's remaining work on ``nnodes`` nodes of this pool."""
+def expected_cost_usd(
+    job: Job, ps: PoolStats, nnodes: int, step: int, cfg: CoreConfig, now: float, penalty: bool = True
+) -> float:
+    """Expected $ to finish the job's remaining work on ``nnodes`` nodes of this pool. ``penalty``: apply
+    the recent-preemption penalty (for new placements; not for the pool a job already runs in)."""
     price = ps.price_usd_h if ps.price_usd_h is not None else math.inf
     hours = remaining_work_s(job, step) / 3600.0
     eff = efficiency(job, ps, nnodes, cfg, now)
-    return price * nnodes * hours / eff * recent_penalty(ps, cfg, now)
+    return price * nnodes * hours / eff * (recent_penalty(ps, cfg, now) if penalty else 1.0)
 
 
 def transfer_cost_usd(src_zone: str, dst: PoolStats, cfg: CoreConfig) -> float:

@@ -241,8 +241,13 @@ def check(before: State, d: Any, now: float) -> None:
             tail = burn_usd_h(tx, job) * s.meta.config.terminate_s / 3600.0
             cost = cost_now(tx, job)
             assert cost + tail <= job.spec.budget_usd + 1e-9, (cost, tail, job.spec.budget_usd)
+    live: dict[str, int] = {}
     for n in s.nodes.values():
         assert n.node_id in s.jobs[n.job_id].nodes
+        if n.phase != NodePhase.REQUESTED:
+            live[n.pool_name] = live.get(n.pool_name, 0) + 1
+    for name, ps in s.pools.items():
+        assert ps.live == live.get(name, 0), (name, ps.live, live.get(name, 0))
     starts = [c.command for c in d.commands if isinstance(c, SendToAgent) and isinstance(c.command, StartGenerationCmd)]
     for job_id in {c.job_id for c in starts}:
         batch = [c for c in starts if c.job_id == job_id]

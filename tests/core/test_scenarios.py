@@ -205,6 +205,8 @@ def test_price_pause_resume_hysteresis() -> None:
     drv = Driver()
     ids = running(drv, prices={A: 10.0}, nodes=1, nodes_max=1)
     d = drv(price(A, 29.0))
+    assert not d.commands  # a price tick only updates the pool; the reaction comes with the next Tick
+    d = drv(Tick(), dt=1)
     assert cmds(d, CheckpointCmd)[0].reason == "price_pause"
     drv(CheckpointCommitted(id="c", node_id=ids[0], job_id="j1", generation=1, step=50, checkpoint_id="s50",
                             url="u50", save_s=5.0, ts=drv.now))
@@ -226,7 +228,8 @@ def test_price_pause_resume_hysteresis() -> None:
 def test_pause_prefers_a_cheap_spot_pool_elsewhere() -> None:
     drv = Driver()
     ids = running(drv, prices={A: 10.0, C: 12.0}, nodes=1, nodes_max=1)
-    d = drv(price(A, 29.0))
+    drv(price(A, 29.0))
+    d = drv(Tick(), dt=1)
     (la,) = cmds(d, Launch)
     assert la.pool == C and drv.job().phase == JobPhase.RUNNING  # make before break
     new = drv.launched(d)
@@ -368,6 +371,7 @@ def test_price_policy_fields_used() -> None:
     drv = Driver()
     ids = running(drv, prices={A: 10.0}, nodes=1, nodes_max=1,
                   price=PricePolicy(pause_above_ratio=0.5, resume_below_ratio=0.4))
-    d = drv(price(A, 16.0))
+    drv(price(A, 16.0))
+    d = drv(Tick(), dt=1)
     assert cmds(d, CheckpointCmd) and ids
     assert drv.state.nodes[ids[0]].phase == NodePhase.RUNNING

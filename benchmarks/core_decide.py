@@ -1,0 +1,152 @@
+"""Micro-benchmark of the pure decision core: events per second through ``decide`` alone.
+
+Builds a fleet of N nodes (jobs of 8 nodes, all training) through decide itself, then replays a
+simulated-seconds mix: every node heartbeats once per second, one Tick per second, price ticks for the
+pools, and an occasional preemption notice (with its checkpoint + replacement launch). Only the
+``decide`` calls are timed (events are prebuilt).
+
+    python benchmarks/core_decide.py --json            # {"events_per_s": ..., ...}
+    python benchmarks/core_decide.py --nodes 10000 --seconds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator.core import State, decide  # noqa: E402
+from orchestrator.core.commands import Launch  # noqa: E402
+from orchestrator.core.inputs import JobSubmitted, NodeLaunched, Tick  # noqa: E402
+from orchestrator.events import (  # noqa: E402
+    AgentState,
+    CheckpointPolicy,
+    GenerationStarted,
+    Heartbeat,
+    JobSpec,
+    Market,
+    NodeRegistered,
+    PoolKey,
+    PreemptionNotice,
+    PriceTick,
+)
+
+ZONES = [f"us-east-1{c}" for c in "abcdef"]
+TYPES = ["p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge"]
+
+
+def pools() -> list[PoolKey]:
+    return [
+        PoolKey(cloud="aws", region="us-east-1", zone=z, instance_type=t, market=Market.SPOT)
+        for z in ZONES
+        for t in TYPES
+    ]
+
+
+def build(n_nodes: int, per_job: int) -> tuple[State, float]:
+    state, now = State.empty(), 1_000_000.0
+    for i, pk in enumerate(pools()):
+        state = decide(state, PriceTick(id=f"p{i}", pool=pk, gpu_type="H100", gpus_per_node=8,
+                                        price_usd_h=8.0 + i * 0.1, on_demand_usd_h=40.0, ts=now), now).state
+    spec = JobSpec(name="bench", total_steps=10**7, gpu_type="H100", gpus_per_node=8, nodes=per_job,
+                   nodes_min=per_job // 2, nodes_max=per_job,
+                   checkpoint=CheckpointPolicy(url="s3://b/ckpt"))
+    for j in range(n_nodes // per_job):
+        jid = f"job{j}"
+        d = decide(state, JobSubmitted(job_id=jid, spec=spec), now)
+        state = d.state
+        for c in d.commands:
+            if isinstance(c, Launch):
+                for nid in c.node_ids:
+                    state = decide(state, NodeLaunched(node_id=nid, job_id=jid, instance_id=f"i-{nid}",
+                                                       pool=c.pool, token=c.token), now).state
+                for k, nid in enumerate(c.node_ids):
+                    state = decide(state, NodeRegistered(id=f"r{nid}", node_id=nid, host=f"10.{j % 250}.0.{k}",
+                                                         ts=now), now).state
+                state = decide(state, GenerationStarted(id=f"g{jid}", node_id=c.node_ids[0], job_id=jid,
+                                                        generation=1, first_step=1, ts=now), now).state
+    return state, now
+
+
+def workload(state: State, now: float, seconds: int, prices_per_s: int, notices_per_s: float) -> list[tuple]:
+    events: list[tuple] = []
+    nodes = sorted(state.nodes.keys())
+    pks = pools()
+    notice_every = int(1 / notices_per_s) if notices_per_s > 0 else 0
+    for s in range(seconds):
+        t = now + s + 1
+        for k, nid in enumerate(nodes):
+            events.append((Heartbeat(node_id=nid, seq=s + 1, ts=t, state=AgentState.TRAINING, generation=1,
+                                     step=100 * s + 1, loss=2.0, step_time_s=1.0), t + k * 1e-6))
+        events.append((Tick(), t + 0.5))
+        for p in range(prices_per_s):
+            pk = pks[(s * prices_per_s + p) % len(pks)]
+            events.append((PriceTick(id=f"x{s}-{p}", pool=pk, gpu_type="H100", gpus_per_node=8,
+                                     price_usd_h=8.0 + ((s + p) % 7) * 0.05, on_demand_usd_h=40.0, ts=t), t + 0.6))
+        if notice_every and s % notice_every == 0:
+            nid = nodes[(s * 7919) % len(nodes)]
+            events.append((PreemptionNotice(id=f"n{s}", node_id=nid, cloud="aws", deadline_ts=t + 120,
+                                            observed_ts=t), t + 0.7))
+    return events
+
+
+def run(n_nodes: int, seconds: int, prices_per_s: int, notices_per_s: float) -> dict:
+    t0 = time.perf_counter()
+    state, now = build(n_nodes, 8)
+    build_s = time.perf_counter() - t0
+    events = workload(state, now, seconds, prices_per_s, notices_per_s)
+    kinds: dict[str, int] = {}
+    for ev, _ in events:
+        kinds[type(ev).__name__] = kinds.get(type(ev).__name__, 0) + 1
+    hb_ns = 0
+    t0 = time.perf_counter()
+    for ev, ts in events:
+        state = decide(state, ev, ts).state
+    total = time.perf_counter() - t0
+    # heartbeat-only timing on the final state
+    hbs = [
+        Heartbeat(node_id=nid, seq=10**9 + k, ts=now, state=AgentState.TRAINING, generation=1, step=10**6 + k,
+                  loss=1.5, step_time_s=1.0)
+        for k, nid in enumerate(sorted(state.nodes.keys())[:20000])
+        if state.nodes[nid].generation == 1
+    ]
+    t1 = time.perf_counter()
+    for ev in hbs:
+        decide(state, ev, now + seconds + 2)
+    hb_ns = (time.perf_counter() - t1) / max(len(hbs), 1) * 1e9
+    return {
+        "events_per_s": round(len(events) / total),
+        "events": len(events),
+        "seconds_timed": round(total, 3),
+        "nodes": len(state.nodes),
+        "jobs": len(state.jobs),
+        "mix": kinds,
+        "heartbeat_us": round(hb_ns / 1000, 2),
+        "build_s": round(build_s, 2),
+        "python": platform.python_version(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--nodes", type=int, default=10_000)
+    ap.add_argument("--seconds", type=int, default=20, help="simulated seconds of traffic")
+    ap.add_argument("--prices-per-s", type=int, default=20)
+    ap.add_argument("--notices-per-s", type=float, default=0.2)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    res = run(a.nodes, a.seconds, a.prices_per_s, a.notices_per_s)
+    if a.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:>14}: {v}")
+
+
+if __name__ == "__main__":
+    main()
