@@ -40,7 +40,7 @@ import structlog
 
 from orchestrator.events import InstanceId, Market, NodeId, PoolKey
 from orchestrator.settings import SettingsError, load_dataclass
-from providers import catalog
+from providers import catalog, gcp_prices
 from providers.base import (
     TAG_CLUSTER,
     TAG_NODE,
@@ -61,25 +61,6 @@ from providers.bootstrap import render_user_data
 log = structlog.get_logger("orch.providers.gcp")
 
 CLOUD = "gcp"
-COMPUTE_SERVICE = "services/6F81-5844-456A"
-
-# Accelerator type -> the GPU's name in Billing Catalog SKU descriptions ("<name> running in <geo>").
-GPU_SKU_NAMES: dict[str, str] = {
-    "nvidia-tesla-t4": "Nvidia Tesla T4 GPU",
-    "nvidia-tesla-v100": "Nvidia Tesla V100 GPU",
-    "nvidia-tesla-a100": "Nvidia Tesla A100 GPU",
-    "nvidia-a100-80gb": "Nvidia Tesla A100 80GB GPU",
-    "nvidia-l4": "Nvidia L4 GPU",
-    "nvidia-h100-80gb": "Nvidia H100 80GB GPU",
-}
-# Machine family -> how its vCPU and RAM SKUs are named.
-FAMILY_SKU_NAMES: dict[str, tuple[str, str]] = {
-    "n1": ("N1 Predefined Instance Core", "N1 Predefined Instance Ram"),
-    "a2": ("A2 Instance Core", "A2 Instance Ram"),
-    "a3": ("A3 Instance Core", "A3 Instance Ram"),
-    "g2": ("G2 Instance Core", "G2 Instance Ram"),
-}
-
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Config:
@@ -495,7 +476,10 @@ class GcpProvider:
     def prices(self, pools: Sequence[PoolKey] | None = None) -> list[PriceQuote]:
         wanted = [p for p in (pools if pools is not None else self.config.pools()) if p.cloud == CLOUD]
         now = self._clock()
-        table = self._price_file() if self.config.price_file else self._catalog_prices({p.region for p in wanted})
+        if self.config.price_file:
+            table = gcp_prices.read_price_file(self.config.price_file)
+        else:
+            table = self._catalog_prices({p.region for p in wanted}, {p.instance_type for p in wanted})
         out = []
         for p in wanted:
             gpu, n = catalog.gpu_of(CLOUD, p.instance_type)
@@ -512,55 +496,17 @@ class GcpProvider:
             out.append(PriceQuote(pool=p, gpu_type=gpu, gpus_per_node=n, price_usd_h=price, on_demand_usd_h=od, ts=now))
         return out
 
-    def _price_file(self) -> dict[tuple[str, str], dict[str, float]]:
-        with open(self.config.price_file, encoding="utf-8") as f:
-            data = json.load(f)
-        return {(region, mt): {k: float(v) for k, v in row.items()} for region, types in data.items()
-                for mt, row in types.items()}
-
-    def _catalog_prices(self, regions: set[str]) -> dict[tuple[str, str], dict[str, float]]:
-        """(region, machine type) -> {"spot": $/h, "on_demand": $/h} from GPU + core + RAM SKUs."""
-        unit: dict[tuple[str, str, str], float] = {}  # (region, component name, market) -> $/unit
+    def _catalog_prices(self, regions: set[str], machine_types: set[str]) -> gcp_prices.PriceTable:
+        """(region, machine type) -> {"spot": $/h, "on_demand": $/h} from GPU + core + RAM SKUs (paged)."""
         try:
-            for s in self._catalog().list_skus(parent=COMPUTE_SERVICE):
-                usage = s.category.usage_type
-                if usage not in ("OnDemand", "Preemptible") or s.category.resource_family != "Compute":
-                    continue
-                desc = re.sub(r"^(Spot Preemptible|Preemptible) ", "", s.description)
-                comp = desc.split(" running in ")[0]
-                if not s.pricing_info or not s.pricing_info[0].pricing_expression.tiered_rates:
-                    continue
-                money = s.pricing_info[0].pricing_expression.tiered_rates[-1].unit_price
-                usd = int(money.units) + money.nanos / 1e9
-                market = "spot" if usage == "Preemptible" else "on_demand"
-                for r in s.service_regions:
-                    if r in regions:
-                        unit[(r, comp, market)] = usd
+            unit = gcp_prices.unit_prices(self._catalog().list_skus(parent=gcp_prices.COMPUTE_SERVICE), regions)
         except Exception as e:  # noqa: BLE001
             raise map_error(e) from e
-        out: dict[tuple[str, str], dict[str, float]] = {}
-        for region in regions:
-            for mt in self.config.machine_types:
-                s = catalog.spec(CLOUD, mt)
-                if s is None:
-                    continue
-                acc = self.config.accelerator(mt)
-                acc_type, gpus = acc if acc is not None else (s.accelerator, s.gpus)
-                core, ram = FAMILY_SKU_NAMES.get(mt.split("-")[0], ("", ""))
-                gpu_name = GPU_SKU_NAMES.get(acc_type, "")
-                row = {}
-                for market in ("spot", "on_demand"):
-                    parts = [unit.get((region, core, market)), unit.get((region, ram, market))]
-                    if gpus:
-                        parts.append(unit.get((region, gpu_name, market)))
-                    if any(x is None for x in parts):
-                        continue
-                    c_usd, r_usd = parts[0], parts[1]
-                    g_usd = parts[2] if gpus else 0.0
-                    row[market] = round(s.vcpus * c_usd + s.mem_gib * r_usd + gpus * g_usd, 6)  # type: ignore[operator]
-                if row:
-                    out[(region, mt)] = row
-        return out
+
+        def missing(region: str, mt: str, market: str) -> None:
+            log.info("gcp_price_component_missing", region=region, machine_type=mt, market=market)
+
+        return gcp_prices.compose(unit, regions, machine_types, self.config.accelerator, missing)
 
 
 def _gpu_name(accelerator: str) -> str:

@@ -231,6 +231,12 @@ def test_catalog_prices_paged_and_composed(provider: GcpProvider, fake: FakeGcp)
     assert q[(ZONE, "n1-standard-8", Market.ON_DEMAND)].gpu_type == "T4"
 
 
+def test_prices_for_pools_outside_the_config(provider: GcpProvider, fake: FakeGcp) -> None:
+    fake.skus = _skus()
+    (q,) = provider.prices([pool("gcp", REGION, ZONE, "a2-highgpu-2g")])  # not in machine_types
+    assert q.price_usd_h == pytest.approx(24 * 0.0095 + 170 * 0.0013 + 2 * 1.1) and q.gpus_per_node == 2
+
+
 def test_price_file(fake: FakeGcp, tmp_path: Path) -> None:
     f = tmp_path / "gcp-prices.json"
     f.write_text(json.dumps({REGION: {"a2-highgpu-1g": {"spot": 1.2, "on_demand": 3.67}}}))
