@@ -148,6 +148,9 @@ _AUTH = {"AuthFailure", "UnauthorizedOperation", "InvalidClientTokenId", "Signat
 _TRANSIENT = {"RequestLimitExceeded", "Throttling", "ThrottlingException", "InternalError", "InternalFailure",
               "ServiceUnavailable", "Unavailable", "RequestTimeout", "RequestTimeoutException"}
 _NOT_FOUND = {"InvalidInstanceID.NotFound", "InvalidAMIID.NotFound", "InvalidSubnetID.NotFound"}
+# Same ClientToken, different parameters (a retry re-rendered the user data with a new enrolment token):
+# EC2 has the first call's instance; describe is eventually consistent, so look again shortly.
+_ALREADY_LAUNCHED = {"IdempotentParameterMismatch"}
 
 
 def map_error(e: Exception, pool: PoolKey | None = None) -> ProviderError:
@@ -167,7 +170,7 @@ def map_error(e: Exception, pool: PoolKey | None = None) -> ProviderError:
             return QuotaError(msg, pool=pool)
         if code in _AUTH or status in (401, 403):
             return AuthError(msg, pool=pool)
-        if code in _TRANSIENT or status == 429 or status >= 500:
+        if code in _TRANSIENT or code in _ALREADY_LAUNCHED or status == 429 or status >= 500:
             return TransientError(msg, pool=pool)
         if code in _NOT_FOUND:
             return NotFound(msg, pool=pool)

@@ -66,9 +66,14 @@ class EnrolmentBroker:
     """Mints single-use enrolment tokens and exchanges them for the node's credential.
 
     Only a hash of each token is kept (a dump of orchd's memory or state does not yield usable tokens).
+    A node may hold several live tokens: a launch retried under the same idempotency token gets a
+    freshly minted token, but the provider may return the VM of the first attempt, whose user data
+    carries the first token. Any live token of the node enrols it, once; after that every token of that
+    node is refused (``reused``).
+
     State is in memory: a token minted by a daemon that restarts before the node enrols is refused and
-    the node never registers; the heartbeat timeout replaces it. (Persisting the hashes in the KV store
-    would survive restarts; the daemon may do that through ``export``/``import_`` later.)"""
+    the node never registers; the heartbeat timeout replaces it. (Persisting the hashes in KV would
+    survive restarts; a later step.)"""
 
     def __init__(self, issuer: CredentialIssuer, *, ttl_s: float = ENROL_TTL_S,
                  clock: Callable[[], float] = time.time) -> None:
@@ -76,12 +81,13 @@ class EnrolmentBroker:
         self._ttl_s = ttl_s
         self._clock = clock
         self._lock = threading.Lock()
-        self._pending: dict[str, _Pending] = {}
+        self._pending: dict[str, list[_Pending]] = {}
+        self._enrolled: set[str] = set()
 
     def mint(self, node_id: str) -> str:
         token = secrets.token_urlsafe(32)
         with self._lock:
-            self._pending[node_id] = _Pending(_digest(node_id, token), self._clock() + self._ttl_s)
+            self._pending.setdefault(node_id, []).append(_Pending(_digest(node_id, token), self._clock() + self._ttl_s))
         return token
 
     def mint_for(self, bootstrap: NodeBootstrap, node_ids: tuple[str, ...]) -> NodeBootstrap:
@@ -93,34 +99,44 @@ class EnrolmentBroker:
 
     def redeem(self, node_id: str, token: str) -> str:
         """The node's credential, once. Raises EnrolmentError for unknown, expired or reused tokens."""
+        digest = _digest(node_id, token)
         with self._lock:
-            p = self._pending.get(node_id)
-            if p is None:
-                raise EnrolmentError("unknown", node_id)
-            if not hmac.compare_digest(p.digest, _digest(node_id, token)):
+            tokens = self._pending.get(node_id)
+            if not tokens:
+                raise EnrolmentError("reused" if node_id in self._enrolled else "unknown", node_id)
+            match = next((p for p in tokens if hmac.compare_digest(p.digest, digest)), None)
+            if match is None:
                 raise EnrolmentError("wrong_token", node_id)
-            if p.redeemed:
+            if match.redeemed or node_id in self._enrolled:
                 raise EnrolmentError("reused", node_id)
-            if self._clock() > p.expires_ts:
-                del self._pending[node_id]
+            if self._clock() > match.expires_ts:
+                tokens.remove(match)
                 raise EnrolmentError("expired", node_id)
-            p.redeemed = True
+            for p in tokens:  # one enrolment per node: every other token of it is dead now
+                p.redeemed = True
+            self._enrolled.add(node_id)
         return self._issuer.issue(node_id)
 
     def forget(self, node_id: str) -> None:
-        """The node is gone: drop its token and revoke its credential."""
+        """The node is gone: drop its tokens and revoke its credential."""
         with self._lock:
             self._pending.pop(node_id, None)
+            self._enrolled.discard(node_id)
         self._issuer.revoke(node_id)
 
     def expire(self) -> int:
         """Drop expired, never-redeemed tokens; returns how many."""
         now = self._clock()
+        n = 0
         with self._lock:
-            dead = [n for n, p in self._pending.items() if not p.redeemed and now > p.expires_ts]
-            for n in dead:
-                del self._pending[n]
-        return len(dead)
+            for node_id in list(self._pending):
+                keep = [p for p in self._pending[node_id] if p.redeemed or now <= p.expires_ts]
+                n += len(self._pending[node_id]) - len(keep)
+                if keep:
+                    self._pending[node_id] = keep
+                else:
+                    del self._pending[node_id]
+        return n
 
 
 def _digest(node_id: str, token: str) -> bytes:

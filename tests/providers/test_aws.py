@@ -197,6 +197,7 @@ def test_partial_fulfilment_then_retry_fills_only_the_gap(provider: AwsProvider,
         ("RequestLimitExceeded", 503, TransientError, True),
         ("VcpuLimitExceeded", 400, QuotaError, False),
         ("UnauthorizedOperation", 403, AuthError, False),
+        ("IdempotentParameterMismatch", 400, TransientError, True),
         ("InvalidParameterValue", 400, ProviderError, False),
     ],
 )

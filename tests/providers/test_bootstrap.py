@@ -48,6 +48,15 @@ def test_token_is_single_use_and_expires() -> None:
     assert issuer.issued == ["n1"] and issuer.revoked == ["n1"]
 
 
+def test_retried_launch_any_live_token_enrols_once() -> None:
+    b = EnrolmentBroker(Issuer())
+    first, second = b.mint("n1"), b.mint("n1")  # launch retried under the same idempotency token
+    assert "for n1" in b.redeem("n1", first)  # the VM of the first attempt came back
+    for t in (first, second):
+        with pytest.raises(EnrolmentError, match="reused"):
+            b.redeem("n1", t)
+
+
 def test_user_data_carries_only_the_enrolment_token() -> None:
     issuer = Issuer()
     b = EnrolmentBroker(issuer)
