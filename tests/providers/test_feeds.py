@@ -114,6 +114,33 @@ async def _ignore(e: Exception) -> None:
     pass
 
 
+async def test_real_provider_prices_reach_the_stream(nats_url: str) -> None:
+    """The GCP provider (real REST client -> catalog fake) through the feed onto JetStream."""
+    from providers.gcp import Config, GcpProvider
+    from tests.providers.fakes.gcp import FakeGcp, sku
+
+    fake = FakeGcp().start()
+    nc = await nats.connect(nats_url, error_cb=_ignore)
+    try:
+        fake.skus = [sku("Spot Preemptible Nvidia L4 GPU running in Americas", "GPU", "Preemptible", 0.22, ["us-central1"]),
+                     sku("Spot Preemptible G2 Instance Core running in Americas", "CPU", "Preemptible", 0.009, ["us-central1"]),
+                     sku("Spot Preemptible G2 Instance Ram running in Americas", "RAM", "Preemptible", 0.001, ["us-central1"],
+                         "GiBy.h")]
+        provider = GcpProvider(Config.from_raw({"project": "p", "zones": ["us-central1-a"], "machine_types": ["g2-standard-4"],
+                                                "markets": ["spot"], "billing_endpoint": fake.url, "anonymous": True}))
+        js = nc.jetstream()
+        await ensure_market_stream(js)
+        r = await feed_once(js, provider, limiter=anyio.CapacityLimiter(1))
+        assert (r.quotes, r.published + r.duplicates) == (1, 1)
+        (tick,) = await _stream_ticks(js, "orch.price.gcp.us-central1")
+        assert tick.pool.instance_type == "g2-standard-4" and tick.gpu_type == "L4"
+        assert tick.price_usd_h == pytest.approx(4 * 0.009 + 16 * 0.001 + 0.22)
+        assert tick.on_demand_usd_h == pytest.approx(0.707)  # no on-demand SKUs: the bundled list price
+    finally:
+        await nc.close()
+        fake.stop()
+
+
 async def test_no_stream_counts_failures_without_crashing(nats_url: str) -> None:
     nc = await nats.connect(nats_url, error_cb=_ignore)
     try:
