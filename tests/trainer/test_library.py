@@ -6,9 +6,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.trainer.helpers import REPO, Generation, step_records, trainer_env
 from tests.trainer.test_store import moto_s3  # noqa: F401 - module-scoped fixture
 from trainer import contract, store
+
+pytestmark = pytest.mark.slow  # real multi-process generations (run in CI too)
 
 SCRIPT = [sys.executable, str(REPO / "tests" / "trainer" / "scripts" / "regression.py")]
 
