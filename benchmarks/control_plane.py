@@ -54,6 +54,12 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
+def cpu_s(pid: int) -> float:
+    """user+system CPU seconds of a process (Linux /proc): the load-independent cost of the daemon."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def events_total(metrics_url: str) -> float:
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
         text = r.read().decode()
@@ -189,6 +195,7 @@ interval_s = 3600
         noticed: dict[str, float] = {}
         offered = 0
         start_events = events_total(metrics_url)
+        lat_cpu0 = cpu_s(daemon.pid)
         t_start = time.time()
         notice_targets = iter(ids[:: args.job_nodes])  # one node of each job
         price_i = 1
@@ -224,6 +231,7 @@ interval_s = 3600
         processed = events_total(metrics_url) - start_events
         lat = sorted((ckpt_arrival[n] - t) * 1000 for n, t in noticed.items() if n in ckpt_arrival)
         result.update(
+            latency_phase_daemon_cpu_ratio=round((cpu_s(daemon.pid) - lat_cpu0) / (elapsed + 2.0), 2),
             offered_events_per_s=round(offered / elapsed, 1),
             latency_phase_s=round(elapsed, 1),
             latency_events_per_s=round(processed / (elapsed + 2.0), 1),
@@ -232,12 +240,14 @@ interval_s = 3600
             notice_to_command_p50_ms=round(statistics.median(lat), 2) if lat else None,
             notice_to_command_p99_ms=round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2) if lat else None,
             notice_to_command_max_ms=round(lat[-1], 2) if lat else None,
+            notice_to_command_all_ms=[round(x, 1) for x in lat],
         )
         log(f"latency phase: {result}")
 
         # --- capacity phase: heartbeats as fast as they can be published --------------------------
         await asyncio.sleep(1.0)
         before = events_total(metrics_url)
+        cpu0 = cpu_s(daemon.pid)
         t0 = time.time()
         sent = 0
         while sent < args.burst:
@@ -261,6 +271,7 @@ interval_s = 3600
             if time.time() - t0 > 300:
                 break
         done = last - before
+        cpu = cpu_s(daemon.pid) - cpu0
         result.update(
             burst_published=sent,
             burst_publish_s=round(t_pub, 2),
@@ -268,6 +279,10 @@ interval_s = 3600
             events_processed=int(done),
             events_per_s=round(done / (last_t - t0), 1),
             capacity_phase_s=round(last_t - t0, 2),
+            daemon_cpu_s=round(cpu, 2),
+            daemon_cpu_us_per_event=round(cpu / done * 1e6, 1) if done else None,
+            events_per_daemon_cpu_s=round(done / cpu, 1) if cpu else None,
+            load_average=os.getloadavg()[0],
         )
         log(f"capacity phase: processed {done:.0f} of {sent} in {last_t - t0:.1f}s")
         await client.close()

@@ -10,7 +10,7 @@ Objects (all created idempotently; a changed config is applied with ``update_str
     stream ORCH_AUDIT     orch.audit.>    decision audit (append-only, limited by age/bytes)
     KV ORCH_STATE         the core's records: job.<id>, node.<id>, pool.<name>, meta
     KV ORCH_OUTBOX        commands decided and persisted but not yet completed
-    KV ORCH_LEASE         the daemon's lease key; its revision is the fencing token
+    KV orch_lease         the leader lease (orchestrator.lease); its revision is the fencing token
 
 Both ingestion streams de-duplicate on ``Nats-Msg-Id`` inside ``DUPLICATE_WINDOW_S``.
 
@@ -52,7 +52,6 @@ CONSUMER_EVENTS = "orchd-events"
 CONSUMER_MARKET = "orchd-market"
 KV_STATE = "ORCH_STATE"
 KV_OUTBOX = "ORCH_OUTBOX"
-KV_LEASE = "ORCH_LEASE"
 SUBJECTS_EVENTS = ("orch.notice.>", "orch.node.*.event")
 SUBJECTS_MARKET = ("orch.price.>",)
 SUBJECT_HEARTBEATS = "orch.node.*.hb"
@@ -149,7 +148,6 @@ class Topology:
     js: JetStreamContext
     state_kv: KeyValue
     outbox_kv: KeyValue
-    lease_kv: KeyValue
 
 
 async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
@@ -189,8 +187,7 @@ async def ensure_topology(nc: Client, replicas: int = 1) -> Topology:
                                           max_age=30 * 86400.0, max_bytes=1 << 30, **common))
     state_kv = await _ensure_kv(js, KV_STATE, replicas)
     outbox_kv = await _ensure_kv(js, KV_OUTBOX, replicas)
-    lease_kv = await _ensure_kv(js, KV_LEASE, replicas)
-    return Topology(nc=nc, js=js, state_kv=state_kv, outbox_kv=outbox_kv, lease_kv=lease_kv)
+    return Topology(nc=nc, js=js, state_kv=state_kv, outbox_kv=outbox_kv)
 
 
 CONSUMERS: tuple[tuple[str, str, str], ...] = (

@@ -41,6 +41,7 @@ from anyio.abc import TaskStatus
 from orchestrator import bus, events as ev, sdnotify
 from orchestrator.core.inputs import BusState, LeaseChanged, Tick
 from orchestrator.executor import Executor, Result
+from orchestrator.lease import LeaderLease, lease_bucket
 from orchestrator.ingest import Batch, Intake, ShellItem
 from orchestrator.metrics import Metrics
 from orchestrator.natsserver import NatsServer
@@ -56,6 +57,7 @@ _EXPECTED: dict[str, Any] = {"price": ev.PriceTick, "notice": ev.PreemptionNotic
 
 
 MAX_HEARTBEATS_PER_BATCH = 4000
+EXIT_LEASE_LOST = 3
 GAUGE_REFRESH_S = 10.0
 _HB_DECODER = msgspec.json.Decoder(ev.Heartbeat)
 
@@ -93,8 +95,10 @@ class Daemon:
         self.recent_seq = 0
         self.notice_ts: dict[str, float] = {}  # cmd_id -> notice publish ts (latency metric)
         self._live: set[str] = set()  # node keys changed by heartbeats only, not yet persisted
-        self._flush_live = False
+        self._flush_live = False  # set every liveness_flush_s: start a flush round
+        self._flushing: set[str] = set()  # keys of the current flush round not yet written
         self._stop = anyio.Event()
+        self.exit_code = 0
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -254,12 +258,16 @@ class Daemon:
         decided += n_hb
         if n_hb:
             counts["Heartbeat"] += n_hb
-        if live and (self._flush_live or len(live) > 4 * self.settings.daemon.liveness_flush_max):
-            take = len(live) if self._stop.is_set() else self.settings.daemon.liveness_flush_max
-            while live and take:
-                dirty.add(live.pop())
+        if self._flush_live:  # a flush round started: move this round's keys out, drain them in slices
+            self._flushing |= live
+            live.clear()
+            self._flush_live = False
+        if self._flushing:
+            flushing = self._flushing
+            take = len(flushing) if self._stop.is_set() else self.settings.daemon.liveness_flush_max
+            while flushing and take:
+                dirty.add(flushing.pop())
                 take -= 1
-            self._flush_live = bool(live)
         records = core.state_to_records(state, frozenset(dirty)) if dirty else {}
         live.difference_update(dirty)
         await self.store.persist(records, new_cmds, done_keys, audit)  # type: ignore[union-attr]
@@ -341,8 +349,9 @@ async def run_daemon(
     core: CoreApi | None = None,
     metrics: Metrics | None = None,
     feeds: bool = True,
+    stop: anyio.Event | None = None,
     task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
-) -> None:
+) -> Daemon:
     """Run orchd until ``request_stop`` (or cancellation). ``task_status.started`` gets the handle.
 
     ``providers`` maps ``pool.cloud`` to the CloudProvider that serves it; ``core`` defaults to
@@ -352,6 +361,8 @@ async def run_daemon(
     from orchestrator.metrics_http import serve_metrics
 
     d = Daemon(settings, providers, core or default_core(settings), metrics or Metrics())
+    if stop is not None:
+        d._stop = stop  # the caller's stop event (signals arrive even while standing by)
     state_dir = settings.state_path
     state_dir.mkdir(parents=True, exist_ok=True)
     server: NatsServer | None = None
@@ -370,15 +381,17 @@ async def run_daemon(
         d.connected = True
         d.metrics.nats_connected.set(1)
         topo = await bus.ensure_topology(nc, settings.nats.stream_replicas)
+        lease = await _take_lease(d, topo.js)
+        if lease is None and settings.daemon.ha:
+            return d  # stopped while standing by
         d.store = Store(topo)
-        records, outbox = await d.store.load()
+        records, outbox = await d.store.load()  # only the leader reads: the state is its from here on
         d.state = d.core.restore(records) if records else d.core.empty_state()
-        d.fencing_token = await topo.lease_kv.put(
-            "leader", json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "ts": time.time()}).encode())
         d.intake.put_shell(ShellItem(LeaseChanged(revision=d.fencing_token)))
         log.info("state_loaded", records=len(records), outbox=len(outbox), fencing_token=d.fencing_token)
         d.executor = Executor(settings, providers, nc, d._on_result, d.metrics, nats_urls=urls,
-                              on_agent_sent=d._on_agent_sent)
+                              on_agent_sent=d._on_agent_sent,
+                              may_act=(lease.valid if lease is not None else _always))
         if settings.metrics.enabled:
             http = serve_metrics(d.metrics, settings.metrics.host, settings.metrics.port)
             d.metrics_url = f"http://{settings.metrics.host}:{http.server_port}/metrics"
@@ -389,6 +402,8 @@ async def run_daemon(
                 d.executor.submit(key, cmd)
             if feeds:
                 _start_feeds(tg, d, topo.js)
+            if lease is not None:
+                tg.start_soon(lease.run, partial(_on_lease_change, d))
             hb_sub = await nc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
                                         pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
             await bus.ensure_consumers(topo.js)
@@ -424,7 +439,42 @@ async def run_daemon(
                     await _quietly(nc.close())
             if server is not None:
                 await anyio.to_thread.run_sync(server.stop)
-            log.info("orchd_stopped", events=d.events_decided)
+            log.info("orchd_stopped", events=d.events_decided, exit_code=d.exit_code)
+    return d
+
+
+def _always() -> bool:
+    return True
+
+
+async def _take_lease(d: Daemon, js: Any) -> Any:
+    """The fencing token. HA: stand by until this daemon holds the leader lease (returns the lease, or
+    None when stopped first). Single daemon: a put on the lease bucket gives a revision greater than
+    any earlier one (no lease is held, returns None)."""
+    ds = d.settings.daemon
+    kv = await lease_bucket(js, ttl_s=ds.lease_ttl_s, replicas=d.settings.nats.stream_replicas)
+    if not ds.ha:
+        d.fencing_token = await kv.put("epoch", json.dumps({"pid": os.getpid(), "host": os.uname().nodename,
+                                                            "ts": time.time()}).encode())
+        return None
+    lease = LeaderLease(kv, ttl_s=ds.lease_ttl_s, holder=f"{os.uname().nodename}:{os.getpid()}")
+    log.info("standby", lease_ttl_s=ds.lease_ttl_s)
+    sdnotify.notify_status("orchd standby: waiting for the leader lease")
+    while not await lease.try_acquire():
+        with anyio.move_on_after(ds.lease_ttl_s / 3):
+            await d._stop.wait()
+        if d._stop.is_set():
+            return None
+    d.fencing_token = lease.revision
+    log.info("lease_acquired", fencing_token=lease.revision)
+    return lease
+
+
+def _on_lease_change(d: Daemon, revision: int) -> None:
+    if revision == 0:  # lost (CAS failure or local deadline passed): stop deciding at once
+        log.error("lease_lost", fencing_token=d.fencing_token)
+        d.exit_code = EXIT_LEASE_LOST
+        d.request_stop()
 
 
 def _start_feeds(tg: Any, d: Daemon, js: Any) -> None:
@@ -475,21 +525,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"orchd: {e}", file=sys.stderr)
         return 2
     try:
-        anyio.run(_serve_until_stopped, settings, providers, backend="asyncio")
+        return anyio.run(_serve_until_stopped, settings, providers, backend="asyncio")
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
-async def _serve_until_stopped(settings: Settings, providers: dict) -> None:
+async def _serve_until_stopped(settings: Settings, providers: dict) -> int:
+    stop = anyio.Event()
     async with anyio.create_task_group() as tg:
-        d: Daemon = await tg.start(run_daemon, settings, providers)
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
-            async for s in sigs:
-                log.info("signal_received", signal=signal.Signals(s).name)
-                d.request_stop()
-                break
-        # run_daemon finishes its clean shutdown; the task group waits for it
+
+        async def signals() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                async for s in sigs:
+                    log.info("signal_received", signal=signal.Signals(s).name)
+                    stop.set()
+
+        tg.start_soon(signals)
+        d = await run_daemon(settings, providers, stop=stop)
+        tg.cancel_scope.cancel()
+    return d.exit_code
 
 
 if __name__ == "__main__":

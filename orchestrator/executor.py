@@ -22,12 +22,10 @@ cancels in-flight commands, which stay in the outbox and are re-executed by the 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import anyio
-import msgspec
 import nats.errors
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
@@ -60,6 +58,9 @@ class Executor:
     metrics: Metrics
     nats_urls: tuple[str, ...] = ()
     on_agent_sent: Callable[[SendToAgent], None] | None = None
+    may_act: Callable[[], bool] = lambda: True
+    """False while this daemon does not hold a valid leader lease (HA): commands are then left in the
+    outbox for the leader, never executed (clouds know nothing of fencing tokens)."""
     _tg: TaskGroup | None = None
     _limiters: dict[str, anyio.CapacityLimiter] = field(default_factory=dict)
     in_flight: set[str] = field(default_factory=set)
@@ -80,6 +81,10 @@ class Executor:
     # -------------------------------------------------------------------------------------------
 
     async def _execute(self, key: str, cmd: Command) -> None:
+        if not self.may_act():
+            self.in_flight.discard(key)
+            log.warning("command_not_executed_no_lease", key=key)
+            return  # stays in the outbox
         try:
             match cmd:
                 case Launch():
@@ -238,9 +243,3 @@ def _failure_events(cmd: Command, reason: ev.FailureReason, message: str) -> tup
         case _:
             return ()
 
-
-def now() -> float:
-    return time.time()
-
-
-__all__ = ["Executor", "Result", "msgspec"]

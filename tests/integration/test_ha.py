@@ -1,0 +1,72 @@
+"""HA: two orchd on one NATS with daemon.ha = true. One leads (admin service, decisions), the other
+stands by; when the leader stops, the standby takes the lease with a greater fencing token and
+continues from the same persisted state."""
+
+from __future__ import annotations
+
+import anyio
+import nats
+import pytest
+
+from orchestrator import events as ev
+from orchestrator.client import AdminClient
+from orchestrator.daemon import run_daemon
+from orchestrator.jobspec import parse_jobspec
+from orchestrator.natsserver import NatsServer
+from orchestrator.settings import load_settings
+from providers.fake import FakeCloud
+from tests.integration import helpers as h
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_standby_takes_over_with_greater_token_and_same_state(tmp_path):
+    server = NatsServer(tmp_path / "nats").start()
+    settings = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        cfg = h.write_config(tmp_path / name, server.url)
+        cfg.write_text(cfg.read_text().replace("[daemon]\n", "[daemon]\nha = true\nlease_ttl_s = 2.0\n"))
+        settings.append(load_settings(cfg, env={}))
+    sa, sb = settings
+    cloud = FakeCloud()
+    nc = await nats.connect(server.url)
+    js = nc.jetstream()
+    try:
+        async with anyio.create_task_group() as tg:
+            a = await tg.start(lambda task_status: run_daemon(sa, {"fake": cloud}, task_status=task_status))
+            b_handle: list = []
+
+            async def standby() -> None:
+                await run_daemon(sb, {"fake": cloud}, task_status=_Started(b_handle))
+
+            tg.start_soon(standby)
+            await anyio.sleep(1.0)
+            assert not b_handle  # B stands by: not started
+            await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL, 1.0, 3.0))
+            client = await AdminClient.connect([server.url])
+            job = await client.submit(parse_jobspec(h.JOB_TOML.format(nodes=1)))
+            st = await client.status()
+            assert st.pid and st.fencing_token == a.fencing_token
+            a.request_stop()  # clean exit releases the lease
+            b = await h.wait_for(lambda: b_handle and b_handle[0], timeout=10)
+            assert b.fencing_token > a.fencing_token
+            assert job.job_id in b.state.jobs  # continued from the persisted state
+            reply = await client.job(job.job_id)
+            assert reply.summary["job_id"] == job.job_id
+            assert len(cloud.all_instances()) == 1  # the outbox was not executed twice
+            await client.close()
+            b.request_stop()
+    finally:
+        await nc.close()
+        server.cleanup()
+
+
+class _Started:
+    """A task_status that records the handle when the standby becomes leader."""
+
+    def __init__(self, sink: list) -> None:
+        self.sink = sink
+
+    def started(self, value=None) -> None:
+        self.sink.append(value)
