@@ -136,8 +136,8 @@ def _heartbeat_fast(state: State, hb: Heartbeat, now: float) -> Decision | None:
     node = state.nodes.get(hb.node_id)
     if node is None:
         return Decision(state, (), (), _EMPTY)
-    if hb.seq and hb.seq < node.hb_seq:
-        return Decision(state, (), (), _EMPTY)  # reordered: an older heartbeat
+    # No seq-based drop: an agent that restarted starts again at seq 1 (heartbeats are core NATS,
+    # ordered per connection); progress never goes backwards because step only grows.
     if node.suspect_since is not None or node.disconnected or node.phase not in (N.RUNNING, N.REGISTERED):
         return None
     if node.phase == N.RUNNING and hb.generation == node.generation and hb.state == AgentState.TRAINING:

@@ -285,8 +285,9 @@ def _price(tx: Tx, job: Job) -> Job:
         and not any(n.phase in (N.REQUESTED, N.BOOTING) for n in lc.job_nodes(tx, job))
         and not job.force_on_demand
     ):
-        tx.record(job.job_id, "scale_up", "price_low", ratio=round(ratio, 4), target=job.target_nodes + 1)
-        job = tx.update_job(job, target_nodes=job.target_nodes + 1)
+        # The whole way at once: every resize costs a checkpoint and a restart.
+        tx.record(job.job_id, "scale_up", "price_low", ratio=round(ratio, 4), target=spec.nodes_max)
+        job = tx.update_job(job, target_nodes=spec.nodes_max)
         job = lc.replenish(tx, job)
     return job
 
