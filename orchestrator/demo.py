@@ -312,6 +312,9 @@ def format_report(r: dict[str, Any]) -> str:
     for p in r["preemptions"]:
         lines.append(f"  preemption ({p['kind']}) of {p['node']}: lost_steps={p['lost_steps']} "
                      f"recovery_s={p['recovery_s']} (generation {p.get('generation')} -> {p.get('next_generation')})")
+    for p in r.get("price_spikes", []):
+        lines.append(f"  price spike ({p['detail']}): generation {p.get('generation')} -> {p.get('next_generation')}, "
+                     f"lost_steps={p.get('lost_steps')}, first step after it {p.get('move_s')}s later")
     lines.append("  generations:")
     for g in r["generation_table"]:
         where = ", ".join(f"{n} {p}" for n, p in g["nodes"].items())

@@ -11,6 +11,8 @@ about itself:
   ``t`` (the newest one whose first step is before ``t``), the next generation (the first whose first
   step is after ``t``), ``lost_steps`` = steps of the hit generation that the next generation executed
   again, ``recovery_s`` = the next generation's first step time - ``t``;
+- per price spike: the generation it ended (orchd moved the job) and ``move_s`` = spike -> first step
+  of the next generation (training continues while the new nodes boot: make before break);
 - ``steps_executed_twice``: every step executed in more than one generation (preemptions, resizes,
   migrations alike);
 - ``sample_order_exact``: the trajectory that counts (the last execution of each step) consumed every
@@ -141,6 +143,18 @@ def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, tota
         else:
             entry.update(lost_steps=None, recovery_s=None)
         preemptions.append(entry)
+    spikes = []
+    for inj in injections:
+        if inj.kind != "price_spike":
+            continue
+        nxt = [g for g in gens if g.first_ts > inj.ts]
+        hit = [g for g in gens if g.first_ts <= inj.ts]
+        entry = {"ts": round(inj.ts, 3), "detail": inj.detail}
+        if nxt and hit:
+            entry.update(generation=hit[-1].generation, next_generation=nxt[0].generation,
+                         lost_steps=sum(1 for s in hit[-1].steps if s >= nxt[0].first_step),
+                         move_s=round(nxt[0].first_ts - inj.ts, 2))
+        spikes.append(entry)
     last = max(losses) if losses else 0
     return {
         "steps_completed": len(losses),
@@ -148,6 +162,7 @@ def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, tota
         "final_loss": round(losses[last], 6) if losses else None,
         "generations": len(gens),
         "preemptions": preemptions,
+        "price_spikes": spikes,
         "steps_executed_twice": len(twice),
         "sample_order_exact": sample_order_exact(recs),
         "generation_table": [
