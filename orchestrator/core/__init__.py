@@ -20,6 +20,7 @@ from orchestrator.core.model import (
 )
 from orchestrator.core.records import state_from_records, state_to_records
 from orchestrator.core.transitions import JOB_TRANSITIONS, NODE_TRANSITIONS, IllegalTransition
+from orchestrator.core.views import job_burn_usd_h, job_cost_usd, job_step
 
 __all__ = [
     "AuditEntry",
@@ -37,6 +38,9 @@ __all__ = [
     "PoolStats",
     "State",
     "decide",
+    "job_burn_usd_h",
+    "job_cost_usd",
+    "job_step",
     "state_from_records",
     "state_to_records",
 ]

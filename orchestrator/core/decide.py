@@ -200,6 +200,8 @@ def _job_submitted(tx: Tx, ev: JobSubmitted) -> None:
         target_nodes=target, reason="submitted",
     )
     tx.put_job(job)
+    if spec.budget_usd is not None:
+        tx.put_meta(budget_jobs=tx.meta.budget_jobs + (ev.job_id,))
     tx.record(ev.job_id, "submit", "admin", name=spec.name, nodes=target, gpu_type=spec.gpu_type)
     lc.replenish(tx, job)
 

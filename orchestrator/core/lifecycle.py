@@ -149,9 +149,10 @@ def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple
     if count <= 0:
         return job
     if job.spec.budget_usd is not None:
-        burn = worst_burn_usd_h(tx, job) + count * max(ps.price_usd_h or 0.0, ps.on_demand_usd_h or 0.0)
-        margin_s = save_seconds(job) + cfg.terminate_s + 2 * cfg.tick_s
-        if cost_now(tx, job) + burn * margin_s / 3600.0 >= job.spec.budget_usd:
+        worst = worst_burn_usd_h(tx, job) + count * max(ps.price_usd_h or 0.0, ps.on_demand_usd_h or 0.0)
+        burn = burn_usd_h(tx, job) + count * (ps.price_usd_h or 0.0)
+        need = worst * cfg.terminate_s + burn * (save_seconds(job) + 2 * cfg.tick_s + cfg.boot_s_estimate)
+        if cost_now(tx, job) + need / 3600.0 >= job.spec.budget_usd:
             if job.reason != "launch_refused_budget":
                 tx.record(job.job_id, "launch_refused", "budget", alts, pool=ps.pool.name, count=count)
                 job = tx.update_job(job, reason="launch_refused_budget")

@@ -241,6 +241,7 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True):
     launch_seq: int = 0
     bus_connected: bool = True
     detect_paused_until: float = 0.0  # failure detection off until then (bus outage, restart)
+    budget_jobs: tuple[str, ...] = ()  # non-terminal jobs with a budget (re-checked on price rises)
 
 
 class State(msgspec.Struct, frozen=True):

@@ -169,16 +169,18 @@ def check_budget(tx: Tx, job: Job) -> bool:
         return False
     cfg = tx.cfg
     burn = lc.burn_usd_h(tx, job)
-    worst = lc.worst_burn_usd_h(tx, job)  # a spot price may rise up to on-demand before the next check
+    # The termination tail is reserved at the worst price (spot never above on-demand): a price rise
+    # right before the stop cannot push the tail over the cap. Price rises re-check at once (on_price).
+    tail = lc.worst_burn_usd_h(tx, job) * cfg.terminate_s / 3600.0
     cost = lc.cost_now(tx, job)
-    if cost + worst * (cfg.terminate_s + cfg.tick_s) / 3600.0 >= budget:
+    if cost + tail + burn * cfg.tick_s / 3600.0 >= budget:
         tx.record(job.job_id, "stop", "budget_hard_stop", cost_usd=round(cost, 6), budget_usd=budget)
         job = lc.terminate_all(tx, job, "budget")
         tx.job_phase(job, J.STOPPED, reason="budget", intent=Intent.NONE)
         return True
     if job.intent == Intent.BUDGET:
         return True
-    if cost + worst * (save_seconds(job) + cfg.terminate_s + 2 * cfg.tick_s) / 3600.0 >= budget:
+    if cost + tail + burn * (save_seconds(job) + 2 * cfg.tick_s) / 3600.0 >= budget:
         tx.record(job.job_id, "stop", "budget", cost_usd=round(cost, 6), budget_usd=budget, burn_usd_h=burn)
         if job.phase in (J.STARTING, J.RUNNING):
             lc.checkpoint_job(tx, job, Intent.BUDGET, "budget")
@@ -339,9 +341,19 @@ def on_price(tx: Tx, pt: PriceTick) -> None:
         od_name is None or od_usd is None or not _differs(tx, od_name, od_usd, od_usd, None)
     ):
         return  # same prices again: nothing changes
+    old = tx.pools.get(pt.pool.name)
+    rise = old is None or old.price_usd_h is None or usd > old.price_usd_h
     _update_pool(tx, pt.pool.name, pt, pt.pool.market, usd, od)
     if od_name is not None and od_usd is not None:
+        old_od = tx.pools.get(od_name)
+        rise = rise or old_od is None or old_od.price_usd_h is None or od_usd > old_od.price_usd_h
         _update_pool(tx, od_name, pt, Market.ON_DEMAND, od_usd, od_usd)
+    if rise:  # budgets use the current burn between checks: a rise is a check
+        names = {pt.pool.name, od_name}
+        for jid in tx.meta.budget_jobs:
+            job = tx.jobs.get(jid)
+            if job is not None and any(n in tx.nodes and tx.nodes[n].pool_name in names for n in job.nodes):
+                check_budget(tx, job)
 
 
 def _differs(tx: Tx, name: str, price: float, od: float | None, hint: float | None) -> bool:

@@ -23,6 +23,7 @@ from orchestrator.core.model import (
     NodePhase,
     PoolStats,
     State,
+    TERMINAL_JOB_PHASES,
     pool_record_key,
     safe_token,
 )
@@ -68,6 +69,8 @@ class Tx:
         check_job(job.phase, phase)
         if phase != job.phase:
             changes["phase_ts"] = self.now
+            if phase in TERMINAL_JOB_PHASES and job.job_id in self.meta.budget_jobs:
+                self.put_meta(budget_jobs=tuple(j for j in self.meta.budget_jobs if j != job.job_id))
         return self.put_job(_replace(job, phase=phase, reason=reason or job.reason, **changes))
 
     def put_node(self, node: Node) -> Node:
