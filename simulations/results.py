@@ -149,9 +149,13 @@ def orchd_goal_lines(rows: list[Row]) -> str:
         if not g:
             continue
         ok = all(v for k, v in g.items() if k != "gap_to_optimal")
+        res = r.results
+        vs = []
+        for base in ("greedy_spot", "uniform_progress"):
+            if base in res and res[base].cost_ratio:
+                vs.append(f"vs {base} {res['orchd'].cost_ratio / res[base].cost_ratio - 1:+.1%}")
         out.append(f"- {r.family} / {r.setting}: {'MET' if ok else 'NOT MET'} "
-                   f"(deadlines {'ok' if g['deadlines_100pct'] else 'missed'}, gap to optimal {g['gap_to_optimal']:+.1%}, "
-                   f"<= greedy {g['not_above_greedy_spot']}, <= uniform_progress {g['not_above_uniform_progress']})")
+                   f"(deadlines {res['orchd'].deadline_met:.0%}, vs optimal {g['gap_to_optimal']:+.1%}, {', '.join(vs)})")
     return "\n".join(out)
 
 
