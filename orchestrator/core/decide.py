@@ -245,21 +245,25 @@ def _node_launched(tx: Tx, ev: NodeLaunched) -> None:
 
 
 def _launch_failed(tx: Tx, ev: LaunchFailed) -> None:
-    job = tx.jobs.get(ev.job_id)
-    failed = [n for n in (tx.nodes.get(i) for i in ev.node_ids) if n is not None and n.token == ev.token]
-    failed = [n for n in failed if n.phase == N.REQUESTED]
+    failed = []
+    for nid in dict.fromkeys(ev.node_ids):  # unique, in order
+        n = tx.nodes.get(nid)
+        if n is not None and n.token == ev.token and n.phase == N.REQUESTED:
+            failed.append(n)
     if not failed:
         return  # redelivered, or stale
-    name = ev.pool.name
+    name = failed[0].pool_name
     ps = tx.pools.get(name)
     if ps is not None:
         cfg = tx.cfg
         backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures, 20))
         tx.put_pool(name, _replace(ps, failures=ps.failures + 1, backoff_until=tx.now + backoff))
-    tx.record(ev.job_id, "launch_failed", str(ev.reason), pool=name, nodes=[n.node_id for n in failed])
+    tx.record(failed[0].job_id, "launch_failed", str(ev.reason), pool=name, nodes=[n.node_id for n in failed],
+              message=ev.message[:200])
     for n in failed:
-        job = lc.remove_node(tx, job, n, reason=f"launch_failed_{ev.reason}", lost=True, terminate=False)
-    if job is not None:
+        lc.remove_node(tx, tx.jobs.get(n.job_id), n, reason=f"launch_failed_{ev.reason}", lost=True, terminate=False)
+    job = tx.jobs.get(failed[0].job_id)
+    if job is not None and job.phase not in TERMINAL_JOB_PHASES:
         _reconcile(tx, job)
 
 

@@ -307,10 +307,33 @@ wire_event = st.one_of(
     st.builds(lambda i, p: price(POOLS[i], p), st.integers(0, 3), st.floats(0.0, 100.0)),
     st.builds(JobCancelled, job_id=st.sampled_from(["job.0", "nope"])),
     st.builds(LeaseChanged, revision=st.integers(0, 10)),
+    st.builds(NodeLaunched, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]), job_id=st.sampled_from(["job.0", "n"]),
+              instance_id=st.text(max_size=3), pool=st.sampled_from(POOLS), token=st.sampled_from(["job_0-L1", "?"])),
+    st.builds(LaunchFailed, node_ids=st.lists(st.sampled_from(["job_0-n1", "job_0-n2", "x"]), max_size=3).map(tuple),
+              job_id=st.sampled_from(["job.0", "n"]), pool=st.sampled_from(POOLS), token=st.sampled_from(["job_0-L1", "?"]),
+              reason=st.sampled_from(list(FailureReason))),
+    st.builds(NodeDrainRequested, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"])),
+    st.builds(CommandFailed, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]), cmd_id=st.text(max_size=3),
+              kind=st.text(max_size=3)),
+    st.builds(GenerationStarted, id=st.text(max_size=3), node_id=st.sampled_from(["job_0-n1", "job_0-n2"]),
+              job_id=st.sampled_from(["job.0", "nope"]), generation=st.integers(-1, 5), first_step=st.integers(-1, 9),
+              ts=st.floats(allow_nan=False)),
+    st.builds(NodeLeaving, id=st.text(max_size=3), node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]),
+              reason=st.text(max_size=3), ts=st.floats(allow_nan=False)),
+    st.builds(
+        lambda jid, n, lo, hi, gpn, steps, budget, dl, mk: JobSubmitted(
+            job_id=jid,
+            spec=spec(nodes=n, nodes_min=lo, nodes_max=hi, gpus_per_node=gpn, total_steps=steps, budget_usd=budget,
+                      deadline_ts=dl, market=mk),
+        ),
+        st.sampled_from(["job.1", "job.2", "a b.c/d"]), st.integers(-1, 4), st.integers(-1, 4), st.integers(-1, 4),
+        st.sampled_from([0, 8]), st.integers(-5, 100), st.one_of(st.none(), st.floats(-1.0, 10.0)),
+        st.one_of(st.none(), st.floats(-1e9, 1e12)), st.sampled_from(list(MarketPolicy)),
+    ),
 )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(events=st.lists(st.tuples(wire_event, st.floats(0.0, 100.0)), max_size=40))
 def test_decide_never_raises_on_arbitrary_events(events: list) -> None:
     s = State.empty()

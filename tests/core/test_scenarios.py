@@ -384,3 +384,39 @@ def test_price_policy_fields_used() -> None:
     d = drv(Tick(), dt=1)
     assert cmds(d, CheckpointCmd) and ids
     assert drv.state.nodes[ids[0]].phase == NodePhase.RUNNING
+
+
+def test_notice_without_capacity_in_zone_moves_the_whole_job() -> None:
+    drv = Driver()
+    ids = running(drv, prices={A: 10.0, C: 11.0}, nodes=2, nodes_min=2, nodes_max=2, market=MarketPolicy.SPOT)
+    d = drv(PreemptionNotice(id="n", node_id=ids[1], cloud="aws", deadline_ts=drv.now + 120, observed_ts=drv.now))
+    assert {c.node_id for c in cmds(d, CheckpointCmd)} == set(ids)
+    (la,) = cmds(d, Launch)
+    assert la.pool == C and len(la.node_ids) == 2  # the whole job moves (zone a has no other pool)
+    drv(CheckpointCommitted(id="c", node_id=ids[0], job_id="j1", generation=1, step=70, checkpoint_id="s70",
+                            url="u70", save_s=9.0, emergency=True, ts=drv.now), dt=10)
+    for nid in ids:
+        d = drv(RanksExited(id=f"x{nid}", node_id=nid, job_id="j1", generation=1, exit_code=75,
+                            reason="emergency_checkpoint", last_step=70, ts=drv.now))
+    assert drv.job().phase == JobPhase.RESIZING
+    assert {t.node_id for t in cmds(d, Terminate)} == set(ids)  # old zone: nothing to keep
+    new = drv.launched(drv.decisions[[i for i, x in enumerate(drv.decisions) if la in x.commands][0]])
+    d = drv.register(new)
+    starts = cmds(d, StartGenerationCmd)
+    assert {s.node_id for s in starts} == set(new) and {s.resume_from for s in starts} == {"u70"}
+    assert {drv.state.nodes[s.node_id].pool.zone for s in starts} == {C.zone}
+
+
+def test_registration_before_node_launched() -> None:
+    drv = Driver()
+    drv(price(A, 10.0))
+    d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_max=1)))
+    (la,) = cmds(d, Launch)
+    nid = la.node_ids[0]
+    from orchestrator.events import NodeRegistered
+
+    d = drv(NodeRegistered(id="r", node_id=nid, instance_id="i-1", host="h1", ts=drv.now))
+    (start,) = cmds(d, StartGenerationCmd)
+    assert start.master_addr == "h1" and start.checkpoint_interval_s and start.checkpoint_interval_s >= 120
+    d = drv(NodeLaunched(node_id=nid, job_id="j1", instance_id="i-1", pool=A, token=la.token))
+    assert not d.commands and drv.state.nodes[nid].phase == NodePhase.RUNNING
