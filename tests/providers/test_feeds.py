@@ -43,12 +43,12 @@ async def _stream_ticks(js, subject: str = "orch.price.>") -> list[PriceTick]:  
     out = []
     try:
         while True:
-            msgs = await sub.fetch(50, timeout=0.5)
+            msgs = await sub.fetch(50, timeout=1.0)
             for m in msgs:
                 out.append(decode(m.data, PriceTick))
                 assert m.headers["Nats-Msg-Id"] == out[-1].id
                 await m.ack()
-    except nats.errors.TimeoutError:
+    except (nats.errors.TimeoutError, TimeoutError):  # an empty batch fetch can raise the plain asyncio one
         pass
     await sub.unsubscribe()
     return out
