@@ -24,7 +24,6 @@ signal, enqueue); long waits are separate tasks.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import signal
@@ -32,7 +31,6 @@ import socket
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -42,12 +40,14 @@ import nats
 import structlog
 from nats.aio.msg import Msg
 
+from agent.config import AgentConfig, ConfigError, load_config
 from agent.heartbeat import SystemSampler
 from agent.logship import LogShipper, ensure_logs_stream
 from agent.outbox import Outbox
 from agent.ranks import RankGroup, resume_step
 from agent.warm import WarmPool
-from agent.watchers import DEFAULT_ENDPOINT, AzureWatcher, Notice, make_watcher
+from agent.watchers import AzureWatcher, Notice, make_watcher
+from orchestrator import sdnotify
 from orchestrator.events import (
     AbandonGenerationCmd,
     AgentCommand,
@@ -64,7 +64,6 @@ from orchestrator.events import (
     NodeLeaving,
     NodeRegistered,
     NoticeKind,
-    PoolKey,
     PreemptionNotice,
     RanksExited,
     StartGenerationCmd,
@@ -81,35 +80,6 @@ from trainer import contract
 
 log = structlog.get_logger("agent")
 AGENT_VERSION = "0.1.0"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class AgentConfig:
-    node_id: str
-    nats_urls: tuple[str, ...] = ("nats://127.0.0.1:4222",)
-    nats_user: str = ""
-    nats_password: str = ""
-    nats_token: str = ""
-    nats_creds_file: str = ""
-    metadata: str = "none"
-    """Metadata flavour to watch: aws | gcp | azure | none."""
-    metadata_endpoint: str = DEFAULT_ENDPOINT
-    cloud_name: str = ""
-    """Cloud named in notice subjects and payloads; empty: the metadata flavour."""
-    work_dir: str = "./var/agent"
-    instance_id: str = ""
-    pool: PoolKey | None = None
-    heartbeat_s: float = 2.0
-    metadata_poll_s: float = 0.5
-    gcp_notice_s: float = 30.0
-    checkpoint_on_notice: bool = True
-    sigterm_grace_s: float = 30.0
-    collective_timeout_s: float = 60.0
-    exit_with_parent: bool = False
-    advertise_host: str = ""
-    warm_ranks: int = 0
-    """Pre-started interpreters with torch imported, handed to the next generation's ranks (0 = off)."""
-    """Address other nodes reach this one at (the rendezvous host when it is rank 0); default: hostname."""
 
 
 class Agent:
@@ -164,6 +134,10 @@ class Agent:
             opts["token"] = c.nats_token
         if c.nats_creds_file:
             opts["user_credentials"] = c.nats_creds_file
+        if c.nats_tls_ca_file:
+            import ssl
+
+            opts["tls"] = ssl.create_default_context(cafile=c.nats_tls_ca_file)
         wait = 0.2
         while True:
             try:
@@ -195,6 +169,10 @@ class Agent:
                 if self.cfg.exit_with_parent:
                     tg.start_soon(self._parent_watch, os.getppid())
                 log.info("agent_started", node_id=self.node_id, metadata=self.cfg.metadata, work_dir=str(self.work_dir))
+                sdnotify.notify_ready(f"node {self.node_id}: registered, idle")
+                wd = sdnotify.watchdog_interval_s()
+                if wd is not None:
+                    tg.start_soon(self._watchdog, wd)
                 task_status.started()
                 await self._shutdown.wait()
                 await self._leave(sub)
@@ -210,8 +188,18 @@ class Agent:
                     await nc.close()
                 self.stopped.set()
 
+    async def _watchdog(self, interval_s: float) -> None:
+        """WATCHDOG=1 from the event loop (a wedged loop stops the pings), STATUS= with the progress."""
+        while True:
+            sdnotify.notify_watchdog()
+            g = self.group
+            sdnotify.notify_status(f"node {self.node_id}: {self.state}" + (
+                f", job {g.job_id} generation {g.generation} step {g.last_step}" if g else ""))
+            await anyio.sleep(interval_s)
+
     def request_shutdown(self, reason: str) -> None:
         if not self._shutdown.is_set():
+            sdnotify.notify_stopping(f"node {self.node_id}: leaving ({reason})")
             self.shutdown_reason = reason
             self._shutdown.set()
 
@@ -480,56 +468,6 @@ class Agent:
 # --- command line -----------------------------------------------------------------------------------
 
 
-def _env(name: str, default: str = "") -> str:
-    return os.environ.get(name, default)
-
-
-def parse_args(argv: list[str] | None = None) -> AgentConfig:
-    p = argparse.ArgumentParser(prog="orch-agent", description=__doc__.split("\n\n")[0])
-    p.add_argument("--node-id", default=_env("ORCH_NODE_ID") or socket.gethostname().split(".")[0])
-    p.add_argument("--nats-url", action="append", default=None,
-                   help="NATS server URL (repeatable); env ORCH_NATS_URLS (comma separated)")
-    p.add_argument("--nats-user", default=_env("ORCH_NATS_USER"))
-    p.add_argument("--nats-password", default=_env("ORCH_NATS_PASSWORD"), help="prefer env ORCH_NATS_PASSWORD")
-    p.add_argument("--nats-token", default=_env("ORCH_NATS_TOKEN"), help="prefer env ORCH_NATS_TOKEN")
-    p.add_argument("--nats-creds", default=_env("ORCH_NATS_CREDS"), help="NATS .creds file")
-    p.add_argument("--metadata", choices=["aws", "gcp", "azure", "none"], default=_env("ORCH_METADATA", "none"))
-    p.add_argument("--metadata-endpoint", default=_env("ORCH_METADATA_ENDPOINT", DEFAULT_ENDPOINT))
-    p.add_argument("--cloud-name", default=_env("ORCH_CLOUD"))
-    p.add_argument("--work-dir", default=_env("ORCH_AGENT_WORK_DIR", "./var/agent"))
-    p.add_argument("--instance-id", default=_env("ORCH_INSTANCE_ID"))
-    p.add_argument("--pool", default=_env("ORCH_POOL"), help="the node's PoolKey as JSON")
-    p.add_argument("--heartbeat-s", type=float, default=float(_env("ORCH_HEARTBEAT_S", "2.0")))
-    p.add_argument("--metadata-poll-s", type=float, default=0.5)
-    p.add_argument("--gcp-notice-s", type=float, default=30.0)
-    p.add_argument("--sigterm-grace-s", type=float, default=30.0)
-    p.add_argument("--collective-timeout-s", type=float, default=60.0)
-    p.add_argument("--no-checkpoint-on-notice", action="store_true",
-                   help="only report notices; wait for orchd's checkpoint command")
-    p.add_argument("--advertise-host", default=_env("ORCH_ADVERTISE_HOST"),
-                   help="address peers use to reach this node (default: hostname)")
-    p.add_argument("--warm-ranks", type=int, default=int(_env("ORCH_WARM_RANKS", "0")),
-                   help="pre-start this many interpreters with torch imported for the next generation's ranks")
-    p.add_argument("--exit-with-parent", action="store_true", help="leave when the parent process exits")
-    p.add_argument("--log-level", default=_env("ORCH_LOG_LEVEL", "info"))
-    a = p.parse_args(argv)
-    urls = tuple(a.nats_url or [u for u in _env("ORCH_NATS_URLS", "nats://127.0.0.1:4222").split(",") if u])
-    pool = msgspec.json.decode(a.pool, type=PoolKey) if a.pool else None
-    cfg = AgentConfig(
-        node_id=a.node_id, nats_urls=urls, nats_user=a.nats_user, nats_password=a.nats_password,
-        nats_token=a.nats_token, nats_creds_file=a.nats_creds, metadata=a.metadata,
-        metadata_endpoint=a.metadata_endpoint, cloud_name=a.cloud_name, work_dir=a.work_dir,
-        instance_id=a.instance_id, pool=pool, heartbeat_s=a.heartbeat_s, metadata_poll_s=a.metadata_poll_s,
-        gcp_notice_s=a.gcp_notice_s, checkpoint_on_notice=not a.no_checkpoint_on_notice,
-        sigterm_grace_s=a.sigterm_grace_s, collective_timeout_s=a.collective_timeout_s,
-        exit_with_parent=a.exit_with_parent, advertise_host=a.advertise_host, warm_ranks=a.warm_ranks)
-    _LOG_LEVEL[0] = a.log_level
-    return cfg
-
-
-_LOG_LEVEL = ["info"]
-
-
 async def _amain(cfg: AgentConfig) -> int:
     agent = Agent(cfg)
 
@@ -538,6 +476,8 @@ async def _amain(cfg: AgentConfig) -> int:
             async for s in sigs:
                 log.info("signal_received", signal=signal.Signals(s).name)
                 agent.request_shutdown("sigterm" if s == signal.SIGTERM else "sigint")
+                if agent.nc is None:  # still trying to reach NATS: nothing to checkpoint or report
+                    tg.cancel_scope.cancel()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(signals)
@@ -547,10 +487,14 @@ async def _amain(cfg: AgentConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
+    try:
+        cfg = load_config(argv)
+    except ConfigError as e:
+        print(f"orch-agent: {e}", file=sys.stderr)
+        return 2
     from orchestrator.logs import configure
 
-    configure(_LOG_LEVEL[0])
+    configure(cfg.log_level)
     structlog.contextvars.bind_contextvars(node_id=cfg.node_id)  # one agent per process: safe here
     return anyio.run(_amain, cfg, backend="asyncio")
 

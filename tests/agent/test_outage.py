@@ -6,7 +6,6 @@ checkpoint, NodeLeaving, exit 0."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
