@@ -57,18 +57,17 @@ def synthetic_corpus(n_bytes: int = 1 << 20, seed: int = 1234) -> bytes:
 
 
 def load_tokens(path: str | None) -> np.ndarray:
-    """Tokens of a local text file, or of the built-in synthetic corpus when ``path`` is empty."""
+    """Tokens (uint8) of a local text file, or of the built-in synthetic corpus when ``path`` is empty."""
     if not path:
         return encode(synthetic_corpus())
-    with open(os.path.expanduser(path), "rb") as f:
-        return encode(f.read())
+    return np.memmap(os.path.expanduser(path), dtype=np.uint8, mode="r")  # bytes are the tokens; paged in lazily
 
 
 class Corpus:
     """Non-overlapping windows of seq_len+1 tokens (inputs and shifted targets)."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
-        self.tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        self.tokens = tokens  # uint8 (or a memmap of the file): widened per window, not for the whole corpus
         self.seq_len = seq_len
         self.num_samples = (len(self.tokens) - 1) // seq_len
         if self.num_samples < 1:
@@ -76,7 +75,7 @@ class Corpus:
 
     def window(self, index: int) -> np.ndarray:
         start = index * self.seq_len
-        return self.tokens[start : start + self.seq_len + 1]
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
 
 class GlobalOrder:

@@ -177,8 +177,9 @@ class Session:
                     sampler.load_state_dict(extra["data"])
                 self.user_state = extra.get("user", {})
                 start = int(extra["step"]) + 1
-                print(f"resumed_from dir={chosen} step={extra['step']} saved_world_size={extra['world_size']} "
-                      f"world_size={self.world_size}", flush=True)
+                if self.rank == 0:
+                    print(f"resumed_from dir={chosen} step={extra['step']} saved_world_size={extra['world_size']} "
+                          f"world_size={self.world_size}", flush=True)
         self.last_step = start - 1
         self._t_last = time.monotonic()
         return start

@@ -109,7 +109,9 @@ def test_corrupt_checkpoint_falls_back_to_previous(tmp_path: Path) -> None:
     shard = _final_dir(tmp_path, 4) / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])  # truncated shard in the newest checkpoint
 
-    g = Generation(GPT_CMD, 2, trainer_env(tmp_path, total_steps=5, args=args, resume="latest", generation=1))
+    # the survivor generation also switches FSDP -> DDP with activation checkpointing: same checkpoint
+    ddp = {**args, "mode": "ddp", "activation_checkpointing": True}
+    g = Generation(GPT_CMD, 2, trainer_env(tmp_path, total_steps=5, args=ddp, resume="latest", generation=1))
     assert g.wait() == [0, 0], g.log()
     out = "\n".join(g.ranks[0].lines)
     assert "checkpoint_fallback" in out and "__0_0.distcp" in out
