@@ -252,7 +252,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
     )
     return tx.job_phase(
         job, J.STARTING, reason="generation_started", generation=gen, gen_nodes=tuple(ids), gen_exited=(),
-        gen_ts=tx.now, gen_confirmed=False, intent=Intent.NONE, ckpt_interval_s=interval,
+        gen_ts=tx.now, gen_confirmed=False, intent=Intent.NONE, ckpt_interval_s=interval, avoid_pools=(),
     )
 
 
@@ -373,7 +373,8 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     if deficit <= 0:
         return job
     step = progress_step(tx, job)
-    if have and job.zone:
+    exclude = exclude | frozenset(job.avoid_pools)  # pools being left: never refill them
+    if job.zone and (have or job.generation):  # stay in the zone it runs/ran in (members, checkpoint locality)
         rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, zone=job.zone, exclude=exclude)
         if rank:
             return launch(tx, job, rank[0][2], deficit, "replacement", alternatives(rank, cfg))

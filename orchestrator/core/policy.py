@@ -253,7 +253,8 @@ def _migrate(tx: Tx, job: Job, rank: list, reason: str, cur: PoolStats | None) -
     tx.record(job.job_id, "migrate", reason, alternatives(rank, tx.cfg), src=cur.pool.name if cur else None,
               dst=best.pool.name)
     job = tx.update_job(job, zone=zone_of(best.pool), avoid_pools=avoid, migrate_ts=tx.now)
-    return lc.replenish(tx, job)
+    have = sum(1 for n in lc.job_nodes(tx, job) if lc.acceptable(job, n, suspect_ok=True))
+    return lc.launch(tx, job, best, job.target_nodes - have, "migrate", alternatives(rank, tx.cfg))
 
 
 def _price(tx: Tx, job: Job) -> Job:

@@ -235,6 +235,10 @@ def check(before: State, d: Any, now: float) -> None:
         assert len({zone_of(n.pool) for n in members}) <= 1
         for nid in job.nodes:
             assert nid in s.nodes and s.nodes[nid].job_id == job.job_id
+        # no runaway launching: in-flight nodes never exceed the target, nodes never exceed twice nodes_max
+        inflight = [n for n in job.nodes if s.nodes[n].phase in (NodePhase.REQUESTED, NodePhase.BOOTING)]
+        assert len(inflight) <= job.target_nodes, (len(inflight), job.target_nodes)
+        assert len(job.nodes) <= 2 * max(job.target_nodes, job.spec.nodes_max) + 1
         # budget: accrued + live burn + the termination tail stays under the cap
         if job.spec.budget_usd is not None:
             tx = Tx(s, "check", now)

@@ -255,6 +255,7 @@ def test_deadline_falls_back_to_on_demand() -> None:
         if od:
             break
     assert od and drv.job().force_on_demand
+    assert od[0].pool.zone == A.zone  # same zone: the checkpoint stays local
     assert any(a.action == "on_demand_fallback" for d in drv.decisions for a in d.audit)
     new = drv.launched(drv.decisions[-1])
     d = drv.register(new)
