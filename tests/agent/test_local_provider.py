@@ -81,3 +81,16 @@ def test_prices_fixed_override_and_replay(tmp_path) -> None:
         assert rp.price("local-a") == expect
         seen.add(expect)
     assert len(seen) > 3
+
+
+def test_from_settings_for_orchd_registry(tmp_path) -> None:
+    import pytest
+
+    from providers.local import from_settings
+
+    lp = from_settings({"work_dir": str(tmp_path), "zones": ["z1", "z2"], "prices": "replay",
+                        "metadata": {"z2": "azure"}, "replay_speedup": 60.0})
+    assert {q.pool.zone for q in lp.prices()} == {"z1", "z2"}
+    with pytest.raises(ValueError) as e:
+        from_settings({"zones": "z1", "colour": "blue", "replay_speedup": "fast"})
+    assert "colour" in str(e.value) and "replay_speedup" in str(e.value)

@@ -28,7 +28,7 @@ from orchestrator.demo_report import load_step_logs, loss_by_step
 STEPS = 60
 LOSS_TOL = 1e-4
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _reference_losses(tmp: Path, steps: int, seed: int) -> dict[int, float]:
@@ -42,7 +42,7 @@ def _reference_losses(tmp: Path, steps: int, seed: int) -> dict[int, float]:
 
 
 def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
-    opts = DemoOptions(steps=STEPS, notice_s=10.0, notice_at=0.2, vanish_at=0.55, spike=False, timeout_s=300.0,
+    opts = DemoOptions(steps=STEPS, notice_s=10.0, notice_at=0.2, vanish_at=0.55, spike=False, timeout_s=240.0,
                        state_dir=str(tmp_path / "demo"), keep=True, ckpt_every=10)
     result = anyio.run(run_demo, opts)
     r = result.report
