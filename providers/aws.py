@@ -176,7 +176,7 @@ def map_error(e: Exception, pool: PoolKey | None = None) -> ProviderError:
             return NotFound(msg, pool=pool)
         return ProviderError(msg, pool=pool)
     if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError | bx.NoAuthTokenError
-                  | bx.TokenRetrievalError | bx.UnauthorizedSSOTokenError):
+                  | bx.TokenRetrievalError | bx.UnauthorizedSSOTokenError | bx.ProfileNotFound):
         return AuthError(f"{type(e).__name__}: {e}", pool=pool)
     if isinstance(e, bx.ConnectionError | bx.HTTPClientError | bx.ResponseParserError):
         return TransientError(f"{type(e).__name__}: {e}", pool=pool)

@@ -227,8 +227,11 @@ def test_throttled_list_is_transient(provider: AwsProvider, cluster: str) -> Non
         events.unregister("before-call.ec2.DescribeInstances", hook)
 
 
-def test_no_credentials_is_auth_error() -> None:
+def test_no_credentials_is_auth_error(moto_url: str) -> None:
     assert isinstance(map_error(NoCredentialsError()), AuthError)
+    p = AwsProvider(_config(moto_url, profile="orch-no-such-profile"))
+    with pytest.raises(AuthError, match="ProfileNotFound"):
+        p.list_instances("c")
 
 
 def test_list_describe_terminate(provider: AwsProvider, moto_url: str, cluster: str) -> None:
