@@ -182,7 +182,7 @@ def build(args: TrainerArgs, sess: Session) -> Built:
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8, fused=sess.info.is_gpu or None)
+                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)  # foreach (default): works with DTensor params
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, sess.total_steps))
     corpus = Corpus(load_tokens(args.corpus), args.seq_len)
     sampler = ExactlyOnceSampler(corpus.num_samples, args.global_batch, args.seed)

@@ -34,10 +34,10 @@ class GPTConfig:
         return v * d + s * d + L * per_block + 2 * d + d * v  # emb, pos, blocks, final ln, head
 
     def flops_per_token(self) -> float:
-        """Training FLOPs per token (forward + backward = 3x forward), PaLM appendix B convention."""
+        """Training FLOPs per token, PaLM appendix B: 6N (N = matmul parameters: blocks + head) plus
+        12 * n_layer * d_model * seq_len for attention scores (full matrix, as PaLM counts it)."""
         n_matmul = self.n_layer * 12 * self.d_model**2 + self.d_model * self.vocab_size
-        attn = 12 * self.n_layer * self.d_model * self.seq_len // 2  # causal: half the score matrix
-        return 6.0 * n_matmul + attn
+        return 6.0 * n_matmul + 12.0 * self.n_layer * self.d_model * self.seq_len
 
 
 SIZES: dict[str, dict[str, int]] = {

@@ -71,7 +71,7 @@ def test_emergency_resume_is_bitwise_identical(tmp_path: Path) -> None:
 
 def test_reshard_2_3_1_consumes_every_sample_once(tmp_path: Path) -> None:
     total, B = 12, ARGS["global_batch"]
-    args = {**ARGS, "ckpt_every": 5}
+    args = {**ARGS, "ckpt_every": 1}  # a periodic save is (almost always) in flight when the request lands
     resume = ""
     plan = [(2, 3), (3, 8), (1, None)]  # (world size, stop at or after this step)
     for gen, (ws, at) in enumerate(plan):
@@ -98,6 +98,10 @@ def test_reshard_2_3_1_consumes_every_sample_once(tmp_path: Path) -> None:
         assert sorted(ids) == list(range((step - 1) * B, step * B)), (step, ids)  # fixed global batch, in order
     fed = [i for ids in by_step.values() for i in ids]
     assert len(fed) == len(set(fed)) == total * B
+    # whatever was in flight was finished or abandoned: every committed checkpoint verifies
+    entries = store.list_checkpoints(f"file://{tmp_path / 'ckpt'}")
+    assert [s for s, _, c in entries if c][-1] == total
+    assert all(store.verify(d) is None for _, d, c in entries if c)
 
 
 def test_corrupt_checkpoint_falls_back_to_previous(tmp_path: Path) -> None:
