@@ -264,9 +264,12 @@ class GcpProvider:
             if self._instances_client is None:
                 from google.cloud import compute_v1
 
-                kw = self._client_kwargs(self.config.compute_endpoint)
-                self._instances_client = compute_v1.InstancesClient(**kw)
-                self._ops_client = compute_v1.ZoneOperationsClient(**kw)
+                try:  # credentials are resolved here (ADC): a missing one is an AuthError, not a crash
+                    kw = self._client_kwargs(self.config.compute_endpoint)
+                    self._instances_client = compute_v1.InstancesClient(**kw)
+                    self._ops_client = compute_v1.ZoneOperationsClient(**kw)
+                except Exception as e:  # noqa: BLE001
+                    raise map_error(e) from e
             return self._instances_client, self._ops_client
 
     def _catalog(self) -> Any:
@@ -274,7 +277,11 @@ class GcpProvider:
             if self._catalog_client is None:
                 from google.cloud import billing_v1
 
-                self._catalog_client = billing_v1.CloudCatalogClient(**self._client_kwargs(self.config.billing_endpoint))
+                try:
+                    self._catalog_client = billing_v1.CloudCatalogClient(
+                        **self._client_kwargs(self.config.billing_endpoint))
+                except Exception as e:  # noqa: BLE001
+                    raise map_error(e) from e
             return self._catalog_client
 
     # --- launch ------------------------------------------------------------------------------------

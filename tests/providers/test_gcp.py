@@ -159,6 +159,15 @@ def test_http_errors_are_typed(provider: GcpProvider, fake: FakeGcp, cluster: st
     assert fake.live(label_value(cluster)) == []
 
 
+def test_missing_credentials_is_auth_error(fake: FakeGcp, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "missing.json"))
+    p = _provider(fake.url, anonymous=False)
+    with pytest.raises(AuthError):
+        p.list_instances("c")
+    with pytest.raises(AuthError):
+        p.prices()
+
+
 def test_list_pages_describe_terminate(provider: GcpProvider, fake: FakeGcp, cluster: str) -> None:
     res = provider.launch(request(pool("gcp", REGION, ZONE, "a2-highgpu-1g"), 3, cluster=cluster))
     provider.launch(request(pool("gcp", REGION, "us-central1-b", "a2-highgpu-1g"), 2, cluster=cluster, job="j2"))
