@@ -91,7 +91,11 @@ class NatsServer:
                 raise NatsServerError(f"nats-server exited with {self.proc.returncode}: {self._tail()}")
             ports = list(ports_dir.glob("*.ports"))
             if ports and self._ready():
-                data = json.loads(ports[0].read_text())
+                try:  # the server may still be writing the file
+                    data = json.loads(ports[0].read_text())
+                except (json.JSONDecodeError, OSError):
+                    time.sleep(0.02)
+                    continue
                 self.url = data["nats"][0]
                 return self
             time.sleep(0.02)
