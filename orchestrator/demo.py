@@ -70,14 +70,21 @@ class DemoResult:
 
 
 def demo_settings(state_dir: Path) -> Any:
-    from orchestrator.settings import DaemonSettings, LogSettings, MetricsSettings, ProvidersSettings, Settings
+    from orchestrator.settings import (
+        DaemonSettings,
+        FeedSettings,
+        LogSettings,
+        MetricsSettings,
+        ProvidersSettings,
+        Settings,
+    )
 
     return Settings(
         daemon=DaemonSettings(state_dir=str(state_dir / "orchd"), cluster_id="orch-demo", heartbeat_interval_s=1.0,
                               heartbeat_timeout_s=3.0, tick_s=0.5, command_ack_timeout_s=2.0),
         metrics=MetricsSettings(enabled=False),
         log=LogSettings(level="info", format="json"),
-        providers=ProvidersSettings(enabled=("local",)),
+        providers=ProvidersSettings(enabled=("local",), feeds={"local": FeedSettings(interval_s=1.0)}),
     )
 
 
@@ -142,12 +149,10 @@ class _View:
 
 async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
     """Run the scenario; return the report. ``progress(view)`` is called about twice a second."""
-    import nats
 
     from orchestrator.client import AdminClient
     from orchestrator.daemon import run_daemon
     from orchestrator.logs import configure
-    from providers.feeds import run_price_feed
 
     state_dir = Path(opts.state_dir or tempfile.mkdtemp(prefix="orch-demo-")).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +168,6 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
         async with anyio.create_task_group() as tg:
             d = await tg.start(functools.partial(run_daemon, core=demo_core(settings)), settings, {"local": provider})
             view.event(f"orchd up, embedded NATS {d.nats_url}")
-            nc = await nats.connect(d.nats_url.split(","))
             client = await AdminClient.connect(d.nats_url.split(","), timeout_s=5.0)
 
             async def monitor() -> None:
@@ -183,8 +187,7 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
                     await anyio.sleep(0.5)
 
             async with anyio.create_task_group() as tasks:
-                await tasks.start(lambda task_status: run_price_feed(nc.jetstream(), provider, interval_s=1.0,
-                                                                     task_status=task_status))
+                await _wait_for_prices(client, finished)  # orchd's price feed polls the provider every second
                 await client.submit(spec, JOB_ID)
                 view.event(f"job submitted: {opts.nodes} nodes x tiny GPT, {opts.steps} steps")
                 tasks.start_soon(monitor)
@@ -197,7 +200,6 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
                 tasks.cancel_scope.cancel()
             view.event(f"job {view.job.get('phase', '?')}")
             await client.close()
-            await nc.close()
             d.request_stop()
     finally:
         with anyio.CancelScope(shield=True):
@@ -223,6 +225,18 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
         shutil.rmtree(state_dir, ignore_errors=True)
         report["state_dir"] = None
     return result
+
+
+async def _wait_for_prices(client: Any, finished: anyio.Event, timeout_s: float = 15.0) -> None:
+    """Submit once orchd knows the pools (else the first placement waits for the next price round)."""
+    with anyio.move_on_after(timeout_s):
+        while not finished.is_set():
+            try:
+                if (await client.prices()).pools:
+                    return
+            except Exception:  # noqa: BLE001 - orchd still starting
+                pass
+            await anyio.sleep(0.2)
 
 
 def _gen_nodes(view: _View) -> list[dict[str, Any]]:
