@@ -60,6 +60,23 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def histogram_quantiles(metrics_url: str, name: str, qs: tuple[float, ...] = (0.5, 0.99)) -> dict[str, float | None]:
+    """Upper bucket bounds holding the quantiles of a Prometheus histogram (orchd's own view)."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        text = r.read().decode()
+    buckets = []
+    for line in text.splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    total = buckets[-1][1] if buckets else 0
+    out: dict[str, float | None] = {}
+    for q in qs:
+        out[f"p{int(q * 100)}_le_ms"] = next((le * 1000 for le, c in buckets if total and c >= q * total), None)
+    out["count"] = total
+    return out
+
+
 def events_total(metrics_url: str) -> float:
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
         text = r.read().decode()
@@ -90,7 +107,7 @@ command_ack_timeout_s = 5.0
 [metrics]
 port = 0
 [log]
-level = "warning"
+level = "{args.log_level}"
 format = "json"
 [providers]
 enabled = ["fake"]
@@ -241,6 +258,7 @@ interval_s = 3600
             notice_to_command_p99_ms=round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2) if lat else None,
             notice_to_command_max_ms=round(lat[-1], 2) if lat else None,
             notice_to_command_all_ms=[round(x, 1) for x in lat],
+            daemon_notice_to_command_sent=histogram_quantiles(metrics_url, "orchd_notice_to_command_seconds"),
         )
         log(f"latency phase: {result}")
 
@@ -294,7 +312,14 @@ interval_s = 3600
             daemon.kill()
         result["daemon_exit"] = daemon.returncode
         await nc.close()
-        server.cleanup()
+        server.stop()
+        if args.keep:
+            result["tmp_dir"] = str(tmp)
+        else:
+            server.cleanup()
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
     result["cpu_count"] = os.cpu_count()
     return result
 
@@ -307,6 +332,8 @@ def main() -> None:
     p.add_argument("--notice-rate", type=float, default=2.0, help="notices per second in the latency phase")
     p.add_argument("--price-rate", type=float, default=1.0, help="price ticks per second")
     p.add_argument("--burst", type=int, default=200_000, help="heartbeats in the capacity phase")
+    p.add_argument("--log-level", default="warning", help="orchd's log level (its log is in the temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (orchd.log) and print its path")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     result = asyncio.run(run(args))

@@ -56,8 +56,9 @@ _JS_TYPES = Union[ev.PriceTick, ev.PreemptionNotice, ev.NodeRegistered, ev.Gener
 _EXPECTED: dict[str, Any] = {"price": ev.PriceTick, "notice": ev.PreemptionNotice, "node_event": ev.NodeEvent}
 
 
-MAX_HEARTBEATS_PER_BATCH = 4000
+MAX_HEARTBEATS_PER_BATCH = 1000
 EXIT_LEASE_LOST = 3
+SLOW_BATCH_S = 0.25
 GAUGE_REFRESH_S = 10.0
 _HB_DECODER = msgspec.json.Decoder(ev.Heartbeat)
 
@@ -145,10 +146,16 @@ class Daemon:
                     self._flush_live = True
                     next_flush = time.monotonic() + self.settings.daemon.liveness_flush_s
                 sdnotify.notify_watchdog()
-            if len(batch):
+            if (batch.js or batch.shell) and batch.hb:
+                # Urgent first: notices, node events and admin intents are decided, persisted and their
+                # commands dispatched before the heartbeats taken with them are decided.
+                await self.process(Batch(batch.js, [], batch.shell))
+                await self.process(Batch([], batch.hb, []))
+            elif len(batch):
                 await self.process(batch)
 
     async def process(self, batch: Batch) -> None:
+        t_begin = time.perf_counter()
         core = self.core
         state = self.state
         dirty: set[str] = set()
@@ -268,9 +275,19 @@ class Daemon:
             while flushing and take:
                 dirty.add(flushing.pop())
                 take -= 1
+        t_decided = time.perf_counter()
         records = core.state_to_records(state, frozenset(dirty)) if dirty else {}
         live.difference_update(dirty)
         await self.store.persist(records, new_cmds, done_keys, audit)  # type: ignore[union-attr]
+        t_persisted = time.perf_counter()
+        m = self.metrics
+        m.batch_seconds.labels("decide").observe(t_decided - t_begin)
+        m.batch_seconds.labels("persist").observe(t_persisted - t_decided)
+        m.batch_events.observe(decided)
+        if t_persisted - t_begin > SLOW_BATCH_S:
+            log.warning("slow_batch", decide_s=round(t_decided - t_begin, 3), persist_s=round(t_persisted - t_decided, 3),
+                        events=decided, records=len(records), commands=len(new_cmds), audit=len(audit),
+                        types=dict(counts))
         self.state = state
         for msg in to_ack:
             await _ack(msg)
@@ -280,6 +297,8 @@ class Daemon:
         self.notice_ts.update(notice_of)
         for key, c in new_cmds.items():
             self.executor.submit(key, c)  # type: ignore[union-attr]
+        if new_cmds:
+            await anyio.sleep(0)  # let the executor's tasks send before the next batch is decided
         self.events_decided += decided
         self.batches += 1
         for name, n in counts.items():
@@ -374,22 +393,25 @@ async def run_daemon(
         urls = (server.url,)
         log.info("embedded_nats_started", url=server.url, store=str(server.store_dir))
     d.nats_url = ",".join(urls)
-    nc = None
+    nc = ctl = None
     http = None
     try:
         nc = await bus.connect(settings.nats, urls, name="orchd", on_state=d._on_bus_state)
+        # A second connection for writes and commands: their acks and replies never queue behind
+        # the heartbeat flood that the intake connection reads (one reader task per connection).
+        ctl = await bus.connect(settings.nats, urls, name="orchd-ctl")
         d.connected = True
         d.metrics.nats_connected.set(1)
         topo = await bus.ensure_topology(nc, settings.nats.stream_replicas)
         lease = await _take_lease(d, topo.js)
         if lease is None and settings.daemon.ha:
             return d  # stopped while standing by
-        d.store = Store(topo)
+        d.store = Store(topo, writer=ctl)
         records, outbox = await d.store.load()  # only the leader reads: the state is its from here on
         d.state = d.core.restore(records) if records else d.core.empty_state()
         d.intake.put_shell(ShellItem(LeaseChanged(revision=d.fencing_token)))
         log.info("state_loaded", records=len(records), outbox=len(outbox), fencing_token=d.fencing_token)
-        d.executor = Executor(settings, providers, nc, d._on_result, d.metrics, nats_urls=urls,
+        d.executor = Executor(settings, providers, ctl, d._on_result, d.metrics, nats_urls=urls,
                               on_agent_sent=d._on_agent_sent,
                               may_act=(lease.valid if lease is not None else _always))
         if settings.metrics.enabled:
@@ -434,9 +456,10 @@ async def run_daemon(
             d.metrics.up.set(0)
             if http is not None:
                 http.shutdown()
-            if nc is not None:
-                with anyio.move_on_after(3):
-                    await _quietly(nc.close())
+            for conn in (ctl, nc):
+                if conn is not None:
+                    with anyio.move_on_after(3):
+                        await _quietly(conn.close())
             if server is not None:
                 await anyio.to_thread.run_sync(server.stop)
             log.info("orchd_stopped", events=d.events_decided, exit_code=d.exit_code)

@@ -85,3 +85,12 @@ class Metrics:
             "orchd_lease_revision", "Revision (fencing token) of the leader lease this orchd holds; 0 on standby",
             registry=r,
         )
+        # Added by the shell (orchestrator/daemon.py): the decide loop's own cost.
+        self.batch_seconds = Histogram(
+            "orchd_batch_seconds", "Wall time of one decide batch (decide + persist + ack), by part",
+            ["part"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r,
+        )
+        self.batch_events = Histogram(
+            "orchd_batch_events", "Events decided per batch",
+            buckets=(1, 2, 5, 10, 50, 100, 500, 1000, 5000), registry=r,
+        )

@@ -73,7 +73,7 @@ class DaemonSettings:
     liveness_flush_s: float = 5.0
     """Heartbeat-only changes (last_seen, step) are persisted at most this often per node (the core
     leaves them out of ``dirty``); every other change is persisted with its batch."""
-    liveness_flush_max: int = 2000
+    liveness_flush_max: int = 500
     """At most this many liveness records per batch, so a flush never stalls the decide loop."""
     lease_ttl_s: float = 6.0
     """HA leader lease TTL; the revision is the fencing token."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import anyio
 import msgspec
@@ -61,11 +62,12 @@ def audit_subject(job_id: str | None) -> str:
 
 
 class Store:
-    def __init__(self, topo: bus.Topology, *, write_timeout_s: float = 5.0) -> None:
+    def __init__(self, topo: bus.Topology, *, writer: Any = None, write_timeout_s: float = 5.0) -> None:
         self.topo = topo
         self.js = topo.js
         self.write_timeout_s = write_timeout_s
         self.writes = 0
+        self._pipe = _Pipeline(writer or topo.nc)  # writer: a connection of its own (see daemon)
 
     async def load(self) -> tuple[dict[str, bytes], dict[str, Command]]:
         """Every live record and every pending outbox command."""
@@ -107,31 +109,11 @@ class Store:
         """Publish all items pipelined; retry the ones not acknowledged until every one is stored.
 
         A retried KV put may be stored twice (the first one was stored but its ack lost): harmless,
-        the later revision has the same value. Audit messages carry a Nats-Msg-Id for de-duplication."""
+        the later revision has the same value."""
         pending = items
         attempt = 0
         while pending:
-            failed: list[tuple[str, bytes, dict | None]] = []
-            futures: list[tuple[tuple[str, bytes, dict | None], asyncio.Future | None]] = []
-            for item in pending:
-                subject, data, headers = item
-                try:
-                    fut = await self.js.publish_async(subject, data, headers=headers, wait_stall=self.write_timeout_s)
-                    futures.append((item, fut))
-                except Exception as e:  # disconnected, stalled: retry below
-                    log.debug("store_publish_failed", subject=subject, error=repr(e))
-                    failed.append(item)
-            with anyio.move_on_after(self.write_timeout_s):
-                for item, fut in futures:
-                    try:
-                        await asyncio.shield(fut)
-                    except Exception as e:
-                        log.debug("store_write_nacked", subject=item[0], error=repr(e))
-                        failed.append(item)
-            for item, fut in futures:
-                if not fut.done():
-                    fut.cancel()
-                    failed.append(item)
+            failed = await self._pipe.write(pending, self.write_timeout_s)
             self.writes += len(pending) - len(failed)
             pending = failed
             if pending:
@@ -172,3 +154,53 @@ async def _load_bucket(kv: KeyValue) -> dict[str, bytes]:
     finally:
         await watcher.stop()
     return out
+
+
+class _Pipeline:
+    """Pipelined JetStream publishes with one reply subscription (``<inbox>.<token>``) and a counter.
+
+    Leaner than ``js.publish_async`` (no task per semaphore wait, no future per message): a batch of
+    N writes costs N publishes and N small ack callbacks, one round trip of latency in all."""
+
+    def __init__(self, nc: Any) -> None:
+        self.nc = nc
+        self.prefix = ""
+        self.pending: dict[str, int] = {}
+        self.failed: set[int] = set()
+        self.done = asyncio.Event()
+        self.round = 0
+
+    async def _on_ack(self, msg: Any) -> None:
+        idx = self.pending.pop(msg.subject[len(self.prefix):], None)
+        if idx is None:
+            return  # a late ack of an earlier round
+        status = msg.headers.get("Status") if msg.headers else None
+        if (status and status != "200") or b'"error"' in msg.data[:64]:
+            self.failed.add(idx)
+        if not self.pending:
+            self.done.set()
+
+    async def write(self, items: list[tuple[str, bytes, dict | None]], timeout_s: float) -> list:
+        if not self.prefix:
+            self.prefix = self.nc.new_inbox() + "."
+            await self.nc.subscribe(self.prefix + "*", cb=self._on_ack, pending_msgs_limit=1_000_000)
+        self.round += 1
+        self.pending = {}
+        self.failed = set()
+        self.done = asyncio.Event()
+        failed_now: set[int] = set()
+        for i, (subject, data, headers) in enumerate(items):
+            token = f"{self.round}-{i}"
+            self.pending[token] = i
+            try:
+                await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+            except Exception as e:  # closed/draining: counted as not stored
+                self.pending.pop(token, None)
+                failed_now.add(i)
+                log.debug("store_publish_failed", subject=subject, error=type(e).__name__)
+        if self.pending:
+            with anyio.move_on_after(timeout_s):
+                await self.done.wait()
+        lost = set(self.pending.values()) | self.failed | failed_now
+        self.pending = {}
+        return [items[i] for i in sorted(lost)]
