@@ -59,6 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--tick-s", type=float, default=300.0, help="minimum simulation tick")
     r.add_argument("--quantum-s", type=float, default=150.0, help="progress quantum (overheads round up to it)")
     r.add_argument("--workers", type=int, default=1, help="processes for optimal and orchd")
+    r.add_argument("--orchd-capacity-hints", action=argparse.BooleanOptionalAction, default=True,
+                   help="tell the core each zone's current capacity (like a placement score); "
+                        "--no-orchd-capacity-hints: it learns from launch failures only")
     r.add_argument("--json", action="store_true")
     r.add_argument("--plot", default=None, metavar="OUT.png")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
@@ -117,7 +120,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
     jobs = make_jobs(sc, job_hours=a.job_hours, deadline_hours=a.deadline_hours, nodes=a.nodes, count=a.jobs)
     policies = a.policy or list(ALL_POLICIES)
     with progress_bar(len(jobs) * len(policies), "replay", a.progress) as adv:
-        res = replay(sc, jobs, policies, ov, progress=adv, workers=a.workers)
+        res = replay(sc, jobs, policies, ov, progress=adv, workers=a.workers,
+                     orchd_kw={"capacity_hints": a.orchd_capacity_hints})
     meta = {
         "zones": [z.name for z in sc.zones],
         "tick_s": sc.tick_s,
@@ -128,6 +132,7 @@ def cmd_replay(a: argparse.Namespace) -> int:
         "deadline_hours": a.deadline_hours,
         "nodes": a.nodes,
         "jobs": len(jobs),
+        "orchd_capacity_hints": a.orchd_capacity_hints,
     }
     if a.json:
         print(to_json(res, **meta))

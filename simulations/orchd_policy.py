@@ -38,9 +38,15 @@ def core_config(ov: Overheads, **overrides: Any) -> CoreConfig:
 
 
 def run_orchd_job(
-    sc: Scenario, job: Job, ov: Overheads, *, config: CoreConfig | None = None, record: bool = False
+    sc: Scenario,
+    job: Job,
+    ov: Overheads,
+    *,
+    config: CoreConfig | None = None,
+    record: bool = False,
+    capacity_hints: bool = True,
 ) -> tuple[JobResult, WorldResult]:
-    w = World(sc, job, ov, config=config or core_config(ov), record=record)
+    w = World(sc, job, ov, config=config or core_config(ov), record=record, capacity_hints=capacity_hints)
     r = w.run()
     od_price = float(sc.od_price.min())
     work_h = job.work_q * sc.quantum_s / 3600.0
@@ -67,8 +73,10 @@ class OrchdRunner:
 
     name = "orchd"
 
-    def __init__(self, **overrides: Any) -> None:
+    def __init__(self, capacity_hints: bool = True, **overrides: Any) -> None:
+        self.capacity_hints = capacity_hints
         self.overrides = overrides
 
     def run(self, sc: Scenario, job: Job, ov: Overheads) -> JobResult:
-        return run_orchd_job(sc, job, ov, config=core_config(ov, **self.overrides))[0]
+        cfg = core_config(ov, **self.overrides)
+        return run_orchd_job(sc, job, ov, config=cfg, capacity_hints=self.capacity_hints)[0]

@@ -7,7 +7,8 @@ returns:
 
   market      PriceTick per zone's spot pool at each trace tick where its price or capacity changed
               (capacity_hint 1/0 from the trace: what a placement score would say; the baselines see
-              the same current-tick capacity); the on-demand pool of each zone rides on it.
+              the same current-tick capacity; ``capacity_hints=False`` sends none, so the core learns
+              capacity from LaunchFailed only); the on-demand pool of each zone rides on it.
   Launch      spot: NodeLaunched at once when the zone has room for the nodes in this tick, else
               LaunchFailed(capacity); on-demand always succeeds. NodeRegistered after launch_delay_s.
   StartGenerationCmd   GenerationStarted after restart_s (+ region/cloud migration when the
@@ -83,7 +84,8 @@ class WNode:
     generation: int = 0
     training: bool = False
     hb_seq: int = 0
-    doomed_at: float | None = None  # notice sent for a death at this time
+    doomed_at: float | None = None  # notice scheduled for a death at this time
+    noticed: bool = False  # the notice was delivered
 
 
 @dataclass(slots=True)
@@ -91,7 +93,7 @@ class WorldResult:
     cost_usd: float
     done_ts: float | None  # virtual seconds from the start
     deadline_met: bool
-    preemptions: int
+    preemptions: int  # provider preemptions of the job's nodes (noticed or not)
     billed_node_s: float
     useful_s: float
     decisions: int
@@ -112,8 +114,10 @@ class World:
         config: CoreConfig | None = None,
         record: bool = False,
         max_overrun: float = 3.0,
+        capacity_hints: bool = True,
     ) -> None:
         self.sc, self.job, self.ov = sc, job, ov
+        self.capacity_hints = capacity_hints
         self.record = record
         self.cfg = config or CoreConfig()
         self.state = State.empty(self.cfg)
@@ -383,6 +387,8 @@ class World:
         elif kind == "notice":
             n = self.nodes.get(data[0])
             if n is not None and n.alive:
+                n.noticed = True
+                self.preemptions += 1
                 self.feed(PreemptionNotice(id=f"n{next(self.msg)}", node_id=n.node_id, cloud=n.pool.cloud,
                                            deadline_ts=data[1], observed_ts=self.now))
         elif kind == "death":
@@ -393,7 +399,8 @@ class World:
     def kill(self, n: WNode) -> None:
         n.alive = False
         self.live.pop(n.node_id, None)
-        self.preemptions += 1
+        if not n.noticed:
+            self.preemptions += 1  # noticed nodes were counted at their notice
         self.log("preempted", f"{n.node_id} {n.pool.name}")
         if n.node_id in self.gen_members and n.training:
             self.stop_training()
@@ -421,7 +428,7 @@ class World:
                 od = float(self.sc.od_price[self.sc.zone_region[z]])
                 self.feed(PriceTick(id=f"p{next(self.msg)}", pool=pk, gpu_type=GPU, gpus_per_node=1,
                                     price_usd_h=price if math.isfinite(price) else od, on_demand_usd_h=od,
-                                    capacity_hint=hint, ts=self.now))
+                                    capacity_hint=hint if self.capacity_hints else None, ts=self.now))
         # then preemptions at this boundary (nodes whose zone lost capacity; noticed ones already know)
         for z, spot in self.spot_by_zone().items():
             cap = self.capacity(z, k) if self.usable[z, t] else 0
@@ -506,7 +513,7 @@ class World:
             self.last_hint[z] = (price, hint)
             self.feed(PriceTick(id=f"p{next(self.msg)}", pool=pk, gpu_type=GPU, gpus_per_node=1,
                                 price_usd_h=price if math.isfinite(price) else od, on_demand_usd_h=od,
-                                capacity_hint=hint, ts=self.now))
+                                capacity_hint=hint if self.capacity_hints else None, ts=self.now))
 
 
 def replace_config(cfg: CoreConfig, **kw) -> CoreConfig:

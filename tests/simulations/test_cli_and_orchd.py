@@ -94,3 +94,24 @@ def test_orchd_on_a_real_trace_end_to_end(shared):
     assert jr.cost_usd > 0 and wr.billed_node_s > 0
     # whatever the core decided, the world's books balance: useful work never exceeds billed time
     assert wr.useful_s <= wr.billed_node_s + 1e-6
+
+
+def test_orchd_notice_checkpoint_and_resume_lose_no_work():
+    # one zone, spot everywhere except a 3-tick outage: the core gets a notice, checkpoints, goes on
+    # (a replacement) and finishes; no trained step is lost, only overheads are paid
+    avail = np.ones((1, 200))
+    avail[0, 20:23] = 0
+    sc = tiny_scenario(avail, regions_of_zones=[0], spot=np.full((1, 200), 0.3), od=[1.0])
+    job = Job(start_tick=0, work_q=60, deadline_ticks=80)  # 30 ticks of work, 50 of slack
+    jr, wr = run_orchd_job(sc, job, OV, record=True)
+    assert wr.phase == "succeeded" and jr.deadline_met
+    assert wr.preemptions == 1  # counted at the notice; the node left after its checkpoint
+    assert wr.actions.get("preemption_notice:metadata") == 1
+    assert not any(what == "preempted" for _, what, _ in wr.timeline)  # nothing died while training
+    assert wr.actions.get("checkpoint_committed:emergency", 0) >= 1
+    # progress is continuous: every generation resumes where the last commit left it
+    starts = [d for _, what, d in wr.timeline if what == "start_generation"]
+    assert len(starts) >= 2 and starts[0].endswith("from 0.00 h")
+    # billed hours = work + overheads (launch, restart, save), nothing redone
+    work_h = 60 * 150 / 3600
+    assert work_h < wr.billed_node_s / 3600 < work_h + 1.0
