@@ -37,10 +37,11 @@ VERSION = "0.1.0"
 
 
 class AdminFailure(Exception):
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, code: int, message: str, reason: str | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.reason = reason  # the rejection counter's label (default: from the code)
 
 
 async def start_service(nc: Any, d: Any) -> Any:
@@ -52,28 +53,45 @@ async def start_service(nc: Any, d: Any) -> Any:
     for (resource, verb), (req_type, _reply_type) in ev.ADMIN_ENDPOINTS.items():
         fn = getattr(handlers, f"{resource}_{verb}")
         group = root.add_group(name=resource)
-        await group.add_endpoint(name=f"{resource}-{verb}", subject=verb, handler=_wrap(resource, verb, req_type, fn))
+        await group.add_endpoint(name=f"{resource}-{verb}", subject=verb,
+                                 handler=_wrap(resource, verb, req_type, fn, d.metrics))
     return svc
 
 
-def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitable[msgspec.Struct]]) -> Any:
+_ERROR_REASONS = {400: "bad_request", 404: "not_found", 409: "conflict"}
+
+
+def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitable[msgspec.Struct]],
+          metrics: Any = None) -> Any:
+    """Every error answer is counted in ``orchd_messages_rejected{kind="admin", reason}``: the wire
+    reason of an undecodable request (bad_json, bad_schema, bad_version, too_large...), else
+    bad_request / not_found / conflict / internal_error."""
+
+    def count(reason: str) -> None:
+        if metrics is not None:
+            metrics.rejected.labels("admin", reason).inc()
+
     async def handler(request: Request) -> None:
         t0 = time.perf_counter()
         try:
             try:
-                req = ev.decode(request.data or b"{}", req_type) if request.data else req_type()
+                # An empty body means the defaults; a request type with required fields then fails
+                # as a bad_schema 400 (not as a TypeError 500).
+                req = ev.decode(request.data or b"{}", req_type)
             except ev.WireError as e:
-                raise AdminFailure(400, f"bad {resource}.{verb} request: {e.detail}") from None
+                raise AdminFailure(400, f"bad {resource}.{verb} request: {e.detail}", e.reason) from None
             ctx = {k: getattr(req, k) for k in ("job_id", "node_id") if getattr(req, k, None)}
             with structlog.contextvars.bound_contextvars(admin=f"{resource}.{verb}", **ctx):
                 reply = await fn(req)
                 log.debug("admin_request", ms=round((time.perf_counter() - t0) * 1000, 2))
             await request.respond(ev.encode(reply))
         except AdminFailure as e:
+            count(e.reason or _ERROR_REASONS.get(e.code, f"http_{e.code}"))
             await request.respond_error(str(e.code), _one_line(e.message),
                                         data=ev.encode(ev.AdminErrorBody(code=e.code, message=e.message)))
         except Exception as e:  # never let a handler bug reach the client as a repr, never crash
             log.exception("admin_handler_failed", endpoint=f"{resource}.{verb}")
+            count("internal_error")
             msg = f"internal error in {resource}.{verb}: {type(e).__name__}"
             await request.respond_error("500", msg, data=ev.encode(ev.AdminErrorBody(code=500, message=msg)))
 
@@ -110,7 +128,7 @@ class Handlers:
     async def jobs_submit(self, req: ev.SubmitJobRequest) -> ev.SubmitJobReply:
         problems = spec_problems(req.spec)
         if problems:
-            raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems))
+            raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems), "invalid_spec")
         job_id = req.job_id or new_job_id(req.spec, secrets.token_hex(3))
         if job_id in self.d.state.jobs:
             return ev.SubmitJobReply(job_id=job_id, created=False)

@@ -42,7 +42,7 @@ from orchestrator import bus, events as ev, sdnotify
 from orchestrator.core.inputs import BusState, LeaseChanged, Tick
 from orchestrator.executor import Executor, Result
 from orchestrator.lease import LeaderLease, lease_bucket
-from orchestrator.ingest import Batch, Intake, ShellItem
+from orchestrator.ingest import Batch, Intake, ShellItem, screen, screen_heartbeat
 from orchestrator.metrics import Metrics
 from orchestrator.natsserver import NatsServer
 from orchestrator.settings import Settings, SettingsError, load_settings
@@ -213,6 +213,9 @@ class Daemon:
         for kind, msg in batch.js:
             try:
                 event = ev.decode(msg.data, _EXPECTED.get(bus.message_kind(msg.subject), _JS_TYPES))
+                reason = screen(msg.subject, event)
+                if reason is not None:
+                    raise ev.WireError(reason, f"{type(event).__name__} on {msg.subject}")
             except ev.WireError as e:
                 self.metrics.rejected.labels(bus.message_kind(msg.subject), e.reason).inc()
                 log.warning("message_rejected", subject=msg.subject, reason=e.reason, detail=e.detail[:200])
@@ -234,9 +237,14 @@ class Daemon:
         n_hb = 0
         for i, msg in enumerate(batch.hb):
             try:
+                if len(msg.data) > ev.MAX_MESSAGE_BYTES:
+                    raise ev.WireError("too_large", str(len(msg.data)))
                 hb = hb_decode(msg.data)
                 if hb.v != ev.SCHEMA_VERSION:
                     raise ev.WireError("bad_version", str(hb.v))
+                bad = screen_heartbeat(msg.subject, hb)
+                if bad is not None:
+                    raise ev.WireError(bad, msg.subject)
             except (msgspec.DecodeError, ev.WireError) as e:
                 reason = e.reason if isinstance(e, ev.WireError) else _hb_reason(e)
                 self.metrics.rejected.labels("heartbeat", reason).inc()

@@ -143,3 +143,67 @@ class Intake:
                     await sub.unsubscribe()
                 except Exception:
                     pass
+
+
+# --- screening: what a schema cannot say -----------------------------------------------------------
+
+_NODE_EVENT_INTS = ("generation", "first_step", "step", "last_step")
+
+
+def _finite(x: float | None, *, lo: float | None = 0.0, hi: float | None = None, optional: bool = False) -> bool:
+    if x is None:
+        return optional
+    if x != x or x in (float("inf"), float("-inf")):
+        return False
+    return (lo is None or x >= lo) and (hi is None or x <= hi)
+
+
+def screen(subject: str, msg: Any) -> str | None:
+    """A rejection reason for a decoded JetStream message, or None when it may reach the core.
+
+    Decoding checks the shape; this checks what the shape cannot: the subject names the publisher
+    (``orch.node.<node>.event`` / ``orch.notice.<cloud>.<node>`` may only carry that node's events -
+    per-node NATS permissions mean nothing otherwise; ``orch.price.<cloud>.<region>`` only that
+    cloud/region's pools) -> ``subject_mismatch``; numbers that no honest publisher sends (negative or
+    non-finite prices, times, steps, generations; capacity hints outside 0..1; gpus_per_node < 1) and
+    empty ids -> ``bad_value``. Pure and cheap: called once per message by the decide loop."""
+    from orchestrator import events as ev
+
+    parts = subject.split(".")
+    if isinstance(msg, ev.PriceTick):
+        p = msg.pool
+        if len(parts) != 4 or parts[2] != p.cloud or parts[3] != p.region:
+            return "subject_mismatch"
+        if not (msg.id and p.zone and p.instance_type and msg.gpu_type) or msg.gpus_per_node < 1:
+            return "bad_value"
+        if not (_finite(msg.price_usd_h) and _finite(msg.on_demand_usd_h, optional=True)
+                and _finite(msg.capacity_hint, hi=1.0, optional=True) and _finite(msg.ts)):
+            return "bad_value"
+        return None
+    if isinstance(msg, ev.PreemptionNotice):
+        if len(parts) != 4 or parts[2] != msg.cloud or parts[3] != msg.node_id:
+            return "subject_mismatch"
+        if not msg.id or not (_finite(msg.deadline_ts, optional=True) and _finite(msg.observed_ts)):
+            return "bad_value"
+        return None
+    # node events: orch.node.<node>.event
+    if len(parts) != 4 or parts[1] != "node" or parts[2] != msg.node_id:
+        return "subject_mismatch"
+    if not msg.id or not _finite(msg.ts):
+        return "bad_value"
+    for name in _NODE_EVENT_INTS:
+        if getattr(msg, name, 0) < 0:
+            return "bad_value"
+    if isinstance(msg, ev.CheckpointCommitted) and not (
+            _finite(msg.save_s) and _finite(msg.deadline_margin_s, lo=None, optional=True)):
+        return "bad_value"
+    return None
+
+
+def screen_heartbeat(subject: str, hb: Any) -> str | None:
+    """``screen`` for a heartbeat (the hot path: two comparisons): its subject must name its node."""
+    if subject[10:-3] != hb.node_id:  # "orch.node." + node + ".hb"
+        return "subject_mismatch"
+    if hb.seq < 0 or hb.step < 0 or hb.generation < 0:
+        return "bad_value"
+    return None
