@@ -10,7 +10,8 @@ checkpoint when one is corrupt or partial. Rotation keeps the newest ``keep`` co
 Concurrency: one pending async save at a time. Its completion is agreed at a step boundary (the
 per-step all-reduce carries "my save is done / failed"), then rank 0 commits; a save that failed on any
 rank is abandoned (no marker, removed by a later rotation). All checkpoint collectives run on the
-dedicated gloo group ``DistInfo.ckpt_group``.
+dedicated gloo groups: ``DistInfo.ckpt_group`` for background saves and loading, ``save_group`` for
+blocking saves, so an abandoned background save can never collide with the emergency save.
 """
 
 from __future__ import annotations
@@ -143,7 +144,7 @@ class CheckpointManager:
         or raises."""
         t0 = started if started is not None else time.monotonic()
         dir_url, writer, state = self._prepare(step, model, optimizer, extra)
-        dcp.save(state, storage_writer=writer, process_group=self.info.ckpt_group)
+        dcp.save(state, storage_writer=writer, process_group=self.info.save_group)
         return self._commit(step, dir_url, t0)
 
     def save_async(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> None:
@@ -214,7 +215,7 @@ class CheckpointManager:
             except Exception as e:
                 outcome[0] = ("error", repr(e))
         if self.info.world_size > 1:
-            dist.broadcast_object_list(outcome, src=0, group=self.info.ckpt_group)
+            dist.broadcast_object_list(outcome, src=0, group=self.info.save_group)
         status, value = outcome[0]
         if status != "ok":
             raise RuntimeError(f"commit of {dir_url} failed on rank 0: {value}")

@@ -6,8 +6,10 @@ RANK means a single process (world size 1, a loopback store on a free port).
 
 Collectives run with ORCH_COLLECTIVE_TIMEOUT_S, so a vanished peer surfaces as an exception (mapped to
 EXIT_PEER_LOST by the caller) instead of a hang. On GPU the default group is "cpu:gloo,cuda:nccl" (DCP
-async save needs a CPU backend); checkpoint collectives use their own gloo group so that a thread-based
-async save never interleaves with training collectives on the same communicator.
+async save needs a CPU backend). Checkpoint collectives use two gloo groups of their own (timeout
+max(ORCH_COLLECTIVE_TIMEOUT_S, 300 s)): one for background (async) saves, one for blocking saves, so
+a thread-based save still running in the background never interleaves with training collectives or with
+an emergency save on the same communicator.
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ class DistInfo:
     local_rank: int
     device: torch.device
     mesh: DeviceMesh
-    ckpt_group: dist.ProcessGroup  # gloo group reserved for checkpoint collectives
+    ckpt_group: dist.ProcessGroup  # gloo: async (background) saves and loading
+    save_group: dist.ProcessGroup  # gloo: blocking saves and commits (never shared with a background save)
 
     @property
     def is_gpu(self) -> bool:
         return self.device.type == "cuda"
+
+
+CKPT_COLLECTIVE_TIMEOUT_S = 300.0
 
 
 def _free_port() -> int:
@@ -67,8 +73,12 @@ def init(device: str = "auto") -> DistInfo:
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=ws, timeout=timeout)
     mesh = init_device_mesh(dev.type, (ws,))
-    ckpt_group = dist.new_group(backend="gloo", timeout=timeout)
-    return DistInfo(rank, ws, local_rank, dev, mesh, ckpt_group)
+    # Saves wait for the slowest rank's writes: a longer timeout than the training collectives', so a
+    # slow shared filesystem is not mistaken for a dead peer (the agent can still kill the generation).
+    ckpt_timeout = dt.timedelta(seconds=max(collective_timeout_s(), CKPT_COLLECTIVE_TIMEOUT_S))
+    ckpt_group = dist.new_group(backend="gloo", timeout=ckpt_timeout)
+    save_group = dist.new_group(backend="gloo", timeout=ckpt_timeout)
+    return DistInfo(rank, ws, local_rank, dev, mesh, ckpt_group, save_group)
 
 
 def shutdown() -> None:

@@ -257,7 +257,9 @@ class Session:
             return
         left = None if deadline is None else max(0.0, deadline - time.time() - 1.0)
         still, failed = self.ckpt.wait_pending(left)
-        v = agree(self.emergency, save_pending=still, save_failed=failed, group=self.info.ckpt_group)
+        # the training group: only this (main) thread uses it, unlike ckpt_group (a save may still run there)
+        v = agree(self.emergency, save_pending=still, save_failed=failed,
+                  device=self.info.device if self.info.is_gpu else "cpu")
         if not v.saves_done:
             print(f"abandoning periodic checkpoint of step {self.ckpt.pending.step}: still writing at the deadline", flush=True)
             self.ckpt.pending = None
