@@ -1,0 +1,16 @@
+"""Chaos drills of orchd (issue 7): kill -9 at seeded random points, a NATS server restart mid-training,
+and a fuzzer of malformed / hostile messages on every subject and the admin service.
+
+Everything is real except the GPU hosts: a real ``nats-server`` (``orchestrator.natsserver``), orchd as a
+real subprocess (``python -m orchestrator.daemon``), the file-backed fake cloud of
+``orchestrator.registry.FileFakeCloud`` (so launches survive orchd's death and are counted on the cloud
+side, from the file), and simulated agents (``agents.SimFleet``: NATS clients that register, ack
+commands, heartbeat, train at a fixed step rate and report checkpoint commits) instead of orch-agent with
+trainer processes, to keep a drill in seconds.
+
+    python -m simulations.chaos [--seed S] [--iterations N] [--fuzz N] [--json]
+
+Modules: ``harness`` (nats-server, the orchd subprocess, metrics, cloud-side counting), ``agents``
+(simulated agents), ``kill9`` (kill -9 drill), ``natsrestart`` (NATS restart drill), ``fuzz`` (the
+fuzzer), ``__main__`` (the command). See docs/chaos.md.
+"""
