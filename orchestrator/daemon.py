@@ -24,6 +24,7 @@ cancel in-flight commands (they stay in the outbox), close NATS, stop the embedd
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -377,6 +378,7 @@ async def run_daemon(
     metrics: Metrics | None = None,
     feeds: bool = True,
     stop: anyio.Event | None = None,
+    tune_gc: bool = False,
     task_status: TaskStatus[Daemon] = anyio.TASK_STATUS_IGNORED,
 ) -> Daemon:
     """Run orchd until ``request_stop`` (or cancellation). ``task_status.started`` gets the handle.
@@ -419,6 +421,12 @@ async def run_daemon(
         d.state = d.core.restore(records) if records else d.core.empty_state()
         d.intake.put_shell(ShellItem(LeaseChanged(revision=d.fencing_token)))
         log.info("state_loaded", records=len(records), outbox=len(outbox), fencing_token=d.fencing_token)
+        # The state of 10,000 nodes is a large, long-lived heap: move what exists now out of the
+        # collector's view and collect young objects less often (full collections scan everything).
+        if tune_gc:  # process-wide: only the orchd command asks for it, not embedders
+            gc.collect()
+            gc.freeze()
+            gc.set_threshold(50_000, 50, 100)
         d.executor = Executor(settings, providers, ctl, d._on_result, d.metrics, nats_urls=urls,
                               on_agent_sent=d._on_agent_sent,
                               may_act=(lease.valid if lease is not None else _always))
@@ -572,7 +580,7 @@ async def _serve_until_stopped(settings: Settings, providers: dict) -> int:
                     stop.set()
 
         tg.start_soon(signals)
-        d = await run_daemon(settings, providers, stop=stop)
+        d = await run_daemon(settings, providers, stop=stop, tune_gc=True)
         tg.cancel_scope.cancel()
     return d.exit_code
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,7 +55,7 @@ class Intake:
     max_js: int = 20_000
     max_hb: int = 200_000
     js: list[tuple[str, Msg]] = field(default_factory=list)
-    hb: list[Msg] = field(default_factory=list)
+    hb: deque[Msg] = field(default_factory=deque)
     shell: list[ShellItem] = field(default_factory=list)
     _wake: anyio.Event = field(default_factory=anyio.Event)
     _room: anyio.Event = field(default_factory=anyio.Event)
@@ -84,9 +85,10 @@ class Intake:
         """Everything buffered, but at most ``max_hb`` heartbeats: a bounded batch keeps a notice that
         arrives behind a heartbeat backlog from waiting for the whole backlog to be decided."""
         if max_hb is None or len(self.hb) <= max_hb:
-            hb, self.hb = self.hb, []
-        else:
-            hb, self.hb = self.hb[:max_hb], self.hb[max_hb:]
+            hb, self.hb = list(self.hb), deque()
+        else:  # O(max_hb), whatever the backlog (a list slice would copy the whole backlog each time)
+            popleft = self.hb.popleft
+            hb = [popleft() for _ in range(max_hb)]
         batch = Batch(self.js, hb, self.shell)
         self.js, self.shell = [], []
         self._wake = anyio.Event()
