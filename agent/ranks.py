@@ -52,6 +52,16 @@ class GenerationResult:
     last_step: int
 
 
+_AGENT_ONLY = ("CREDENTIALS_DIRECTORY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
+def rank_base_env() -> dict[str, str]:
+    """The agent's environment minus what is the agent's alone: its configuration and secrets
+    (``ORCH_AGENT_*``: NATS credentials, enrolment token) and systemd's sockets/credentials. Trainer
+    code (and its dependencies) is less trusted than the agent and never needs them."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ORCH_AGENT_") and k not in _AGENT_ONLY}
+
+
 def classify(codes: list[int], *, abandoned: bool = False, stopped: bool = False) -> tuple[str, int]:
     """How a generation ended on this node, from its ranks' exit codes."""
     nonzero = [c for c in codes if c != 0]
@@ -132,7 +142,7 @@ class RankGroup:
 
     def _env(self, r: _Rank) -> dict[str, str]:
         c = self.cmd
-        env = dict(os.environ)
+        env = rank_base_env()
         env.update({
             "RANK": str(r.rank), "WORLD_SIZE": str(c.world_size), "LOCAL_RANK": str(r.local_rank),
             "LOCAL_WORLD_SIZE": str(c.gpus_per_node), "GROUP_RANK": str(c.node_rank), "NODE_RANK": str(c.node_rank),

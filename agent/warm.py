@@ -55,10 +55,13 @@ class WarmPool:
         import anyio
 
         self._procs = [p for p in self._procs if p.returncode is None]  # type: ignore[attr-defined]
+        from agent.ranks import rank_base_env
+
         while len(self._procs) < self.size:
             proc = await anyio.open_process(
                 [sys.executable, "-m", "agent.warm", *self.preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, cwd=self.cwd, env=self.env, start_new_session=True)
+                stderr=subprocess.PIPE, cwd=self.cwd, env=self.env if self.env is not None else rank_base_env(),
+                start_new_session=True)
             self._procs.append(proc)
             self.spawned += 1
             import structlog

@@ -181,7 +181,7 @@ class LocalProvider:
         args += list(c.agent_args)
         env = {**os.environ, **c.agent_env}
         if request.bootstrap is not None and request.bootstrap.credential:
-            env["ORCH_NATS_TOKEN"] = request.bootstrap.credential  # never on the command line
+            env["ORCH_AGENT_NATS_TOKEN"] = request.bootstrap.credential  # never on the command line
         log_file = open(wd / "agent.log", "ab")  # noqa: SIM115 - closed when the node ends
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)

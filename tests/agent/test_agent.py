@@ -206,3 +206,18 @@ def test_outbox_bound_keeps_urgent_messages() -> None:
         box.put("s", b"e", f"ev-{i}")
     assert len(box) == 3 and box.dropped == 2
     assert [p.msg_id for p in box._q] == ["notice-1", "ev-2", "ev-3"]
+
+
+def test_rank_environment_has_no_agent_secrets(tmp_path, monkeypatch) -> None:
+    from agent.ranks import RankGroup
+
+    monkeypatch.setenv("ORCH_AGENT_NATS_PASSWORD", "s3cret")
+    monkeypatch.setenv("NOTIFY_SOCKET", "@x")
+    monkeypatch.setenv("SOME_USER_VAR", "kept")
+    g = RankGroup(cmd=start_cmd("n", ckpt=str(tmp_path), extra={"k": 1}), work_dir=tmp_path,
+                  on_report=lambda r, x: None, on_log=lambda r, s, l: None)
+    from agent.ranks import _Rank
+
+    env = g._env(_Rank(rank=0, local_rank=0))
+    assert "ORCH_AGENT_NATS_PASSWORD" not in env and "NOTIFY_SOCKET" not in env
+    assert env["SOME_USER_VAR"] == "kept" and env["RANK"] == "0" and env["ORCH_TRAINER_ARGS"] == '{"step_time_s": 0.05, "k": 1}'
