@@ -115,3 +115,18 @@ def test_orchd_notice_checkpoint_and_resume_lose_no_work():
     # billed hours = work + overheads (launch, restart, save), nothing redone
     work_h = 60 * 150 / 3600
     assert work_h < wr.billed_node_s / 3600 < work_h + 1.0
+
+
+def test_results_table_on_one_family(shared):
+    from simulations.results import FAMILIES, format_results, results_json, run_table
+
+    fam = next(f for f in FAMILIES if f.key == "gcp-c3-preempt")
+    rows = run_table(shared, jobs=2, families=(fam,), progress=False,
+                     policies=("greedy_spot", "uniform_progress", "optimal", "orchd"))
+    assert [r.setting for r in rows] == ["one zone", "one region", "all zones"]
+    text = format_results(rows)
+    assert text.count("| gcp-c3-preempt (report) |") == 3 and "orchd goal per setting" in text
+    doc = json.loads(results_json(rows))
+    for row in doc["rows"]:
+        assert row["orchd_goal"]["below_optimal"] is False
+        assert row["policies"]["optimal"]["cost_ratio"] <= row["policies"]["greedy_spot"]["cost_ratio"]
