@@ -127,7 +127,7 @@ class Generator:
                                    last_step=10**9, **common_kw)
             else:
                 m = ev.NodeLeaving(reason="evil", **common_kw)
-        return type(m), msgspec.to_builtins(m)
+        return type(m), msgspec.json.decode(msgspec.json.encode(m))  # JSON types only (no tuples)
 
     def subject(self, target: str, node: str) -> str:
         if target == "price":
@@ -185,8 +185,10 @@ class Generator:
                 d["v"] = r.choice((0, 2, 99, -1, 10**6))
             case "wrong_type":
                 key = r.choice([k for k in d if k not in ("type", "v")])
+                # never a value of the field's own type (None: an optional field, where a number is fine)
                 d[key] = r.choice([w for w in WRONG_TYPES if type(w) is not type(d[key])
-                                   and not (isinstance(d[key], float) and type(w) is int)])
+                                   and not (isinstance(d[key], float) and type(w) is int)
+                                   and not (d[key] is None and type(w) is float)])
             case "missing_field":
                 del d[r.choice(_required(cls))]
             case "unknown_type":

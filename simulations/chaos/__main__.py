@@ -1,0 +1,106 @@
+"""``python -m simulations.chaos [--seed S] [--iterations N] [--fuzz N] [--json]``: run the drills, print
+one JSON object (``--json``) or a short table. Exit 0 when every figure that must be zero is zero and
+the fuzzer's counters add up, else 1. See docs/chaos.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from simulations.chaos import fuzz, kill9, natsrestart
+
+
+async def run_all(*, seed: int, iterations: int, n_fuzz: int, nats_restarts: int, max_kills: int,
+                  workdir: Path, progress: Any = None) -> dict[str, Any]:
+    t0 = time.monotonic()
+    kills = []
+    for i in range(iterations):
+        r = await kill9.run_iteration(i, seed, workdir, max_kills=max_kills)
+        kills.append(r)
+        if progress:
+            progress(f"kill -9 iteration {i}: {r.kills} kill(s) at {r.kill_points}, {r.seconds} s, problems {r.problems}")
+    nats = []
+    for k in range(nats_restarts):
+        r = await natsrestart.run(seed + k, workdir)
+        nats.append(r)
+        if progress:
+            progress(f"NATS restart {k}: outage {r.outage_s} s, lost {r.lost_events}, spurious {r.spurious_recoveries}")
+    fz = await fuzz.run(seed, workdir, n_messages=n_fuzz) if n_fuzz else None
+    if progress and fz:
+        progress(f"fuzz: {fz.fuzzed_messages} messages, counted {fz.rejected_counted}, deduplicated {fz.deduplicated}")
+    out: dict[str, Any] = {
+        "seed": seed,
+        "iterations": iterations,
+        "faults_injected": sum(r.kills for r in kills) + len(nats),
+        "kills": sum(r.kills for r in kills),
+        "kill_points": sorted({p for r in kills for p in r.kill_points}),
+        "preemption_notices": sum(r.notices for r in kills),
+        "jobs": sum(r.jobs for r in kills) + len(nats),
+        "lost_jobs": sum(r.lost_jobs for r in kills),
+        "unfinished_jobs": sum(r.unfinished_jobs for r in kills),
+        "duplicate_launches": sum(r.duplicate_launches + r.alive_duplicates for r in kills),
+        "leaked_instances": sum(r.leaked_instances for r in kills),
+        "orphans_reaped": sum(r.orphans_reaped for r in kills),
+        "instances_launched": sum(r.instances for r in kills),
+        "nats_restarts": len(nats),
+        "nats_outage_s": [r.outage_s for r in nats],
+        "lost_events": sum(r.lost_events for r in nats),
+        "spurious_recoveries": sum(r.spurious_recoveries for r in nats),
+        "fuzzed_messages": fz.fuzzed_messages if fz else 0,
+        "fuzz_by_target": fz.by_target if fz else {},
+        "fuzz_by_mutation": fz.by_mutation if fz else {},
+        "rejected_counted": fz.rejected_counted if fz else 0,
+        "deduplicated_replays": fz.deduplicated if fz else 0,
+        "counters_add_up": fz.counters_add_up if fz else True,
+        "admin_error_replies": fz.admin_error_replies if fz else 0,
+        "state_unchanged": fz.state_unchanged if fz else True,
+        "rejected_by_reason": fz.rejected_by_reason if fz else {},
+        "daemon_crashes": sum(r.daemon_crashes for r in kills) + sum(r.daemon_crashes for r in nats)
+        + (fz.daemon_crashes if fz else 0),
+        "problems": [f"kill-{r.iteration}: {p}" for r in kills for p in r.problems]
+        + [f"nats: {p}" for r in nats for p in r.problems] + ([f"fuzz: {p}" for p in fz.problems] if fz else []),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+    return out
+
+
+def passed(out: dict[str, Any]) -> bool:
+    zero = ("lost_jobs", "unfinished_jobs", "duplicate_launches", "leaked_instances", "lost_events",
+            "spurious_recoveries", "daemon_crashes")
+    return all(out[k] == 0 for k in zero) and out["counters_add_up"] and out["state_unchanged"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m simulations.chaos", description=__doc__)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--iterations", type=int, default=20, help="kill -9 iterations (default 20)")
+    p.add_argument("--fuzz", type=int, default=100_000, help="fuzzed messages (default 100000; 0: none)")
+    p.add_argument("--nats-restarts", type=int, default=1)
+    p.add_argument("--max-kills", type=int, default=3, help="kill -9s per iteration, at most")
+    p.add_argument("--workdir", help="where servers and daemons keep their files (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    a = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="orch-chaos-") as tmp:
+        workdir = Path(a.workdir or tmp)
+        progress = None if a.json else (lambda line: print(line, file=sys.stderr, flush=True))
+        out = anyio.run(lambda: run_all(seed=a.seed, iterations=a.iterations, n_fuzz=a.fuzz,
+                                        nats_restarts=a.nats_restarts, max_kills=a.max_kills, workdir=workdir,
+                                        progress=progress), backend="asyncio")
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for k, v in out.items():
+            if k not in ("rejected_by_reason", "fuzz_by_target", "fuzz_by_mutation"):
+                print(f"{k:24} {v}")
+    return 0 if passed(out) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
