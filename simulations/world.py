@@ -37,8 +37,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-import msgspec
-
 from orchestrator.core import CoreConfig, JobPhase, State, decide
 from orchestrator.core.commands import CheckInstance, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import JobSubmitted, LaunchFailed, NodeGone, NodeLaunched, Tick
@@ -514,7 +512,3 @@ class World:
             self.feed(PriceTick(id=f"p{next(self.msg)}", pool=pk, gpu_type=GPU, gpus_per_node=1,
                                 price_usd_h=price if math.isfinite(price) else od, on_demand_usd_h=od,
                                 capacity_hint=hint if self.capacity_hints else None, ts=self.now))
-
-
-def replace_config(cfg: CoreConfig, **kw) -> CoreConfig:
-    return msgspec.structs.replace(cfg, **kw)
