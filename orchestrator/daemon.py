@@ -137,25 +137,30 @@ class Daemon:
             with anyio.move_on_after(max(0.0, next_tick - time.monotonic())):
                 await _first(self.intake.wait, self._stop.wait)
             batch = self.intake.take(MAX_HEARTBEATS_PER_BATCH)
+            tick = None
             if time.monotonic() >= next_tick:
-                batch.shell.append(ShellItem(Tick()))
+                tick = Batch([], [], [ShellItem(Tick())])
                 next_tick = time.monotonic() + tick_s
-                if time.monotonic() >= next_gauges:  # O(nodes): not on every tick
-                    refresh_gauges(self)
-                    next_gauges = time.monotonic() + GAUGE_REFRESH_S
                 if time.monotonic() >= next_flush:
                     self._flush_live = True
                     next_flush = time.monotonic() + self.settings.daemon.liveness_flush_s
                 sdnotify.notify_watchdog()
-            if (batch.js or batch.shell) and batch.hb:
-                # Urgent first: notices, node events and admin intents are decided, persisted and their
-                # commands dispatched before the heartbeats taken with them are decided.
-                await self.process(Batch(batch.js, [], batch.shell))
+            # Urgent first: notices, node events, executor results and admin intents are decided,
+            # persisted and their commands dispatched before the Tick (O(jobs) in the core) and the
+            # heartbeats taken with them.
+            if batch.js or batch.shell:
+                await self.process(Batch(batch.js, [], batch.shell), urgent=True)
+            if tick is not None:
+                await self.process(tick)
+                if time.monotonic() >= next_gauges:  # O(nodes): not on every tick, never before urgent work
+                    refresh_gauges(self)
+                    next_gauges = time.monotonic() + GAUGE_REFRESH_S
+            if batch.hb:
                 await self.process(Batch([], batch.hb, []))
-            elif len(batch):
-                await self.process(batch)
 
-    async def process(self, batch: Batch) -> None:
+    async def process(self, batch: Batch, *, urgent: bool = False) -> None:
+        """Decide a batch, persist it, ack it, dispatch its commands. ``urgent`` batches carry no
+        slice of a liveness flush round (their commands should leave as soon as possible)."""
         t_begin = time.perf_counter()
         core = self.core
         state = self.state
@@ -278,7 +283,7 @@ class Daemon:
             self._flushing |= live
             live.clear()
             self._flush_live = False
-        if self._flushing:
+        if self._flushing and (not urgent or self._stop.is_set()):
             flushing = self._flushing
             take = len(flushing) if self._stop.is_set() else self.settings.daemon.liveness_flush_max
             while flushing and take:
