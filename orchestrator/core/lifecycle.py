@@ -320,10 +320,7 @@ def try_start(tx: Tx, job: Job) -> Job:
     if job.phase not in (J.PLACING, J.RESIZING):
         return job
     spec = job.spec
-    nodes = job_nodes(tx, job)
-    for n in nodes:  # registered nodes that can never join (other zone/market/pool) cost money: drop them
-        if n.phase == N.REGISTERED and n.suspect_since is None and not acceptable(job, n):
-            job = remove_node(tx, job, n, reason="not_usable", lost=False, terminate=True)  # type: ignore[assignment]
+    job = drop_unusable(tx, job)
     nodes = job_nodes(tx, job)
     ready = [n for n in nodes if n.phase == N.REGISTERED and acceptable(job, n)]
     inflight = [n for n in nodes if n.phase in _INFLIGHT and acceptable(job, n)]
@@ -362,11 +359,21 @@ def regroup(tx: Tx, job: Job) -> Job:
     return job
 
 
+def drop_unusable(tx: Tx, job: Job, reason: str = "not_usable") -> Job:
+    """Terminate idle or in-flight nodes the job can no longer use (other zone, market or pool): they
+    only cost money. Generation members stay until the generation ends; suspects until confirmed."""
+    for n in job_nodes(tx, job):
+        if n.phase in (N.REQUESTED, N.BOOTING, N.REGISTERED) and n.suspect_since is None and not acceptable(job, n):
+            job = remove_node(tx, job, n, reason=reason, lost=False, terminate=True)  # type: ignore[assignment]
+    return job
+
+
 def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     """Launch what the job lacks: in its zone when it already has nodes there, else move/place whole."""
     if job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED or job.intent in _STOP_PHASE:
         return job
     cfg, spec = tx.cfg, job.spec
+    job = drop_unusable(tx, job)
     nodes = job_nodes(tx, job)
     have = [n for n in nodes if acceptable(job, n, suspect_ok=True)]
     deficit = job.target_nodes - len(have)
@@ -393,10 +400,7 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     new_zone = zone_of(best.pool)
     if job.zone and new_zone != job.zone:
         tx.record(job.job_id, "move_zone", "no_capacity_in_zone", alternatives(rank, cfg), src=job.zone, dst=new_zone)
-    job = tx.update_job(job, zone=new_zone)
-    for n in job_nodes(tx, job):  # idle/in-flight nodes left behind in the old zone are useless now
-        if n.phase in (N.REQUESTED, N.BOOTING, N.REGISTERED) and n.suspect_since is None and not acceptable(job, n):
-            job = remove_node(tx, job, n, reason="zone_move", lost=False, terminate=True)  # type: ignore[assignment]
+    job = drop_unusable(tx, tx.update_job(job, zone=new_zone), "zone_move")
     have = [n for n in job_nodes(tx, job) if acceptable(job, n, suspect_ok=True)]
     reason = "placement" if job.phase == J.PENDING else "move"
     job = launch(tx, job, best, job.target_nodes - len(have), reason, alternatives(rank, cfg))
@@ -405,8 +409,12 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     return job
 
 
-def lose_node(tx: Tx, node: Node, reason: str, *, preempted: bool, terminate: bool = True) -> None:
-    """A confirmed failure: abandon the generation it was in, resume from the last commit, replace it."""
+def lose_node(
+    tx: Tx, node: Node, reason: str, *, preempted: bool, terminate: bool = True, reconcile: bool = True
+) -> None:
+    """A confirmed failure: abandon the generation it was in, resume from the last commit, replace it.
+    ``reconcile=False`` (several losses in one Tick): only remove + abandon; the caller reconciles the
+    job once afterwards, so no generation is started on a node that is lost a moment later."""
     job = tx.jobs.get(node.job_id)
     was_member = (
         job is not None
@@ -419,7 +427,15 @@ def lose_node(tx: Tx, node: Node, reason: str, *, preempted: bool, terminate: bo
         return
     if was_member:
         job = abandon_generation(tx, job, reason)
+    if reconcile:
+        reconcile_job(tx, job)
+
+
+def reconcile_job(tx: Tx, job: Job) -> Job:
+    """After nodes changed: end the generation if it is over, start the next one, launch what lacks."""
+    if job.phase in TERMINAL_JOB_PHASES:
+        return job
     job = maybe_end_generation(tx, job)
     if job.phase in (J.PLACING, J.RESIZING):
         job = try_start(tx, job)
-    replenish(tx, job)
+    return replenish(tx, job)

@@ -72,24 +72,34 @@ def on_tick(tx: Tx) -> None:
                 detect and node.suspect_since is None and now - node.last_seen > timeout
             ):
                 due.append(node.node_id)
-    for nid in due:
-        node = tx.nodes.get(nid)  # earlier iterations may have removed or changed it
+    touched: set[str] = set()
+    for nid in sorted(due):  # sorted: the decision must not depend on hash order (PYTHONHASHSEED)
+        node = tx.nodes.get(nid)
         if node is None:
             continue
         phase = node.phase
         if phase in (N.REQUESTED, N.BOOTING):
             _launch_timed_out(tx, node)
         elif phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S:
-            lc.lose_node(tx, node, "notice_deadline_passed", preempted=False)
+            lc.lose_node(tx, node, "notice_deadline_passed", preempted=False, reconcile=False)
         elif phase in _WATCHED and detect and node.suspect_since is None and now - node.last_seen > timeout:
             if node.disconnected:
-                lc.lose_node(tx, node, "heartbeat_timeout_after_disconnect", preempted=False)
+                lc.lose_node(tx, node, "heartbeat_timeout_after_disconnect", preempted=False, reconcile=False)
             else:
                 suspect(tx, node, "heartbeat_timeout")
+                continue
+        else:
+            continue
+        touched.add(node.job_id)
+    for jid in sorted(touched):
+        job = tx.jobs.get(jid)
+        if job is not None:
+            lc.reconcile_job(tx, job)
     evals = [cfg.max_price_evals_per_tick]
-    for job in list(tx.jobs.values()):
+    for jid in sorted(tx.jobs.keys()):
+        job = tx.jobs[jid]
         if job.phase in _ACTIVE or job.phase == J.PAUSED:
-            _job_tick(tx, tx.job(job.job_id), evals)
+            _job_tick(tx, job, evals)
 
 
 def _launch_timed_out(tx: Tx, node: Node) -> None:
