@@ -20,6 +20,7 @@ from typing import assert_never
 import msgspec
 
 from orchestrator.core import lifecycle as lc
+from orchestrator.core import node_events as ne
 from orchestrator.core import policy
 from orchestrator.core.inputs import (
     AgentDisconnected,
@@ -42,13 +43,10 @@ from orchestrator.core.model import (
     Intent,
     Job,
     JobPhase,
-    Node,
     NodePhase,
-    PoolStats,
     State,
     fin,
 )
-from orchestrator.core.pricing import record_exposure
 from orchestrator.core.tx import Tx
 from orchestrator.events import (
     AgentState,
@@ -56,10 +54,8 @@ from orchestrator.events import (
     CommandAck,
     GenerationStarted,
     Heartbeat,
-    Market,
     NodeLeaving,
     NodeRegistered,
-    NoticeKind,
     PreemptionNotice,
     PriceTick,
     RanksExited,
@@ -101,17 +97,17 @@ def decide(state: State, event: CoreEvent, now: float) -> Decision:
         case RanksExited():
             _ranks_exited(tx, event)
         case PreemptionNotice():
-            _notice(tx, event)
+            ne.notice(tx, event)
         case NodeGone():
-            _node_gone(tx, event)
+            ne.node_gone(tx, event)
         case AgentDisconnected():
-            _agent_disconnected(tx, event)
+            ne.agent_disconnected(tx, event)
         case NodeLeaving():
-            _node_leaving(tx, event)
+            ne.node_leaving(tx, event)
         case NodeDrainRequested():
-            _drain(tx, event)
+            ne.drain(tx, event)
         case CommandFailed():
-            _command_failed(tx, event)
+            ne.command_failed(tx, event)
         case CommandAck():
             pass  # acks are the shell's business (retries); failures arrive as CommandFailed
         case BusState():
@@ -353,88 +349,3 @@ def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
         job = lc.abandon_generation(tx, job, f"ranks_exited_{ev.reason}")
     job = lc.maybe_end_generation(tx, job)
     lc.replenish(tx, job)
-
-
-def _notice(tx: Tx, ev: PreemptionNotice) -> None:
-    node = tx.nodes.get(ev.node_id)
-    if node is None:
-        tx.record(None, "ignore", "unknown_node", node_id=ev.node_id)
-        return
-    if ev.kind == NoticeKind.REBALANCE:
-        ps = tx.pools.get(node.pool_name)
-        if ps is not None and node.pool.market == Market.SPOT:
-            tx.put_pool(node.pool_name, _replace(ps, last_preempted_ts=tx.now))
-        tx.record(node.job_id, "note", "rebalance_recommendation", node_id=node.node_id, pool=node.pool_name)
-        return
-    if node.phase not in (N.BOOTING, N.REGISTERED, N.RUNNING, N.DRAINING):
-        return  # already noticed (redelivered), or not launched
-    ps = tx.pools.get(node.pool_name)
-    if ps is not None:
-        tx.put_pool(node.pool_name, _replace(ps, **record_exposure(ps, tx.cfg, tx.now, 0, True)))
-    deadline = fin(ev.deadline_ts)
-    if deadline is None:  # a terminate notice without a usable deadline: assume the cloud's window
-        deadline = tx.now + tx.cfg.notice_window_s(ev.cloud)
-    node = tx.node_phase(node, N.NOTICED, notice_deadline=deadline)
-    job = tx.jobs.get(node.job_id)
-    tx.record(node.job_id, "preemption_notice", ev.source, node_id=node.node_id, pool=node.pool_name,
-              deadline_ts=deadline)
-    if job is None or job.phase in TERMINAL_JOB_PHASES:
-        lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
-        return
-    member = node.node_id in job.gen_nodes and node.node_id not in job.gen_exited and job.phase in GEN_PHASES
-    if member:
-        if job.phase in (J.STARTING, J.RUNNING):
-            job = lc.checkpoint_job(tx, job, Intent.PREEMPTION, "preemption_notice", deadline)
-    else:
-        job = lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
-    lc.replenish(tx, job, exclude=frozenset({node.pool_name}))
-
-
-def _node_gone(tx: Tx, ev: NodeGone) -> None:
-    node = tx.nodes.get(ev.node_id)
-    if node is None:
-        return
-    preempted = ev.reason != "terminated_by_us" and node.pool.market == Market.SPOT and node.phase != N.NOTICED
-    lc.lose_node(tx, node, f"node_gone_{ev.reason}", preempted=preempted, terminate=False)
-
-
-def _agent_disconnected(tx: Tx, ev: AgentDisconnected) -> None:
-    node = tx.nodes.get(ev.node_id)
-    if node is None or node.disconnected:
-        return
-    if node.suspect_since is not None:
-        lc.lose_node(tx, node, "agent_disconnected_after_timeout", preempted=False)
-    else:
-        tx.update_node(node, disconnected=True)
-        tx.record(node.job_id, "note", "agent_disconnected", node_id=node.node_id)
-
-
-def _node_leaving(tx: Tx, ev: NodeLeaving) -> None:
-    node = tx.nodes.get(ev.node_id)
-    if node is None or node.phase in (N.NOTICED, N.DRAINING):
-        return  # expected: it leaves after its checkpoint / at its deadline
-    lc.lose_node(tx, node, f"node_leaving_{ev.reason}", preempted=False)
-
-
-def _drain(tx: Tx, ev: NodeDrainRequested) -> None:
-    node = tx.nodes.get(ev.node_id)
-    if node is None or node.phase in (N.NOTICED, N.DRAINING):
-        return
-    job = tx.jobs.get(node.job_id)
-    tx.record(node.job_id, "drain", ev.reason, node_id=node.node_id)
-    if job is not None and node.node_id in job.gen_nodes and job.phase in (J.STARTING, J.RUNNING):
-        tx.node_phase(node, N.DRAINING)
-        job = lc.checkpoint_job(tx, job, Intent.DRAIN, "drain")
-    elif job is not None and node.node_id in job.gen_nodes and job.phase in GEN_PHASES:
-        tx.node_phase(node, N.DRAINING)  # leaves at the end of the current checkpoint/recovery
-    else:
-        job = lc.remove_node(tx, job, node, reason="drain", lost=False, terminate=True)
-    if job is not None:
-        lc.replenish(tx, tx.job(job.job_id))
-
-
-def _command_failed(tx: Tx, ev: CommandFailed) -> None:
-    node = tx.nodes.get(ev.node_id)
-    if node is None or node.suspect_since is not None or node.phase in (N.REQUESTED, N.BOOTING):
-        return
-    policy.suspect(tx, node, f"command_failed_{ev.kind}")

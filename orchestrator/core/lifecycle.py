@@ -16,6 +16,15 @@ from __future__ import annotations
 import msgspec
 
 from orchestrator.core.commands import Launch, Terminate
+from orchestrator.core.costs import (  # noqa: F401  (re-exported: policy/views use lc.burn_usd_h etc.)
+    billing_start,
+    burn_usd_h,
+    cost_now,
+    live_step_time,
+    node_cost_usd,
+    progress_step,
+    worst_burn_usd_h,
+)
 from orchestrator.core.model import (
     GEN_PHASES,
     TERMINAL_JOB_PHASES,
@@ -27,7 +36,7 @@ from orchestrator.core.model import (
     PoolStats,
 )
 from orchestrator.core.placement import alternatives, markets_for, ranked, zone_of
-from orchestrator.core.pricing import checkpoint_interval_s, pool_cum_usd, record_exposure, save_seconds
+from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds
 from orchestrator.core.tx import Tx
 from orchestrator.events import AbandonGenerationCmd, CheckpointCmd, StartGenerationCmd
 
@@ -62,83 +71,6 @@ def members_alive(tx: Tx, job: Job) -> list[Node]:
     """Members of the current generation whose ranks have not exited."""
     nodes = tx.nodes
     return [nodes[n] for n in job.gen_nodes if n not in job.gen_exited and n in nodes]
-
-
-def progress_step(tx: Tx, job: Job) -> int:
-    step = max(job.step, job.committed_step)
-    nodes = tx.nodes
-    for nid in job.gen_nodes:
-        n = nodes.get(nid)
-        if n is not None and n.generation == job.generation and n.step > step:
-            step = n.step
-    return step
-
-
-def live_step_time(tx: Tx, job: Job) -> float | None:
-    """Mean step time the current generation's nodes report (None before any report)."""
-    total, count = 0.0, 0
-    for nid in job.gen_nodes:
-        n = tx.nodes.get(nid)
-        if n is not None and n.generation == job.generation and n.step_time_s:
-            total += n.step_time_s
-            count += 1
-    return total / count if count else job.step_time_s
-
-
-def burn_usd_h(tx: Tx, job: Job) -> float:
-    """$ per hour the job's launched nodes cost now."""
-    total = 0.0
-    nodes, pools = tx.nodes, tx.pools
-    for nid in job.nodes:
-        n = nodes.get(nid)
-        if n is None or n.phase == N.REQUESTED:
-            continue
-        ps = pools.get(n.pool_name)
-        if ps is not None and ps.price_usd_h is not None:
-            total += ps.price_usd_h
-    return total
-
-
-def worst_burn_usd_h(tx: Tx, job: Job) -> float:
-    """$ per hour the launched nodes could cost before the next check: spot at most at on-demand."""
-    total = 0.0
-    nodes, pools = tx.nodes, tx.pools
-    for nid in job.nodes:
-        n = nodes.get(nid)
-        if n is None or n.phase == N.REQUESTED:
-            continue
-        ps = pools.get(n.pool_name)
-        if ps is not None and ps.price_usd_h is not None:
-            total += max(ps.price_usd_h, ps.on_demand_usd_h or 0.0)
-    return total
-
-
-def node_cost_usd(tx: Tx, node: Node) -> float:
-    """$ this node has cost so far (0 until billing starts: NodeLaunched or registration)."""
-    if node.phase == N.REQUESTED:
-        return 0.0
-    ps = tx.pools.get(node.pool_name)
-    return pool_cum_usd(ps, tx.now) - node.cost0 if ps is not None else 0.0
-
-
-def cost_now(tx: Tx, job: Job) -> float:
-    """Accrued cost: the closed part plus every live node's share of its pool's price integral."""
-    total = job.cost_usd
-    nodes = tx.nodes
-    for nid in job.nodes:
-        n = nodes.get(nid)
-        if n is not None and n.phase != N.REQUESTED:
-            total += node_cost_usd(tx, n)
-    return total
-
-
-def billing_start(tx: Tx, node: Node) -> dict:
-    """Billing starts now: the pool counts one more live node; returns the node's field changes."""
-    ps = tx.pools.get(node.pool_name)
-    if ps is None:
-        return {"cost0": 0.0}
-    tx.put_pool(node.pool_name, msgspec.structs.replace(ps, **record_exposure(ps, tx.cfg, tx.now, 1, False)))
-    return {"cost0": pool_cum_usd(ps, tx.now)}
 
 
 # --- nodes --------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ import msgspec
 from orchestrator.core import lifecycle as lc
 from orchestrator.core.commands import CheckInstance
 from orchestrator.core.model import (
-    GEN_PHASES,
     TERMINAL_JOB_PHASES,
     Intent,
     Job,
@@ -28,7 +27,7 @@ from orchestrator.core.model import (
     PoolStats,
     fin,
 )
-from orchestrator.core.placement import alternatives, has_capacity, markets_for, matches, ranked, zone_of
+from orchestrator.core.placement import alternatives, ranked, zone_of
 from orchestrator.core.pricing import (
     expected_cost_usd,
     pool_cum_usd,

@@ -1,0 +1,94 @@
+"""Cost and progress queries on a ``Tx``: burn rate, accrued cost, billing start, progress.
+
+Role: read-mostly helpers shared by lifecycle.py, policy.py and views.py. Cost is exact without ever
+touching a job on a price change: each pool integrates its price over time (``PoolStats.cum_usd``); a
+node remembers the integral when its billing started (``Node.cost0``); a job's cost is its closed part
+(``Job.cost_usd``: nodes already gone, with their termination tail) plus its live nodes' integrals.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from orchestrator.core.model import Job, Node, NodePhase
+from orchestrator.core.pricing import pool_cum_usd, record_exposure
+from orchestrator.core.tx import Tx
+
+N = NodePhase
+
+
+def progress_step(tx: Tx, job: Job) -> int:
+    step = max(job.step, job.committed_step)
+    nodes = tx.nodes
+    for nid in job.gen_nodes:
+        n = nodes.get(nid)
+        if n is not None and n.generation == job.generation and n.step > step:
+            step = n.step
+    return step
+
+
+def live_step_time(tx: Tx, job: Job) -> float | None:
+    """Mean step time the current generation's nodes report (None before any report)."""
+    total, count = 0.0, 0
+    for nid in job.gen_nodes:
+        n = tx.nodes.get(nid)
+        if n is not None and n.generation == job.generation and n.step_time_s:
+            total += n.step_time_s
+            count += 1
+    return total / count if count else job.step_time_s
+
+
+def burn_usd_h(tx: Tx, job: Job) -> float:
+    """$ per hour the job's launched nodes cost now."""
+    total = 0.0
+    nodes, pools = tx.nodes, tx.pools
+    for nid in job.nodes:
+        n = nodes.get(nid)
+        if n is None or n.phase == N.REQUESTED:
+            continue
+        ps = pools.get(n.pool_name)
+        if ps is not None and ps.price_usd_h is not None:
+            total += ps.price_usd_h
+    return total
+
+
+def worst_burn_usd_h(tx: Tx, job: Job) -> float:
+    """$ per hour the launched nodes could cost before the next check: spot at most at on-demand."""
+    total = 0.0
+    nodes, pools = tx.nodes, tx.pools
+    for nid in job.nodes:
+        n = nodes.get(nid)
+        if n is None or n.phase == N.REQUESTED:
+            continue
+        ps = pools.get(n.pool_name)
+        if ps is not None and ps.price_usd_h is not None:
+            total += max(ps.price_usd_h, ps.on_demand_usd_h or 0.0)
+    return total
+
+
+def node_cost_usd(tx: Tx, node: Node) -> float:
+    """$ this node has cost so far (0 until billing starts: NodeLaunched or registration)."""
+    if node.phase == N.REQUESTED:
+        return 0.0
+    ps = tx.pools.get(node.pool_name)
+    return pool_cum_usd(ps, tx.now) - node.cost0 if ps is not None else 0.0
+
+
+def cost_now(tx: Tx, job: Job) -> float:
+    """Accrued cost: the closed part plus every live node's share of its pool's price integral."""
+    total = job.cost_usd
+    nodes = tx.nodes
+    for nid in job.nodes:
+        n = nodes.get(nid)
+        if n is not None and n.phase != N.REQUESTED:
+            total += node_cost_usd(tx, n)
+    return total
+
+
+def billing_start(tx: Tx, node: Node) -> dict:
+    """Billing starts now: the pool counts one more live node; returns the node's field changes."""
+    ps = tx.pools.get(node.pool_name)
+    if ps is None:
+        return {"cost0": 0.0}
+    tx.put_pool(node.pool_name, msgspec.structs.replace(ps, **record_exposure(ps, tx.cfg, tx.now, 1, False)))
+    return {"cost0": pool_cum_usd(ps, tx.now)}

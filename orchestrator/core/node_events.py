@@ -1,0 +1,107 @@
+"""Handlers for what happens to nodes: preemption notices, losses, disconnects, drains, failed commands.
+
+Role: the node-side half of ``decide`` (decide.py dispatches here). A terminate notice triggers a
+checkpoint of every member AND a replacement launch in the same decision; a loss is acted on only when
+confirmed (NodeGone, AgentDisconnected after a heartbeat timeout, the agent leaving unexpectedly).
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from orchestrator.core import lifecycle as lc
+from orchestrator.core import policy
+from orchestrator.core.inputs import AgentDisconnected, CommandFailed, NodeDrainRequested, NodeGone
+from orchestrator.core.model import GEN_PHASES, TERMINAL_JOB_PHASES, Intent, JobPhase, NodePhase, fin
+from orchestrator.core.pricing import record_exposure
+from orchestrator.core.tx import Tx
+from orchestrator.events import Market, NodeLeaving, NoticeKind, PreemptionNotice
+
+J = JobPhase
+N = NodePhase
+_replace = msgspec.structs.replace
+
+
+def notice(tx: Tx, ev: PreemptionNotice) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None:
+        tx.record(None, "ignore", "unknown_node", node_id=ev.node_id)
+        return
+    if ev.kind == NoticeKind.REBALANCE:
+        ps = tx.pools.get(node.pool_name)
+        if ps is not None and node.pool.market == Market.SPOT:
+            tx.put_pool(node.pool_name, _replace(ps, last_preempted_ts=tx.now))
+        tx.record(node.job_id, "note", "rebalance_recommendation", node_id=node.node_id, pool=node.pool_name)
+        return
+    if node.phase not in (N.BOOTING, N.REGISTERED, N.RUNNING, N.DRAINING):
+        return  # already noticed (redelivered), or not launched
+    ps = tx.pools.get(node.pool_name)
+    if ps is not None:
+        tx.put_pool(node.pool_name, _replace(ps, **record_exposure(ps, tx.cfg, tx.now, 0, True)))
+    deadline = fin(ev.deadline_ts)
+    if deadline is None:  # a terminate notice without a usable deadline: assume the cloud's window
+        deadline = tx.now + tx.cfg.notice_window_s(ev.cloud)
+    node = tx.node_phase(node, N.NOTICED, notice_deadline=deadline)
+    job = tx.jobs.get(node.job_id)
+    tx.record(node.job_id, "preemption_notice", ev.source, node_id=node.node_id, pool=node.pool_name,
+              deadline_ts=deadline)
+    if job is None or job.phase in TERMINAL_JOB_PHASES:
+        lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
+        return
+    member = node.node_id in job.gen_nodes and node.node_id not in job.gen_exited and job.phase in GEN_PHASES
+    if member:
+        if job.phase in (J.STARTING, J.RUNNING):
+            job = lc.checkpoint_job(tx, job, Intent.PREEMPTION, "preemption_notice", deadline)
+    else:
+        job = lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
+    lc.replenish(tx, job, exclude=frozenset({node.pool_name}))
+
+
+def node_gone(tx: Tx, ev: NodeGone) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None:
+        return
+    preempted = ev.reason != "terminated_by_us" and node.pool.market == Market.SPOT and node.phase != N.NOTICED
+    lc.lose_node(tx, node, f"node_gone_{ev.reason}", preempted=preempted, terminate=False)
+
+
+def agent_disconnected(tx: Tx, ev: AgentDisconnected) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None or node.disconnected:
+        return
+    if node.suspect_since is not None:
+        lc.lose_node(tx, node, "agent_disconnected_after_timeout", preempted=False)
+    else:
+        tx.update_node(node, disconnected=True)
+        tx.record(node.job_id, "note", "agent_disconnected", node_id=node.node_id)
+
+
+def node_leaving(tx: Tx, ev: NodeLeaving) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None or node.phase in (N.NOTICED, N.DRAINING):
+        return  # expected: it leaves after its checkpoint / at its deadline
+    lc.lose_node(tx, node, f"node_leaving_{ev.reason}", preempted=False)
+
+
+def drain(tx: Tx, ev: NodeDrainRequested) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None or node.phase in (N.NOTICED, N.DRAINING):
+        return
+    job = tx.jobs.get(node.job_id)
+    tx.record(node.job_id, "drain", ev.reason, node_id=node.node_id)
+    if job is not None and node.node_id in job.gen_nodes and job.phase in (J.STARTING, J.RUNNING):
+        tx.node_phase(node, N.DRAINING)
+        job = lc.checkpoint_job(tx, job, Intent.DRAIN, "drain")
+    elif job is not None and node.node_id in job.gen_nodes and job.phase in GEN_PHASES:
+        tx.node_phase(node, N.DRAINING)  # leaves at the end of the current checkpoint/recovery
+    else:
+        job = lc.remove_node(tx, job, node, reason="drain", lost=False, terminate=True)
+    if job is not None:
+        lc.replenish(tx, tx.job(job.job_id))
+
+
+def command_failed(tx: Tx, ev: CommandFailed) -> None:
+    node = tx.nodes.get(ev.node_id)
+    if node is None or node.suspect_since is not None or node.phase in (N.REQUESTED, N.BOOTING):
+        return
+    policy.suspect(tx, node, f"command_failed_{ev.kind}")
