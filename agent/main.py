@@ -422,6 +422,8 @@ class Agent:
         try:
             await self._tg.start(self._run_generation, group)
         except Exception as e:  # noqa: BLE001 - e.g. the trainer command does not exist
+            while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+                e = e.exceptions[0]  # type: ignore[assignment]
             log.error("generation_start_failed", error=repr(e))
             self.state = AgentState.IDLE
             return f"spawn_failed:{type(e).__name__}"

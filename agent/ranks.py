@@ -172,6 +172,7 @@ class RankGroup:
         if self.step_log:
             Path(self.step_log).parent.mkdir(parents=True, exist_ok=True)
         self.ranks = [_Rank(rank=c.node_rank * c.gpus_per_node + i, local_rank=i) for i in range(c.gpus_per_node)]
+        ended = False
         try:
             async with anyio.create_task_group() as tg:
                 for r in self.ranks:
@@ -182,6 +183,7 @@ class RankGroup:
                     tg.start_soon(self._read, r, "stderr")
                     tg.start_soon(self._wait, r)
                 task_status.started()
+            ended = True
         finally:
             with anyio.CancelScope(shield=True):
                 for r in self.ranks:  # never leave a rank behind (cancelled agent, spawn error)
@@ -189,11 +191,15 @@ class RankGroup:
                         self._killpg(r)
                         await r.proc.wait()
                         r.exit_code = r.proc.returncode
+            if not ended:  # a spawn error or cancellation: whoever waits on ``done`` must not hang
+                codes = {r.rank: (r.exit_code if r.exit_code is not None else contract.EXIT_FAILED) for r in self.ranks}
+                self.result = GenerationResult(codes, "failed", contract.EXIT_FAILED, self.last_step)
+                self.done.set()
         codes = {r.rank: (r.exit_code if r.exit_code is not None else -9) for r in self.ranks}
         reason, code = classify(list(codes.values()), abandoned=self.abandoned, stopped=self.stopped)
         self.result = GenerationResult(codes, reason, code, self.last_step)
-        log.info("ranks_exited", job_id=self.job_id, generation=c.generation, reason=reason, exit_codes=codes)
         self.done.set()
+        log.info("ranks_exited", job_id=self.job_id, generation=c.generation, reason=reason, exit_codes=codes)
         return self.result
 
     async def _spawn(self, r: _Rank) -> anyio.abc.Process:

@@ -66,9 +66,11 @@ async def read_logs(urls: list[str], job: str, *, node: str | None = None, follo
                 if not follow and msg.metadata.num_pending == 0:
                     break
         finally:
-            await sub.unsubscribe()
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
     finally:
-        await nc.close()
+        with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+            await nc.close()
     return printed
 
 

@@ -64,8 +64,16 @@ def start_cmd(node: str, *, cmd_id: str | None = None, token: int = 1, generatio
 
 
 async def send(nc: nats.NATS, cmd) -> CommandAck:
-    resp = await nc.request(subject_command(cmd.node_id), encode(cmd), timeout=5)
-    return decode(resp.data, CommandAck)
+    """Request/reply like orchd's executor: a NoResponders answer is retried (same cmd_id) briefly."""
+    for attempt in range(10):
+        try:
+            resp = await nc.request(subject_command(cmd.node_id), encode(cmd), timeout=5)
+            return decode(resp.data, CommandAck)
+        except nats.errors.NoRespondersError:
+            if attempt == 9:
+                raise
+            await anyio.sleep(0.2)
+    raise AssertionError("unreachable")
 
 
 @asynccontextmanager

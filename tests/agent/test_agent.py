@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 
 import anyio
+import msgspec
 import nats
 import pytest
 
@@ -20,6 +21,7 @@ from orchestrator.events import (
     NodeRegistered,
     PreemptionNotice,
     RanksExited,
+    TrainerSpec,
     decode,
     subject_heartbeat,
 )
@@ -192,6 +194,24 @@ def test_rank_logs_are_shipped_and_read_back(nats_url: str, tmp_path) -> None:
         assert any(" r0 ! | a line on stderr" in x for x in lines)
         assert not any('{"orch":' in x for x in lines)  # report lines are parsed, not shipped as logs
         assert await read_logs([nats_url], "j1", node="nobody", out=lines.append) == 0
+        # --follow: stored lines, then new ones as they are shipped
+        followed: list[str] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: read_logs([nats_url], "j1", node="n-logs", follow=True, out=followed.append))
+            await wait_for(lambda: len(followed) == 2)
+            async with running_agent(_cfg("n-logs", nats_url, tmp_path)) as agent:
+                cmd = start_cmd("n-logs", ckpt=str(tmp_path / "ck"), steps=3, step_time_s=0.01, generation=2)
+                assert (await send(nc, cmd)).ok
+                await wait_for(lambda: len(followed) == 4)
+            tg.cancel_scope.cancel()
+        assert any(" g2 r0 | fake trainer rank 0/1 generation 2" in x for x in followed)
+        # a trainer that cannot be started is an error in the ack, not a crash of the agent
+        async with running_agent(_cfg("n-bad", nats_url, tmp_path)) as agent:
+            bad = msgspec.structs.replace(start_cmd("n-bad", ckpt=str(tmp_path / "ck")),
+                                          trainer=TrainerSpec(command=("/nonexistent/trainer",)))
+            ack = await send(nc, bad)
+            assert not ack.ok and ack.error == "spawn_failed:FileNotFoundError"
+            assert agent.state == "idle"
         await nc.close()
 
     anyio.run(go)
