@@ -39,15 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     if not cmd:
         p.error("missing command after --")
     port = a.port or free_port()
-    procs = [subprocess.Popen(cmd, env=rank_env(r, a.nproc, port)) for r in range(a.nproc)]
+    procs: list[subprocess.Popen] = []
 
     def forward(signum: int, frame: object) -> None:
         for proc in procs:
             if proc.poll() is None:
                 proc.send_signal(signum)
 
-    signal.signal(signal.SIGUSR1, forward)
+    signal.signal(signal.SIGUSR1, forward)  # before spawning: a request never kills the launcher
     signal.signal(signal.SIGTERM, forward)
+    procs.extend(subprocess.Popen(cmd, env=rank_env(r, a.nproc, port)) for r in range(a.nproc))
     return max(proc.wait() for proc in procs)
 
 

@@ -88,7 +88,7 @@ class Session:
     @classmethod
     def from_env(cls, *, device: str = "auto", ckpt_every: int = 0, keep: int = 3, async_mode: str = "thread",
                  total_steps: int | None = None, storage_options: dict[str, Any] | None = None,
-                 config: dict[str, Any] | None = None, ckpt_threads: int = 1) -> "Session":
+                 config: dict[str, Any] | None = None, ckpt_threads: int = 4) -> "Session":
         emergency = EmergencyState.from_env()
         emergency.install()  # before the (slow) process-group init: a request during start-up is kept
         info = tdist.init(device)

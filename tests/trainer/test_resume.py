@@ -152,3 +152,29 @@ def test_request_during_startup_is_kept(tmp_path: Path) -> None:
     assert g.wait() == [contract.EXIT_PREEMPTED], g.log()
     (report,) = [r for r in g.reports(contract.CheckpointReport) if r.emergency]
     assert report.step <= 2 and report.save_s > 0
+
+
+def test_launcher_forwards_sigterm(tmp_path: Path) -> None:
+    """python -m trainer.launch: ranks get the torch variables, SIGTERM reaches both, exit code 75."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.trainer.helpers import REPO
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
+           **trainer_env(tmp_path, total_steps=100000, args=ARGS)}
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.launch", "--nproc", "2", "--", sys.executable, "-m", "trainer"],
+                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith('{"orch":"step"'):
+            proc.send_signal(signal.SIGTERM)
+            break
+    rest, _ = proc.communicate(timeout=120)
+    out = "".join(lines) + rest
+    assert proc.returncode == contract.EXIT_PREEMPTED, out
+    reports = [r for r in map(contract.parse_report, out.splitlines()) if isinstance(r, contract.CheckpointReport)]
+    assert sorted(r.rank for r in reports if r.emergency) == [0, 1] and all(r.reason == "sigterm" for r in reports)
