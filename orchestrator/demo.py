@@ -363,6 +363,12 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
 
 
 def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        sys.stderr.write("orchctl demo trains a real (tiny) model: install the trainer extra first, e.g.\n"
+                         "  pip install torch==2.13.0 && pip install -e '.[trainer]'\n")
+        return 2
     opts = options_from_args(args)
     tty = sys.stderr.isatty()
     live = None
