@@ -45,3 +45,29 @@ def test_load_step_logs_tags_nodes_and_skips_torn_lines(tmp_path) -> None:
     p.write_text(json.dumps(rec) + "\n" + '{"generation": 1, "st')  # cut by a kill -9
     (got,) = load_step_logs([p])
     assert got.node == "node-7" and got.sample_ids == (0, 1)
+
+
+def test_demo_display_and_text_report_render() -> None:
+    from rich.console import Console
+
+    from orchestrator.demo import DemoOptions, _View, format_report, render
+
+    view = _View(DemoOptions())
+    console = Console(record=True, width=120)
+    console.print(render(view))  # before the job exists
+    view.job = {"phase": "running", "generation": 2, "step": 40, "total_steps": 200, "committed_step": 30,
+                "zone": "local/local-1/local-a", "cost_usd": 0.01}
+    view.nodes = [{"node_id": "demo-n1", "phase": "running", "pool": "local/local-1/local-a/cpu.local/spot",
+                   "generation": 2, "rank": 0, "step": 40, "heartbeat_age_s": 0.4},
+                  {"node_id": "demo-n4", "phase": "booting", "pool": "local/local-1/local-a/cpu.local/on_demand",
+                   "generation": 0, "rank": -1, "step": 0, "heartbeat_age_s": None}]
+    view.loss = {"demo-n1": 2.5}
+    view.event("PREEMPTION NOTICE for demo-n3")
+    console.print(render(view))
+    text = console.export_text()
+    assert "demo-n1" in text and "local-a/on_demand" in text and "PREEMPTION NOTICE" in text
+    recs = _gen(1, range(1, 11), 2, 0.0) + _gen(2, range(11, 21), 2, 20.0)
+    r = compute_report(recs, [Injection("notice", 15.0, "n1"), Injection("price_spike", 16.0, "", "x")], total_steps=20)
+    r.update(job_succeeded=True, wall_s=30.0, cost_usd=0.01, on_demand_cost_usd=0.03, orchd_cost_estimate_usd=0.012)
+    out = format_report(r)
+    assert "SUCCEEDED" in out and "lost_steps=0" in out and "price spike (x)" in out
