@@ -36,7 +36,7 @@ from orchestrator.core.model import (
     PoolStats,
 )
 from orchestrator.core.placement import alternatives, markets_for, ranked, zone_of
-from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds
+from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds, transfer_cost_usd
 from orchestrator.core.tx import Tx
 from orchestrator.events import AbandonGenerationCmd, CheckpointCmd, StartGenerationCmd
 
@@ -323,6 +323,8 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
                 job = tx.update_job(job, reason="no_capacity_in_zone")
             return job
     rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, exclude=exclude)
+    if rank and job.committed_url and job.zone:  # moving the checkpoint elsewhere costs too
+        rank = sorted(((c + transfer_cost_usd(job.zone, ps, cfg), n, ps) for c, n, ps in rank), key=lambda t: (t[0], t[1]))
     if not rank:
         if job.reason != "no_feasible_pool":
             tx.record(job.job_id, "wait", "no_feasible_pool")

@@ -421,3 +421,22 @@ def test_registration_before_node_launched() -> None:
     assert start.master_addr == "h1" and start.checkpoint_interval_s and start.checkpoint_interval_s >= 120
     d = drv(NodeLaunched(node_id=nid, job_id="j1", instance_id="i-1", pool=A, token=la.token))
     assert not d.commands and drv.state.nodes[nid].phase == NodePhase.RUNNING
+
+
+def test_move_prefers_the_region_of_the_checkpoint() -> None:
+    """A whole-job move counts the checkpoint transfer: same region beats a slightly cheaper far region."""
+    from orchestrator.core.model import CoreConfig
+    from orchestrator.core import State
+
+    far = pool("p4d.24xlarge", "us-west-2a", region="us-west-2")
+    near = pool("p4d.24xlarge", "us-east-1b")
+    drv = Driver(State.empty(CoreConfig(checkpoint_gb_estimate=2000.0)))
+    ids = running(drv, prices={A: 10.0, near: 12.0, far: 11.9}, nodes=1, nodes_max=1, market=MarketPolicy.SPOT,
+                  total_steps=2000)
+    drv(CheckpointCommitted(id="c", node_id=ids[0], job_id="j1", generation=1, step=10, checkpoint_id="s10",
+                            url="u10", save_s=5.0, ts=drv.now))
+    d = drv(PreemptionNotice(id="n", node_id=ids[0], cloud="aws", deadline_ts=drv.now + 120, observed_ts=drv.now))
+    (la,) = cmds(d, Launch)
+    assert la.pool == near
+    move = [a for a in d.audit if a.action == "move_zone"][0]
+    assert move.alternatives[0][0] == near.name and move.alternatives[1][0] == far.name
