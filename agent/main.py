@@ -159,10 +159,10 @@ class Agent:
                 tg.start_soon(ensure_logs_stream, nc)
                 if self.warm is not None:
                     await self.warm.refill()  # before commands can arrive: the first generation starts warm
-                self._register()
                 sub = await nc.subscribe(subject_command(self.node_id), cb=self._on_command_msg)
                 with anyio.move_on_after(2):
-                    await nc.flush()  # the server knows the subscription before anyone is told we are up
+                    await nc.flush()  # the server knows the subscription before orchd hears of us
+                self._register()
                 tg.start_soon(self._heartbeat_loop)
                 if self.watcher is not None:
                     tg.start_soon(self.watcher.run, self._on_notice)
