@@ -10,6 +10,8 @@ with the saves, and the best run is the reference (the shared disk's rate drifts
 
   disk_write_gib_s   sequential write + fsync of state_gib bytes (best of 3; all in disk_write_runs_gib_s)
   save_gib_s         blocking DCP save + CRC32C while writing + fsync + commit marker
+  save_vs_disk       save_gib_s / disk_write_gib_s (goal >= 0.8); save_vs_adjacent_disk divides by the
+                     mean of the two probes run just before and just after the save instead
   load_gib_s         verify (read + CRC32C) + DCP load, page cache dropped first (posix_fadvise DONTNEED)
   async_block_s      time the training loop is blocked by a thread-based async save (staging copy into
                      reused host buffers; async_block_first_s includes allocating them)
@@ -166,6 +168,7 @@ def main() -> None:
             "disk_write_runs_gib_s": [round(x, 3) for x in probes],
             "save_gib_s": round(state_gib / save_s, 3),
             "save_vs_disk": round(state_gib / save_s / disk, 3),
+            "save_vs_adjacent_disk": round(state_gib / save_s / ((probes[0] + probes[1]) / 2), 3),
             "load_gib_s": round(state_gib / load_s, 3),
             "async_block_s": round(async_block_s, 3),
             "async_block_first_s": round(async_block_first_s, 3),

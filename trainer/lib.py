@@ -39,7 +39,7 @@ from trainer.checkpoint import CheckpointManager, CommitResult
 from trainer.emergency import EmergencyState, Verdict, agree
 
 # bf16 dense peak FLOP/s per device (vendor datasheets), matched on torch.cuda.get_device_name (no NVML)
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
                    ("A10G", 125e12), ("L4", 121e12))
 
 
