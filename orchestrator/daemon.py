@@ -99,6 +99,9 @@ class Daemon:
         self._live: set[str] = set()  # node keys changed by heartbeats only, not yet persisted
         self._flush_live = False  # set every liveness_flush_s: start a flush round
         self._flushing: set[str] = set()  # keys of the current flush round not yet written
+        self._bg_flush_busy = False  # one background flush slice at a time
+        self._bg_keys: set[str] = set()  # the keys of the slice being written
+        self._bg_tg: Any = None  # the task group that runs background flush slices
         self._stop = anyio.Event()
         self.exit_code = 0
 
@@ -283,15 +286,14 @@ class Daemon:
             self._flushing |= live
             live.clear()
             self._flush_live = False
-        if self._flushing and (not urgent or self._stop.is_set()):
-            flushing = self._flushing
-            take = len(flushing) if self._stop.is_set() else self.settings.daemon.liveness_flush_max
-            while flushing and take:
-                dirty.add(flushing.pop())
-                take -= 1
+        if self._stop.is_set() and (self._flushing or self._bg_keys):  # shutting down: all of them now
+            dirty.update(self._flushing, self._bg_keys)
+            self._flushing.clear()
         t_decided = time.perf_counter()
         records = core.state_to_records(state, frozenset(dirty)) if dirty else {}
         live.difference_update(dirty)
+        if new_cmds and done_keys:  # a command decided again in this batch keeps its outbox entry
+            done_keys = [k for k in done_keys if k not in new_cmds]
         await self.store.persist(records, new_cmds, done_keys, audit)  # type: ignore[union-attr]
         t_persisted = time.perf_counter()
         m = self.metrics
@@ -303,6 +305,11 @@ class Daemon:
                         events=decided, records=len(records), commands=len(new_cmds), audit=len(audit),
                         types=dict(counts))
         self.state = state
+        if self._flushing and not urgent and not self._stop.is_set() and not self._bg_flush_busy:
+            take = self.settings.daemon.liveness_flush_max
+            keys = {self._flushing.pop() for _ in range(min(take, len(self._flushing)))}
+            self._bg_flush_busy = True
+            self._bg_tg.start_soon(self._flush_in_background, keys)  # type: ignore[union-attr]
         for msg in to_ack:
             await _ack(msg)
         for item in batch.shell:
@@ -319,6 +326,16 @@ class Daemon:
             self.metrics.events.labels(name).inc(n)
         for c in new_cmds.values():
             self.metrics.decisions.labels(type(c).__name__).inc()
+
+    async def _flush_in_background(self, keys: set[str]) -> None:
+        """One slice of a liveness flush round, written off the decide loop from the latest state."""
+        self._bg_keys = keys
+        try:
+            await self.store.write_records_background(  # type: ignore[union-attr]
+                keys, lambda ks: self.core.state_to_records(self.state, ks))
+        finally:
+            self._bg_flush_busy = False
+            self._bg_keys = set()
 
     def _log_decision(self, event: Any, d: Any) -> None:
         ctx = summarize_event(event)
@@ -441,6 +458,7 @@ async def run_daemon(
         _write_discovery(d)
         async with anyio.create_task_group() as tg:
             await tg.start(d.executor.run)
+            d._bg_tg = tg
             for key, cmd in outbox.items():  # decided before a crash: execute again, same ids/tokens
                 d.executor.submit(key, cmd)
             if feeds:

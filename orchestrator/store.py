@@ -121,6 +121,29 @@ class Store:
                 log.warning("store_write_retry", pending=len(pending), attempt=attempt)
                 await anyio.sleep(min(0.1 * 2**attempt, 2.0))
 
+    async def write_records_background(self, keys: set[str], encode: Any) -> None:
+        """Write state records off the decide loop (liveness flushes): ``encode(keys)`` gives the
+        CURRENT value of each key when it is published, and a key not acknowledged is encoded again
+        from the then-current state on retry, so a background write never overwrites a newer record
+        with an older one."""
+        state_pre = f"$KV.{bus.KV_STATE}."
+
+        def item(key: str) -> Any:
+            def make() -> tuple[str, bytes, dict | None]:
+                value = encode((key,))[key]
+                return (state_pre + key, value, None if value else {_KV_OP: "DEL"})
+            return make
+
+        attempt = 0
+        while keys:
+            order = sorted(keys)
+            failed = await self._pipe.write([item(k) for k in order], self.write_timeout_s)
+            self.writes += len(order) - len(failed)
+            keys = {order[i] for i in failed}
+            if keys:
+                attempt += 1
+                await anyio.sleep(min(0.1 * 2**attempt, 2.0))
+
     async def read_audit(self, job_id: str | None, limit: int = 200) -> list[bytes]:
         """The last ``limit`` audit entries of a job (all jobs' unattributed entries for None)."""
         subject = audit_subject(job_id)
@@ -156,51 +179,68 @@ async def _load_bucket(kv: KeyValue) -> dict[str, bytes]:
     return out
 
 
+class _Round:
+    __slots__ = ("pending", "failed", "done")
+
+    def __init__(self) -> None:
+        self.pending: dict[str, int] = {}
+        self.failed: set[int] = set()
+        self.done = asyncio.Event()
+
+
 class _Pipeline:
-    """Pipelined JetStream publishes with one reply subscription (``<inbox>.<token>``) and a counter.
+    """Pipelined JetStream publishes with one reply subscription (``<inbox>.<round>-<i>``).
 
     Leaner than ``js.publish_async`` (no task per semaphore wait, no future per message): a batch of
-    N writes costs N publishes and N small ack callbacks, one round trip of latency in all."""
+    N writes costs N publishes and N small ack callbacks, one round trip of latency in all. Several
+    rounds may be in flight at once (the decide loop's batch and a background liveness flush);
+    publishes leave in call order on one connection, so the server applies them in that order."""
 
     def __init__(self, nc: Any) -> None:
         self.nc = nc
         self.prefix = ""
-        self.pending: dict[str, int] = {}
-        self.failed: set[int] = set()
-        self.done = asyncio.Event()
-        self.round = 0
+        self.rounds: dict[str, _Round] = {}
+        self.seq = 0
 
     async def _on_ack(self, msg: Any) -> None:
-        idx = self.pending.pop(msg.subject[len(self.prefix):], None)
+        token = msg.subject[len(self.prefix):]
+        rnd = self.rounds.get(token.split("-", 1)[0])
+        if rnd is None:
+            return  # a late ack of a finished round
+        idx = rnd.pending.pop(token, None)
         if idx is None:
-            return  # a late ack of an earlier round
+            return
         status = msg.headers.get("Status") if msg.headers else None
         if (status and status != "200") or b'"error"' in msg.data[:64]:
-            self.failed.add(idx)
-        if not self.pending:
-            self.done.set()
+            rnd.failed.add(idx)
+        if not rnd.pending:
+            rnd.done.set()
 
     async def write(self, items: list[tuple[str, bytes, dict | None]], timeout_s: float) -> list:
         if not self.prefix:
             self.prefix = self.nc.new_inbox() + "."
             await self.nc.subscribe(self.prefix + "*", cb=self._on_ack, pending_msgs_limit=1_000_000)
-        self.round += 1
-        self.pending = {}
-        self.failed = set()
-        self.done = asyncio.Event()
+        self.seq += 1
+        rid = str(self.seq)
+        rnd = self.rounds[rid] = _Round()
         failed_now: set[int] = set()
-        for i, (subject, data, headers) in enumerate(items):
-            token = f"{self.round}-{i}"
-            self.pending[token] = i
-            try:
-                await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
-            except Exception as e:  # closed/draining: counted as not stored
-                self.pending.pop(token, None)
-                failed_now.add(i)
-                log.debug("store_publish_failed", subject=subject, error=type(e).__name__)
-        if self.pending:
-            with anyio.move_on_after(timeout_s):
-                await self.done.wait()
-        lost = set(self.pending.values()) | self.failed | failed_now
-        self.pending = {}
-        return [items[i] for i in sorted(lost)]
+        try:
+            for i, item in enumerate(items):
+                # A callable item is encoded right here, with no await before its publish is queued:
+                # the value is the newest at the moment it enters the connection's ordered stream.
+                subject, data, headers = item() if callable(item) else item
+                token = f"{rid}-{i}"
+                rnd.pending[token] = i
+                try:
+                    await self.nc.publish(subject, data, reply=self.prefix + token, headers=headers)
+                except Exception as e:  # closed/draining: counted as not stored
+                    rnd.pending.pop(token, None)
+                    failed_now.add(i)
+                    log.debug("store_publish_failed", subject=subject, error=type(e).__name__)
+            if rnd.pending:
+                with anyio.move_on_after(timeout_s):
+                    await rnd.done.wait()
+            lost = set(rnd.pending.values()) | rnd.failed | failed_now
+        finally:
+            del self.rounds[rid]
+        return [items[i] for i in sorted(lost)] if not (items and callable(items[0])) else sorted(lost)
