@@ -258,6 +258,14 @@ def check(before: State, d: Any, now: float) -> None:
         assert len({zone_of(s.nodes[c.node_id].pool) for c in batch}) == 1
         assert sorted(c.node_rank for c in batch) == list(range(batch[0].nnodes))
         assert len({c.generation for c in batch}) == 1
+    # audit entries and commands are plain wire data (the shell logs/persists them)
+    import msgspec as _ms
+
+    from orchestrator.core import AuditEntry
+    from orchestrator.core.commands import Command
+
+    assert _ms.json.decode(_ms.json.encode(d.audit), type=tuple[AuditEntry, ...]) == d.audit
+    assert _ms.json.decode(_ms.json.encode(d.commands), type=tuple[Command, ...]) == d.commands
     for c in d.commands:
         if isinstance(c, SendToAgent):
             assert c.command.fencing_token == s.meta.fencing_token
