@@ -3,7 +3,7 @@
 Role: turn asynchronous requests into a decision that every rank takes at the *same* step. Signal
 handlers only record the request (CheckpointRequest read from ORCH_CONTROL_DIR, or a synthetic one for
 SIGTERM with deadline now + ORCH_SIGTERM_GRACE_S); at the end of every step each rank contributes its flags
-to one tiny all-reduce (SUM over a 7-element float64 tensor), so all ranks see the same verdict and stop
+to one tiny all-reduce (SUM over an 8-element float64 tensor), so all ranks see the same verdict and stop
 after the same step. The same all-reduce carries the loss sum and "my async save is done", so a step costs
 exactly one extra collective.
 
@@ -32,6 +32,7 @@ class Verdict:
     oom: bool  # some rank ran out of memory in this step: all retry it with a smaller micro-batch
     saves_done: bool  # every rank's pending async save has finished writing
     save_failed: bool  # some rank's finished async save raised: the checkpoint is abandoned
+    periodic_due: bool  # some rank's periodic-checkpoint timer (ORCH_CKPT_INTERVAL_S) expired
     loss_sum: float  # sum over ranks of the contributed loss values
     deadline_ts: float | None  # the earliest deadline among ranks' requests
     world_size: int
@@ -102,11 +103,12 @@ def agree(
     oom: bool = False,
     save_pending: bool = False,
     save_failed: bool = False,
+    periodic_due: bool = False,
     loss: float = 0.0,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
 ) -> Verdict:
-    """The per-step agreement: one all-reduce (SUM) of [stop, oom, save_pending, loss, deadline, has_deadline, save_failed].
+    """The per-step agreement: one all-reduce (SUM) of [stop, oom, save_pending, loss, deadline, has_deadline, save_failed, periodic_due].
 
     Every rank gets the same stop/oom/saves_done verdict. The deadline is the mean of the ranks' deadlines
     (equal when relayed from one orchd request), capped by the local one; a rank without a request of
@@ -115,7 +117,8 @@ def agree(
     deadline = req.deadline_ts if req is not None and req.deadline_ts is not None else None
     t = torch.tensor(
         [1.0 if req is not None else 0.0, 1.0 if oom else 0.0, 1.0 if save_pending else 0.0, float(loss),
-         float(deadline or 0.0), 1.0 if deadline is not None else 0.0, 1.0 if save_failed else 0.0],
+         float(deadline or 0.0), 1.0 if deadline is not None else 0.0, 1.0 if save_failed else 0.0,
+         1.0 if periodic_due else 0.0],
         dtype=torch.float64, device=device,
     )
     ws = 1
@@ -126,4 +129,4 @@ def agree(
     agreed_deadline = v[4] / v[5] if v[5] > 0 else None  # mean of the ranks' deadlines (equal when relayed)
     if deadline is not None:
         agreed_deadline = min(deadline, agreed_deadline) if agreed_deadline is not None else deadline
-    return Verdict(stop=v[0] > 0, oom=v[1] > 0, saves_done=v[2] == 0, save_failed=v[6] > 0, loss_sum=v[3], deadline_ts=agreed_deadline, world_size=ws)
+    return Verdict(stop=v[0] > 0, oom=v[1] > 0, saves_done=v[2] == 0, save_failed=v[6] > 0, periodic_due=v[7] > 0, loss_sum=v[3], deadline_ts=agreed_deadline, world_size=ws)

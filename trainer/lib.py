@@ -84,6 +84,9 @@ class Session:
         self._sampler: Any = None
         self.user_state: dict[str, Any] = {}
         self.peak_flops = peak_flops(info.device)
+        # orchd's periodic interval (Young/Daly) overrides ckpt_every; agreed per step like a stop
+        self.ckpt_interval_s = float(os.environ.get(contract.ENV_CKPT_INTERVAL_S) or 0.0)
+        self._last_periodic = time.monotonic()
 
     @classmethod
     def from_env(cls, *, device: str = "auto", ckpt_every: int = 0, keep: int = 3, async_mode: str = "thread",
@@ -181,7 +184,7 @@ class Session:
                     print(f"resumed_from dir={chosen} step={extra['step']} saved_world_size={extra['world_size']} "
                           f"world_size={self.world_size}", flush=True)
         self.last_step = start - 1
-        self._t_last = time.monotonic()
+        self._t_last = self._last_periodic = time.monotonic()
         return start
 
     def steps(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, scheduler: Any = None, sampler: Any = None) -> Iterator[int]:
@@ -203,7 +206,8 @@ class Session:
 
     def agree(self, *, loss: float, oom: bool = False) -> Verdict:
         pending, failed = self.ckpt.pending_status() if self.ckpt is not None else (False, False)
-        return agree(self.emergency, oom=oom, save_pending=pending, save_failed=failed, loss=loss,
+        due = self.ckpt_interval_s > 0 and time.monotonic() - self._last_periodic >= self.ckpt_interval_s
+        return agree(self.emergency, oom=oom, save_pending=pending, save_failed=failed, periodic_due=due, loss=loss,
                      device=self.info.device if self.info.is_gpu else "cpu")
 
     def step_done(self, step: int, *, loss: float, sample_ids: list[int] | tuple[int, ...] = (), grad_norm: float | None = None,
@@ -238,8 +242,10 @@ class Session:
                 self._report_commit(res, emergency=False, reason="periodic", deadline=None)
         if verdict.stop and step < self.total_steps:
             self._emergency(step, verdict)
-        if (self.ckpt is not None and self.ckpt_every and step % self.ckpt_every == 0 and step < self.total_steps
-                and self.ckpt.pending is None):
+        # every input here is agreed (verdict) or identical on all ranks (step, pending): all ranks decide alike
+        due = verdict.periodic_due if self.ckpt_interval_s > 0 else bool(self.ckpt_every and step % self.ckpt_every == 0)
+        if self.ckpt is not None and due and step < self.total_steps and self.ckpt.pending is None:
+            self._last_periodic = time.monotonic()
             self.ckpt.save_async(step, self._model, self._optimizer, self._extra())
 
     def _report_commit(self, res: CommitResult, *, emergency: bool, reason: str, deadline: float | None) -> None:
