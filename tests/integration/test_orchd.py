@@ -93,6 +93,19 @@ async def test_submit_notice_commands_and_every_verb(server, tmp_path):
         repl = [i for i in cloud.all_instances() if i.node_id not in seen][0]
         assert repl.pool != h.POOL
 
+        # /metrics: the Prometheus exposition of this daemon
+        import urllib.request
+
+        def scrape() -> str:
+            with urllib.request.urlopen(d.metrics_url, timeout=5) as r:
+                return r.read().decode()
+
+        text = await anyio.to_thread.run_sync(scrape)
+        assert 'orchd_events_total{type="PreemptionNotice"} 1.0' in text
+        assert "orchd_notice_to_command_seconds_count 2.0" in text  # both checkpoint commands, timed
+        assert 'orchd_decisions_total{kind="Launch"}' in text and "orchd_nats_connected 1.0" in text
+        assert 'orchd_preemptions_total{cloud="fake"' in text
+
         # every verb, every format
         for fmt in ("table", "json", "yaml"):
             for argv in (["status"], ["jobs", "list"], ["jobs", "show", job_id], ["nodes", "list"],
