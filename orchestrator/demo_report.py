@@ -100,20 +100,29 @@ def loss_by_step(recs: Sequence[Rec]) -> dict[int, float]:
 
 
 def sample_order_exact(recs: Sequence[Rec]) -> bool:
+    """Every step's complete executions fed the same sample ids, an interrupted one (fewer ranks logged it:
+    a peer died inside the step) a subset of them, and the executions that count never share an id."""
     fed: dict[tuple[int, int], set[int]] = defaultdict(set)  # (generation, step) -> sample ids of all ranks
+    ranks: dict[tuple[int, int], set[int]] = defaultdict(set)
+    size: dict[tuple[int, int], int] = {}
     for r in recs:
         fed[(r.generation, r.step)].update(r.sample_ids)
-    per_step: dict[int, list[frozenset[int]]] = defaultdict(list)
+        ranks[(r.generation, r.step)].add(r.rank)
+        size[(r.generation, r.step)] = r.world_size
+    per_step: dict[int, list[tuple[frozenset[int], bool]]] = defaultdict(list)
     for (g, s), ids in sorted(fed.items()):
-        per_step[s].append(frozenset(ids))
+        per_step[s].append((frozenset(ids), len(ranks[(g, s)]) >= size[(g, s)]))
     seen: set[int] = set()
     for s in sorted(per_step):
-        variants = per_step[s]
-        if any(v != variants[0] for v in variants):
+        complete = [ids for ids, full in per_step[s] if full]
+        if not complete:
+            return False  # no execution of this step finished on every rank
+        final = complete[-1]
+        if any(ids != final for ids in complete) or any(not ids <= final for ids, full in per_step[s] if not full):
             return False  # a re-executed step fed other samples
-        if seen & variants[-1]:
+        if seen & final:
             return False  # a sample consumed twice
-        seen |= variants[-1]
+        seen |= final
     return True
 
 

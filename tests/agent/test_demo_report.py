@@ -71,3 +71,13 @@ def test_demo_display_and_text_report_render() -> None:
     r.update(job_succeeded=True, wall_s=30.0, cost_usd=0.01, on_demand_cost_usd=0.03, orchd_cost_estimate_usd=0.012)
     out = format_report(r)
     assert "SUCCEEDED" in out and "lost_steps=0" in out and "price spike (x)" in out
+
+
+def test_interrupted_step_is_not_a_sample_order_error() -> None:
+    full = _gen(1, range(1, 6), 2, 0.0)
+    cut = [Rec(1, 6, 1, 2, 1.0, (52, 53, 54, 55), 6.0, "n1")]  # rank 1 logged step 6, then its peer died
+    redo = _gen(2, range(6, 9), 2, 10.0)
+    assert sample_order_exact(full + cut + redo)
+    wrong = [Rec(1, 6, 1, 2, 1.0, (99,), 6.0, "n1")]
+    assert not sample_order_exact(full + wrong + redo)
+    assert not sample_order_exact(full + cut)  # step 6 never completed

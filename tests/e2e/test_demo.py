@@ -47,25 +47,25 @@ def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
     result = anyio.run(run_demo, opts)
     r = result.report
     assert r["job_succeeded"], r
-    assert r["steps_completed"] == STEPS
+    assert r["steps_completed"] == STEPS, r
     kinds = [p["kind"] for p in r["preemptions"]]
     assert kinds == ["notice", "vanished"], r["injected"]
     notice, vanished = r["preemptions"]
     # order: the noticed preemption was recovered (a later generation ran) before the node vanished
-    assert notice["next_generation"] <= vanished["generation"]
-    assert notice["lost_steps"] == 0
-    assert notice["first_step_after"] == notice["last_step_before"] + 1
+    assert notice["next_generation"] <= vanished["generation"], r
+    assert notice["lost_steps"] == 0, r
+    assert notice["first_step_after"] == notice["last_step_before"] + 1, r
     # every step that ran twice is in the vanished generation's lost window
     recs = load_step_logs(result.step_logs)
     runs: dict[int, set[int]] = {}
     for rec in recs:
         runs.setdefault(rec.step, set()).add(rec.generation)
     twice = sorted(s for s, g in runs.items() if len(g) > 1)
-    assert all(vanished["first_step_after"] <= s <= vanished["last_step_before"] for s in twice), twice
-    assert len(twice) == vanished["lost_steps"] == r["steps_executed_twice"]
-    assert r["sample_order_exact"]
-    assert r["generations"] >= 3
-    assert r["cost_usd"] > 0 and r["on_demand_cost_usd"] > r["cost_usd"]
+    assert all(vanished["first_step_after"] <= s <= vanished["last_step_before"] for s in twice), (twice, r)
+    assert len(twice) == vanished["lost_steps"] == r["steps_executed_twice"], (twice, r)
+    assert r["sample_order_exact"], r
+    assert r["generations"] >= 3, r
+    assert r["cost_usd"] > 0 and r["on_demand_cost_usd"] > r["cost_usd"], r
     # the losses are those of an uninterrupted run of the same seed
     ref = _reference_losses(tmp_path / "ref", STEPS, opts.seed)
     got = loss_by_step(recs)
