@@ -460,7 +460,7 @@ async def run_daemon(
             await tg.start(d.executor.run)
             d._bg_tg = tg
             for key, cmd in outbox.items():  # decided before a crash: execute again, same ids/tokens
-                d.executor.submit(key, cmd)
+                d.executor.submit(key, _refence(cmd, d.fencing_token))
             if feeds:
                 _start_feeds(tg, d, topo.js)
             if lease is not None:
@@ -503,6 +503,17 @@ async def run_daemon(
                 await anyio.to_thread.run_sync(server.stop)
             log.info("orchd_stopped", events=d.events_decided, exit_code=d.exit_code)
     return d
+
+
+def _refence(cmd: Any, token: int) -> Any:
+    """An agent command from the outbox, carrying this daemon's fencing token (same cmd_id).
+
+    This daemon owns the persisted decisions of its predecessors; with their older token an agent
+    that has already seen ours would refuse the command as stale and the decision would be lost."""
+    inner = getattr(cmd, "command", None)
+    if inner is not None and inner.fencing_token < token:
+        return msgspec.structs.replace(cmd, command=msgspec.structs.replace(inner, fencing_token=token))
+    return cmd
 
 
 def _always() -> bool:

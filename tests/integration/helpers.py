@@ -79,9 +79,12 @@ async def publish_js(js: Any, subject: str, msg: msgspec.Struct, msg_id: str | N
 class SimAgent:
     """Acks every command on orch.cmd.> and records them (node_id -> list of commands)."""
 
-    def __init__(self, nc: Any, *, ack: bool = True) -> None:
+    def __init__(self, nc: Any, *, ack: bool = True, fencing: bool = False) -> None:
         self.nc = nc
         self.ack = ack
+        self.fencing = fencing  # refuse commands with a token below the highest seen, as agents do
+        self.highest_token = 0
+        self.refused: list[Any] = []
         self.received: list[Any] = []
         self.arrival: dict[str, float] = {}
         self.sub = None
@@ -91,9 +94,16 @@ class SimAgent:
             cmd = ev.decode(msg.data)
             self.arrival.setdefault(cmd.cmd_id, time.time())
             self.received.append(cmd)
-            if self.ack and msg.reply:
-                await msg.respond(ev.encode(ev.CommandAck(cmd_id=cmd.cmd_id, node_id=cmd.node_id, ok=True,
-                                                          ts=time.time())))
+            if not (self.ack and msg.reply):
+                return
+            if self.fencing and cmd.fencing_token < self.highest_token:
+                self.refused.append(cmd)
+                await msg.respond(ev.encode(ev.CommandAck(cmd_id=cmd.cmd_id, node_id=cmd.node_id, ok=False,
+                                                          error="stale_fencing_token", ts=time.time())))
+                return
+            self.highest_token = max(self.highest_token, cmd.fencing_token)
+            await msg.respond(ev.encode(ev.CommandAck(cmd_id=cmd.cmd_id, node_id=cmd.node_id, ok=True,
+                                                      ts=time.time())))
 
         self.sub = await self.nc.subscribe("orch.cmd.>", cb=on_cmd)
         await self.nc.flush()

@@ -16,7 +16,10 @@ import pytest
 import yaml
 
 from orchestrator import bus, cli, events as ev
+from orchestrator.client import AdminClient
 from orchestrator.daemon import run_daemon
+from orchestrator.jobspec import parse_jobspec
+from orchestrator.store import Store
 from orchestrator.natsserver import NatsServer
 from providers.fake import FakeCloud
 from tests.integration import helpers as h
@@ -168,3 +171,48 @@ async def test_malformed_messages_counted_terminated_daemon_stays_up(server, tmp
         assert code == 0 and json.loads(out)["nats_connected"] is True
         d.request_stop()
     await nc.close()
+
+
+async def test_outbox_agent_command_reexecuted_after_restart_with_new_token(server, tmp_path):
+    """A command decided and persisted but never acknowledged (agent away) is executed again by the
+    next daemon: same cmd_id, the new daemon's (greater) fencing token, accepted by a fencing agent."""
+    url = server.url
+    settings = h.settings_for(tmp_path, url)
+    cloud = FakeCloud()
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    mute = await h.SimAgent(nc, ack=False).start()  # receives, never answers
+    spec = h.JOB_TOML.format(nodes=1)
+    async with anyio.create_task_group() as tg:
+        d1 = await tg.start(lambda task_status: run_daemon(settings, {"fake": cloud}, task_status=task_status))
+        await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL, 1.0, 3.0))
+        await h.wait_for(lambda: len(d1.state.pools) >= 1)
+        client = await AdminClient.connect([url])
+        await client.submit(parse_jobspec(spec))
+        await client.close()
+        await h.wait_for(lambda: len(cloud.all_instances()) == 1)
+        await register_all(js, cloud, set())
+        first = await h.wait_for(lambda: mute.of_kind(ev.StartGenerationCmd))
+        d1.request_stop()  # the command is in flight: it stays in the outbox
+    await mute.sub.unsubscribe()
+    agent = await h.SimAgent(nc, fencing=True).start()
+    async with anyio.create_task_group() as tg:
+        d2 = await tg.start(lambda task_status: run_daemon(settings, {"fake": cloud}, task_status=task_status))
+        assert d2.fencing_token > d1.fencing_token
+        again = await h.wait_for(lambda: agent.of_kind(ev.StartGenerationCmd))
+        assert again[0].cmd_id == first[0].cmd_id
+        assert again[0].fencing_token == d2.fencing_token
+        assert not agent.refused
+        await h.wait_for(lambda: not d2.executor.in_flight)
+        d2.request_stop()
+    records, outbox = await _load(url)
+    assert not outbox  # acknowledged: its outbox entry was deleted with the ack's batch
+    await nc.close()
+
+
+async def _load(url: str):
+    nc = await nats.connect(url)
+    try:
+        return await Store(await bus.ensure_topology(nc)).load()
+    finally:
+        await nc.close()
