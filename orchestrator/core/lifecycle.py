@@ -76,19 +76,47 @@ def members_alive(tx: Tx, job: Job) -> list[Node]:
 # --- nodes --------------------------------------------------------------------------------------
 
 
-def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple = ()) -> Job:
+def affordable(tx: Tx, job: Job, ps: PoolStats, count: int) -> int:
+    """How many of ``count`` new nodes in ``ps`` the budget can still carry through boot, one checkpoint
+    and termination (termination tail at the worst price, like check_budget)."""
+    budget = job.spec.budget_usd
+    if budget is None or count <= 0:
+        return max(count, 0)
     cfg = tx.cfg
+    cost = cost_now(tx, job)
+    worst0, burn0 = worst_burn_usd_h(tx, job), burn_usd_h(tx, job)
+    price = ps.price_usd_h or 0.0
+    worst_price = max(price, ps.on_demand_usd_h or 0.0)
+    for c in range(count, 0, -1):
+        need = (worst0 + c * worst_price) * cfg.terminate_s + (burn0 + c * price) * (
+            save_seconds(job) + 2 * cfg.tick_s + cfg.boot_s_estimate
+        )
+        if cost + need / 3600.0 < budget:
+            return c
+    return 0
+
+
+def budget_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, alts: tuple = ()) -> Job:
+    """A launch the budget cannot carry. A job that cannot run without it stops (stopped, budget)
+    instead of waiting forever; a running job goes on with what it has."""
+    if job.reason != "launch_refused_budget":
+        tx.record(job.job_id, "launch_refused", "budget", alts, pool=ps.pool.name, count=count)
+        job = tx.update_job(job, reason="launch_refused_budget")
+    usable = sum(1 for n in job_nodes(tx, job) if acceptable(job, n, suspect_ok=True))
+    if job.phase in (J.PENDING, J.PLACING, J.RESIZING) and usable < max(job.spec.nodes_min, 1):
+        tx.record(job.job_id, "stop", "budget_cannot_restart", cost_usd=round(cost_now(tx, job), 6))
+        job = terminate_all(tx, job, "budget")
+        job = tx.job_phase(job, J.STOPPED, reason="budget", intent=Intent.NONE)
+    return job
+
+
+def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple = ()) -> Job:
     if count <= 0:
         return job
-    if job.spec.budget_usd is not None:
-        worst = worst_burn_usd_h(tx, job) + count * max(ps.price_usd_h or 0.0, ps.on_demand_usd_h or 0.0)
-        burn = burn_usd_h(tx, job) + count * (ps.price_usd_h or 0.0)
-        need = worst * cfg.terminate_s + burn * (save_seconds(job) + 2 * cfg.tick_s + cfg.boot_s_estimate)
-        if cost_now(tx, job) + need / 3600.0 >= job.spec.budget_usd:
-            if job.reason != "launch_refused_budget":
-                tx.record(job.job_id, "launch_refused", "budget", alts, pool=ps.pool.name, count=count)
-                job = tx.update_job(job, reason="launch_refused_budget")
-            return job
+    n = affordable(tx, job, ps, count)
+    if n == 0:
+        return budget_blocked(tx, job, ps, count, alts)
+    count = n
     token = tx.new_launch_token(job.job_id)
     ids: list[str] = []
     for _ in range(count):
@@ -332,12 +360,16 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
         return job
     best = rank[0][2]
     new_zone = zone_of(best.pool)
+    probe = msgspec.structs.replace(job, zone=new_zone)  # the job as it would be there (not written)
+    have_there = sum(1 for n in job_nodes(tx, job) if acceptable(probe, n, suspect_ok=True))
+    count = affordable(tx, job, best, job.target_nodes - have_there)
+    if have_there + count < max(spec.nodes_min, 1):  # the budget cannot carry the move: do not start it
+        return budget_blocked(tx, job, best, job.target_nodes - have_there, alternatives(rank, cfg))
     if job.zone and new_zone != job.zone:
         tx.record(job.job_id, "move_zone", "no_capacity_in_zone", alternatives(rank, cfg), src=job.zone, dst=new_zone)
     job = drop_unusable(tx, tx.update_job(job, zone=new_zone), "zone_move")
-    have = [n for n in job_nodes(tx, job) if acceptable(job, n, suspect_ok=True)]
     reason = "placement" if job.phase == J.PENDING else "move"
-    job = launch(tx, job, best, job.target_nodes - len(have), reason, alternatives(rank, cfg))
+    job = launch(tx, job, best, count, reason, alternatives(rank, cfg))
     if job.phase == J.PENDING and any(n.phase in _INFLIGHT for n in job_nodes(tx, job)):
         job = tx.job_phase(job, J.PLACING, reason="placement")
     return job

@@ -301,7 +301,9 @@ def test_launch_refused_when_budget_cannot_cover_boot_and_stop() -> None:
     drv = Driver()
     drv(price(A, 10.0))
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_max=1, budget_usd=0.5)))
-    assert not cmds(d, Launch) and d.audit[-1].action == "launch_refused"
+    assert not cmds(d, Launch)
+    assert [a.action for a in d.audit][-2:] == ["launch_refused", "stop"]
+    assert drv.job().phase == JobPhase.STOPPED  # cannot even start: stop instead of waiting forever
 
 
 def test_cancel_checkpoints_then_terminates() -> None:
