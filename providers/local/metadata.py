@@ -58,6 +58,7 @@ class MetadataServer:
         self.etag_n = 1
         self.acks: list[str] = []  # Azure EventIds acknowledged by POST
         self.requests: list[tuple[str, str]] = []  # (method, path) for tests
+        self._stopped = False
         self._httpd = ThreadingHTTPServer((host, 0), self._handler_class())
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -74,6 +75,7 @@ class MetadataServer:
 
     def stop(self) -> None:
         with self._cond:
+            self._stopped = True  # ends GCP long polls in flight
             self._cond.notify_all()
         self._httpd.shutdown()
         self._httpd.server_close()
@@ -207,7 +209,7 @@ class MetadataServer:
                         if wait:
                             last = query.get("last_etag", [None])[0] or etag
                             end = time.monotonic() + timeout
-                            while etag == last and time.monotonic() < end:
+                            while etag == last and time.monotonic() < end and not server._stopped:
                                 server._cond.wait(min(0.5, max(0.0, end - time.monotonic())))
                                 value, etag = server._gcp_value()
                     self._send(200, value, "application/text", {"ETag": etag, "Metadata-Flavor": "Google"})
