@@ -169,5 +169,8 @@ def test_budget_holds_under_chaos(seed: int) -> None:
         assert job_cost_usd(w.state, "j", w.now) <= 6.0
     job = w.state.jobs["j"]
     assert job.phase == JobPhase.STOPPED and not w.state.nodes, job.phase
-    assert 4.0 < job.cost_usd <= 6.0  # used most of the budget, never more
+    # never more than the cap; at least half of it used (the termination tail is reserved at the
+    # on-demand price and a restart must be affordable through boot + a checkpoint, so a small budget
+    # stops with some margin left)
+    assert 3.0 < job.cost_usd <= 6.0
     assert job.committed_step > 0  # the final checkpoint made it
