@@ -102,13 +102,13 @@ async def test_kill9_mid_job_restart_same_state_no_duplicate_launch(server, tmp_
         # SIGKILL right after the submit was acknowledged: the Launch is in the outbox, maybe executed
         await anyio.to_thread.run_sync(orchd.kill9)
         await anyio.to_thread.run_sync(orchd.start)
-        await h.wait_for(lambda: len(read_fake_file(fake_file)) >= 3, timeout=15)
+        await h.wait_for(lambda: len(read_fake_file(fake_file)) >= 3, timeout=30)
         insts = read_fake_file(fake_file)
         for inst in insts:
             reg = ev.NodeRegistered(id=f"reg-{inst.node_id}", node_id=inst.node_id, instance_id=inst.instance_id,
                                     pool=inst.pool, host="127.0.0.1", ts=time.time())
             await h.publish_js(js, ev.subject_node_event(inst.node_id), reg)
-        await h.wait_for(lambda: len({c.node_id for c in agent.of_kind(ev.StartGenerationCmd)}) == 3, timeout=15)
+        await h.wait_for(lambda: len({c.node_id for c in agent.of_kind(ev.StartGenerationCmd)}) == 3, timeout=30)
         code, before, err = await actl(url, "jobs", "show", job_id, "-o", "json")
         assert code == 0, err
         # mid-job: kill -9 again, restart, same state
@@ -118,7 +118,7 @@ async def test_kill9_mid_job_restart_same_state_no_duplicate_launch(server, tmp_
         assert code == 0, err
         b, a = json.loads(before), json.loads(after)
         for key in ("phase", "generation", "nodes", "zone"):
-            assert a["job"][key] == b["job"][key], key
+            assert a["job"][key] == b["job"][key], (key, b["job"], a["job"])
         assert sorted(n["node_id"] for n in a["nodes"]) == sorted(n["node_id"] for n in b["nodes"])
         await anyio.sleep(1.5)  # several ticks of the restarted daemon
         insts = read_fake_file(fake_file)
