@@ -9,10 +9,12 @@ import pytest
 
 from orchestrator.core import JobPhase, NodePhase, State, decide, job_cost_usd
 from orchestrator.core.commands import Launch, SendToAgent, Terminate
-from orchestrator.core.inputs import JobSubmitted, NodeGone, NodeLaunched, Tick
+from orchestrator.core.inputs import JobSubmitted, LaunchFailed, NodeGone, NodeLaunched, Tick
 from orchestrator.events import (
     AbandonGenerationCmd,
     AgentState,
+    FailureReason,
+    MarketPolicy,
     CheckpointCmd,
     CheckpointCommitted,
     GenerationStarted,
@@ -174,3 +176,37 @@ def test_budget_holds_under_chaos(seed: int) -> None:
     # stops with some margin left)
     assert 3.0 < job.cost_usd <= 6.0
     assert job.committed_step > 0  # the final checkpoint made it
+
+
+class FlakyCloud(Cloud):
+    """30% of launches are partially (or not at all) fulfilled: LaunchFailed(capacity) for the rest."""
+
+    def execute(self, c: object) -> None:
+        if isinstance(c, Launch) and self.rng.random() < 0.3:
+            k = self.rng.randint(0, len(c.node_ids) - 1)
+            for nid in c.node_ids[:k]:
+                self.later(2, NodeLaunched(node_id=nid, job_id=c.job_id, instance_id=f"i-{nid}", pool=c.pool,
+                                           token=c.token))
+                self.later(25, NodeRegistered(id=self.eid(), node_id=nid, host=f"h-{nid}", ts=0))
+            self.later(2, LaunchFailed(node_ids=c.node_ids[k:], job_id=c.job_id, pool=c.pool, token=c.token,
+                                       reason=FailureReason.CAPACITY))
+            return
+        super().execute(c)
+
+
+@pytest.mark.parametrize("seed,market,npools", [(0, "spot", 1), (1, "spot", 4), (2, "spot_with_fallback", 2),
+                                                (3, "on_demand", 4)])
+def test_job_finishes_despite_capacity_failures(seed: int, market: str, npools: int) -> None:
+    w = FlakyCloud(seed)
+    for i, pk in enumerate(POOLS[:npools]):
+        w.feed(price(pk, 8.0 + i, od=30.0))
+    w.feed(JobSubmitted(job_id="j", spec=spec(nodes=3, nodes_min=1, nodes_max=3, total_steps=1200,
+                                              market=MarketPolicy(market))))
+    for _ in range(12000):
+        w.second()
+        w.chaos()
+        if w.state.jobs["j"].phase in (JobPhase.SUCCEEDED, JobPhase.FAILED, JobPhase.STOPPED):
+            break
+    job = w.state.jobs["j"]
+    assert job.phase == JobPhase.SUCCEEDED, (job.phase, job.reason, job.step)
+    assert any(ps.failures or ps.backoff_until for ps in w.state.pools.values())  # failures did happen
