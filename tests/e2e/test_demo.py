@@ -43,7 +43,7 @@ def _reference_losses(tmp: Path, steps: int, seed: int) -> dict[int, float]:
 
 def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
     opts = DemoOptions(steps=STEPS, notice_s=10.0, notice_at=0.2, vanish_at=0.55, spike=False, timeout_s=240.0,
-                       state_dir=str(tmp_path / "demo"), keep=True, ckpt_every=10)
+                       state_dir=str(tmp_path / "demo"), keep=True, ckpt_interval_s=2.0)
     result = anyio.run(run_demo, opts)
     r = result.report
     assert r["job_succeeded"], r
