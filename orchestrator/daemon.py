@@ -425,13 +425,16 @@ async def run_daemon(
         urls = (server.url,)
         log.info("embedded_nats_started", url=server.url, store=str(server.store_dir))
     d.nats_url = ",".join(urls)
-    nc = ctl = None
+    nc = ctl = hbc = None
     http = None
     try:
         nc = await bus.connect(settings.nats, urls, name="orchd", on_state=d._on_bus_state)
         # A second connection for writes and commands: their acks and replies never queue behind
         # the heartbeat flood that the intake connection reads (one reader task per connection).
         ctl = await bus.connect(settings.nats, urls, name="orchd-ctl")
+        # And one for heartbeats alone: when orchd falls behind, their backlog (or the server's
+        # slow-consumer drops) stays on this connection instead of delaying notices and admin calls.
+        hbc = await bus.connect(settings.nats, urls, name="orchd-hb")
         d.connected = True
         d.metrics.nats_connected.set(1)
         topo = await bus.ensure_topology(nc, settings.nats.stream_replicas)
@@ -465,7 +468,7 @@ async def run_daemon(
                 _start_feeds(tg, d, topo.js)
             if lease is not None:
                 tg.start_soon(lease.run, partial(_on_lease_change, d))
-            hb_sub = await nc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
+            hb_sub = await hbc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
                                         pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
             await bus.ensure_consumers(topo.js)
             service = await admin.start_service(nc, d)
@@ -495,7 +498,7 @@ async def run_daemon(
             d.metrics.up.set(0)
             if http is not None:
                 http.shutdown()
-            for conn in (ctl, nc):
+            for conn in (hbc, ctl, nc):
                 if conn is not None:
                     with anyio.move_on_after(3):
                         await _quietly(conn.close())
