@@ -480,7 +480,13 @@ async def run_daemon(
                 log.info("orchd_ready", nats=d.nats_url, metrics=d.metrics_url, fencing_token=d.fencing_token)
                 task_status.started(d)
                 try:
-                    await d.decide_loop()
+                    with anyio.CancelScope() as loop_scope:
+                        # A batch that cannot be persisted (NATS down) must not hold a SIGTERM forever:
+                        # after the grace period it is abandoned - unacked, undispatched, redelivered.
+                        intake_tg.start_soon(_cancel_after_stop, d, loop_scope)
+                        await d.decide_loop()
+                    if loop_scope.cancelled_caught:
+                        log.warning("shutdown_abandoned_batch", grace_s=settings.daemon.shutdown_grace_s)
                 finally:
                     with anyio.CancelScope(shield=True):
                         sdnotify.notify_stopping("orchd stopping")
@@ -506,6 +512,12 @@ async def run_daemon(
                 await anyio.to_thread.run_sync(server.stop)
             log.info("orchd_stopped", events=d.events_decided, exit_code=d.exit_code)
     return d
+
+
+async def _cancel_after_stop(d: Daemon, scope: anyio.CancelScope) -> None:
+    await d._stop.wait()
+    await anyio.sleep(d.settings.daemon.shutdown_grace_s)
+    scope.cancel()
 
 
 def _refence(cmd: Any, token: int) -> Any:

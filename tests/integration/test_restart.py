@@ -211,3 +211,23 @@ def test_orchctl_subprocess_exit_code_and_spec_errors(tmp_path):
     good = ROOT / "config" / "jobs"
     for f in sorted(good.glob("*.toml")) + sorted(good.glob("*.yaml")):
         load_jobspec(f)
+
+
+def test_sigterm_during_nats_outage_exits_within_grace(tmp_path):
+    """SIGTERM while the NATS server is down: the batch that cannot be persisted is abandoned after
+    daemon.shutdown_grace_s (unacked, undispatched: redelivered later), and orchd exits cleanly."""
+    server = NatsServer(tmp_path / "nats").start()
+    cfg = h.write_config(tmp_path, server.url)
+    orchd = Orchd(cfg, tmp_path / "orchd.log").start()
+    try:
+        server.stop()
+        time.sleep(1.0)  # orchd sees the outage: BusState(connected=False) waits to be persisted
+        t0 = time.monotonic()
+        code = orchd.stop()
+        elapsed = time.monotonic() - t0
+        assert code == 0, (tmp_path / "orchd.log").read_text()[-2000:]
+        assert elapsed < 5.0 * 2 + 8, elapsed  # grace for the loop + grace for the leftovers + closing
+    finally:
+        if orchd.proc and orchd.proc.poll() is None:
+            orchd.proc.kill()
+        server.cleanup()
