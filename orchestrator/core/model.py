@@ -124,6 +124,9 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     on_demand_rate_h: float = 0.0005
     preempted_penalty: float = 1.0  # expected cost x (1 + penalty * decay) right after a preemption
     preempted_penalty_half_life_s: float = 1800.0
+    # After a terminate notice, no new launch into that spot pool until the notice's deadline + this
+    # (its capacity is going away: a node launched there now is preempted a minute later).
+    notice_skip_grace_s: float = 60.0
     # Launch failures: per-pool exponential backoff.
     backoff_base_s: float = 60.0
     backoff_max_s: float = 1800.0
@@ -229,6 +232,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     live: int = 0  # billed nodes in this pool now
     stats_ts: float = 0.0
     last_preempted_ts: float | None = None
+    noticed_until: float = 0.0  # a terminate notice's deadline + notice_skip_grace_s: no new launches here before
     # Launch failures.
     failures: int = 0
     backoff_until: float = 0.0

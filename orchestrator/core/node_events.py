@@ -35,12 +35,14 @@ def notice(tx: Tx, ev: PreemptionNotice) -> None:
         return
     if node.phase not in (N.BOOTING, N.REGISTERED, N.RUNNING, N.DRAINING):
         return  # already noticed (redelivered), or not launched
-    ps = tx.pools.get(node.pool_name)
-    if ps is not None:
-        tx.put_pool(node.pool_name, _replace(ps, **record_exposure(ps, tx.cfg, tx.now, 0, True)))
     deadline = fin(ev.deadline_ts)
     if deadline is None:  # a terminate notice without a usable deadline: assume the cloud's window
         deadline = tx.now + tx.cfg.notice_window_s(ev.cloud)
+    ps = tx.pools.get(node.pool_name)
+    if ps is not None:
+        # the pool's capacity is going away: no new launches there until the deadline + grace
+        skip = max(ps.noticed_until, deadline + tx.cfg.notice_skip_grace_s) if node.pool.market == Market.SPOT else ps.noticed_until
+        tx.put_pool(node.pool_name, _replace(ps, noticed_until=skip, **record_exposure(ps, tx.cfg, tx.now, 0, True)))
     node = tx.node_phase(node, N.NOTICED, notice_deadline=deadline)
     job = tx.jobs.get(node.job_id)
     tx.record(node.job_id, "preemption_notice", ev.source, node_id=node.node_id, pool=node.pool_name,

@@ -7,7 +7,8 @@ rate, recent-preemption penalty; see pricing.py). The result includes the runner
 Rules:
 - spot pools whose price is at or above the on-demand price, or whose capacity hint is 0, are treated
   as having no capacity (traces show pools parked at the on-demand price);
-- pools in launch-failure backoff are skipped (never retry the pool that just failed);
+- pools in launch-failure backoff are skipped (never retry the pool that just failed), and so are spot
+  pools that sent a terminate notice, until that notice's deadline + ``notice_skip_grace_s``;
 - ``zone`` restricts to one zone (replacements: a generation never spans zones); ``exclude`` removes
   pools (the pool that was just preempted).
 """
@@ -79,7 +80,7 @@ def ranked(
     excluded = frozenset(exclude)
     out: list[tuple[float, str, PoolStats]] = []
     for name, ps in pools.items():
-        if name in excluded or ps.pool.market not in allowed or ps.backoff_until > now:
+        if name in excluded or ps.pool.market not in allowed or ps.backoff_until > now or ps.noticed_until > now:
             continue
         if zone is not None and zone_of(ps.pool) != zone:
             continue

@@ -1,0 +1,101 @@
+"""Launch policy found by the trace replays (docs/simulations.md): no relaunch into a pool that just
+sent a terminate notice."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from orchestrator.core import CoreConfig, JobPhase, State
+from orchestrator.core.commands import Launch
+from orchestrator.core.inputs import JobSubmitted, Tick
+from orchestrator.core.placement import ranked
+from orchestrator.events import Market, MarketPolicy, PreemptionNotice
+from tests.core.harness import (
+    AgentState,
+    CheckpointCommitted,
+    Driver,
+    GenerationStarted,
+    Heartbeat,
+    RanksExited,
+    cmds,
+    pool,
+    price,
+    spec,
+)
+
+A = pool("p4d.24xlarge", "us-east-1a")
+A_OD = pool("p4d.24xlarge", "us-east-1a", market=Market.ON_DEMAND)
+B = pool("p4de.24xlarge", "us-east-1a")
+T0 = 1000.0
+
+
+def one_node(drv: Driver, prices: dict | None = None, **kw: Any) -> str:
+    """A 1-node job on spot A, 1000 steps of 1 s, deadline 3000 s after submission; trained to step 90
+    at T0 + 100 (well ahead of the line, which is at 33 then)."""
+    for pk, usd in (prices or {A: 10.0}).items():
+        drv(price(pk, usd, od=30.0))
+    base = dict(nodes=1, nodes_min=1, nodes_max=1, total_steps=1000, deadline_ts=T0 + 3000.0)
+    base.update(kw)
+    d = drv(JobSubmitted(job_id="j1", spec=spec(**base)))
+    (la,) = cmds(d, Launch)
+    assert la.pool == A
+    (nid,) = drv.launched(d)
+    drv.register([nid])
+    drv(GenerationStarted(id="g", node_id=nid, job_id="j1", generation=1, first_step=1, ts=drv.now))
+    drv.now = T0 + 100.0
+    drv(Heartbeat(node_id=nid, seq=1, ts=drv.now, state=AgentState.TRAINING, job_id="j1", generation=1, step=90,
+                  step_time_s=1.0))
+    assert drv.job().phase == JobPhase.RUNNING
+    return nid
+
+
+def notice_and_commit(drv: Driver, nid: str, step: int = 90) -> list:
+    """Terminate notice on ``nid`` (deadline in 120 s), its emergency checkpoint, the ranks' exit."""
+    out = [drv(PreemptionNotice(id="n1", node_id=nid, cloud="aws", deadline_ts=drv.now + 120, observed_ts=drv.now))]
+    out.append(drv(CheckpointCommitted(id="c1", node_id=nid, job_id="j1", generation=1, step=step, checkpoint_id="s",
+                                       url=f"u{step}", save_s=20.0, ts=drv.now), dt=20))
+    out.append(drv(RanksExited(id="x1", node_id=nid, job_id="j1", generation=1, exit_code=75,
+                               reason="emergency_checkpoint", last_step=step, ts=drv.now)))
+    return out
+
+
+def capacity(drv: Driver, pk, hint: float, usd: float = 10.0) -> None:
+    drv(msgspec.structs.replace(price(pk, usd, od=30.0), capacity_hint=hint))
+
+
+def launches(ds: list) -> list[Launch]:
+    return [c for d in ds for c in cmds(d, Launch)]
+
+
+def test_no_relaunch_into_the_noticed_pool_until_its_deadline_plus_grace() -> None:
+    drv = Driver(now=T0)
+    nid = one_node(drv, market=MarketPolicy.SPOT)
+    deadline = drv.now + 120
+    ds = notice_and_commit(drv, nid)
+    # the checkpoint ended the generation; A still advertises capacity but sent the notice
+    assert not launches(ds)
+    ps = drv.state.pools[A.name]
+    assert ps.noticed_until == deadline + CoreConfig().notice_skip_grace_s
+    job = drv.job()
+    assert ranked(drv.state.pools, job, 1, 90, drv.state.config, drv.now) == []
+    assert ranked(drv.state.pools, job, 1, 90, drv.state.config, ps.noticed_until + 1)[0][1] == A.name
+    d = drv(Tick(), dt=ps.noticed_until - drv.now - 1)
+    assert not cmds(d, Launch)
+    d = drv(Tick(), dt=2)
+    assert [la.pool for la in cmds(d, Launch)] == [A]
+
+
+def test_notice_replacement_goes_to_another_pool_of_the_zone_not_the_noticed_one() -> None:
+    drv = Driver(now=T0)
+    nid = one_node(drv, prices={A: 10.0, B: 12.0}, market=MarketPolicy.SPOT)
+    ds = notice_and_commit(drv, nid)
+    assert [la.pool for la in launches(ds)] == [B]  # exactly one replacement, never back into A
+
+
+def test_rebalance_recommendation_does_not_block_the_pool() -> None:
+    drv = Driver(now=T0)
+    nid = one_node(drv)
+    drv(PreemptionNotice(id="r", node_id=nid, cloud="aws", deadline_ts=None, observed_ts=drv.now,
+                         kind="rebalance"))
+    assert drv.state.pools[A.name].noticed_until == 0.0
