@@ -55,6 +55,10 @@ log = structlog.get_logger("orchd")
 EXIT_LEASE_LOST = 3
 
 
+class StartupError(RuntimeError):
+    """A problem found while starting that an operator must fix (reported without a traceback)."""
+
+
 async def run_daemon(
     settings: Settings,
     providers: dict,
@@ -101,7 +105,10 @@ async def run_daemon(
         d.connected = True
         d.metrics.nats_connected.set(1)
         topo = await bus.ensure_topology(nc, settings.nats.stream_replicas)
-        lease = await _take_lease(d, topo.js)
+        try:
+            lease = await _take_lease(d, topo.js)
+        except ValueError as e:  # e.g. the lease bucket's TTL differs from daemon.lease_ttl_s
+            raise StartupError(f"leader lease: {e}") from None
         if lease is None and settings.daemon.ha:
             return d  # stopped while standing by
         d.store = Store(topo, writer=ctl)
@@ -279,6 +286,15 @@ def main(argv: list[str] | None = None) -> int:
         return anyio.run(_serve_until_stopped, settings, providers, backend="asyncio")
     except KeyboardInterrupt:
         return 130
+    except StartupError as e:
+        print(f"orchd: {e}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as eg:  # a StartupError raised inside the task group
+        startup = eg.subgroup(StartupError)
+        if startup is None:
+            raise
+        print(f"orchd: {startup.exceptions[0]}", file=sys.stderr)
+        return 2
 
 
 async def _serve_until_stopped(settings: Settings, providers: dict) -> int:
