@@ -54,6 +54,10 @@ class Row:
     zones: tuple[str, ...]
     nodes: int
     results: dict[str, Summary]
+    # cost_ratio by which orchd may come out below the offline bound without any accounting error: the
+    # engine and the DP round a fresh start (launch + restart) UP to whole quanta, the world charges
+    # it to the second; one quantum of on-demand work per job bounds the difference
+    bound_slack: float = 0.0
 
 
 def settings_of(sc: scen.Scenario) -> list[tuple[str, list[int]]]:
@@ -84,7 +88,8 @@ def run_table(root: Path, *, jobs: int = 20, progress: bool | None = None, famil
         for fam, name, sc in plan:
             js = make_jobs(sc, job_hours=JOB_HOURS, deadline_hours=DEADLINE_HOURS, nodes=fam.nodes, count=jobs)
             res = replay(sc, js, policies, ov, progress=adv, workers=workers)
-            rows.append(Row(fam.key, fam.role, name, tuple(z.name for z in sc.zones), fam.nodes, res))
+            slack = 1.0 / js[0].work_q if js else 0.0
+            rows.append(Row(fam.key, fam.role, name, tuple(z.name for z in sc.zones), fam.nodes, res, slack))
     return rows
 
 
@@ -139,9 +144,9 @@ def orchd_goal(r: Row) -> dict[str, bool | float | None]:
         "not_above_greedy_spot": "greedy_spot" not in res or o.cost_ratio <= res["greedy_spot"].cost_ratio + 1e-12,
         "not_above_uniform_progress": "uniform_progress" not in res
         or o.cost_ratio <= res["uniform_progress"].cost_ratio + 1e-12,
-        # the world overlaps overheads the engine serialises: orchd below the bound would mean the two
-        # accountings drifted apart, so it is flagged (never seen so far)
-        "below_optimal": o.cost_ratio < opt.cost_ratio - 1e-9,
+        # the world overlaps overheads the engine serialises: orchd below the bound by more than the
+        # rounding slack would mean the two accountings drifted apart, so it is flagged
+        "below_optimal": o.cost_ratio < opt.cost_ratio - r.bound_slack - 1e-9,
     }
 
 

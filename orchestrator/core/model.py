@@ -146,6 +146,11 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     transfer_gbps: float = 1.0
     # Deadline: fall back to on-demand when slack < remaining work x (1 + margin) + overheads.
     deadline_margin: float = 0.1
+    # Uniform progress (Can't Be Late): under spot_with_fallback with a deadline, launch on-demand only
+    # while progress is behind total_steps x elapsed / (deadline - submitted), the line shifted by
+    # progress_line_margin_s (a safety lead; 0 = the line itself); ahead of it, wait for spot.
+    progress_line: bool = True
+    progress_line_margin_s: float = 0.0
     max_alternatives: int = 5
 
     def notice_window_s(self, cloud: str) -> float:

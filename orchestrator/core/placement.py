@@ -39,6 +39,41 @@ def markets_for(job: Job) -> frozenset[Market]:
     return frozenset({Market.SPOT, Market.ON_DEMAND})
 
 
+def line_step(job: Job, ts: float) -> float | None:
+    """Can't Be Late's uniform-progress line: the step a job should have reached at ``ts`` to finish
+    exactly at its deadline at constant speed, ``total_steps * (ts - submitted) / (deadline - submitted)``
+    (capped at total_steps). None without a usable deadline."""
+    spec = job.spec
+    if spec.deadline_ts is None or spec.deadline_ts <= job.submitted_ts:
+        return None
+    frac = (ts - job.submitted_ts) / (spec.deadline_ts - job.submitted_ts)
+    return spec.total_steps * min(1.0, max(0.0, frac))
+
+
+def ahead_of_line(job: Job, step: int, cfg: CoreConfig, now: float, shift_s: float | None = None) -> bool | None:
+    """``step`` is at or above the uniform-progress line at ``now + shift`` (default: the margin). None
+    when the job has no deadline."""
+    line = line_step(job, now + (cfg.progress_line_margin_s if shift_s is None else shift_s))
+    return None if line is None else step >= line
+
+
+def launch_markets_for(job: Job, step: int, cfg: CoreConfig, now: float) -> frozenset[Market]:
+    """Markets a NEW launch may use now. Under ``spot_with_fallback`` with a deadline (and the
+    ``progress_line`` policy on): on-demand only while the job is behind the uniform-progress line
+    (Can't Be Late, NSDI'24); ahead of it the job waits for spot. The deadline fallback
+    (``force_on_demand``) stays the safety net. Nodes already running keep being acceptable
+    (``markets_for``): this only gates launches."""
+    allowed = markets_for(job)
+    if not cfg.progress_line or len(allowed) < 2:
+        return allowed
+    if ahead_of_line(job, step, cfg, now):
+        return _SPOT_ONLY
+    return allowed
+
+
+_SPOT_ONLY: frozenset[Market] = frozenset({Market.SPOT})
+
+
 def has_capacity(ps: PoolStats) -> bool:
     if ps.price_usd_h is None or ps.price_usd_h < 0:
         return False
@@ -75,8 +110,9 @@ def ranked(
     exclude: Iterable[str] = (),
     markets: frozenset[Market] | None = None,
 ) -> list[tuple[float, str, PoolStats]]:
-    """Feasible pools, cheapest expected cost first (ties broken by pool name: deterministic)."""
-    allowed = markets if markets is not None else markets_for(job)
+    """Feasible pools, cheapest expected cost first (ties broken by pool name: deterministic).
+    ``markets`` None: the markets a new launch may use now (``launch_markets_for``)."""
+    allowed = markets if markets is not None else launch_markets_for(job, step, cfg, now)
     excluded = frozenset(exclude)
     out: list[tuple[float, str, PoolStats]] = []
     for name, ps in pools.items():

@@ -1,5 +1,5 @@
-"""Launch policy found by the trace replays (docs/simulations.md): no relaunch into a pool that just
-sent a terminate notice."""
+"""Launch policy found by the trace replays (docs/simulations.md): on-demand only behind the
+uniform-progress line, no relaunch into a pool that just sent a terminate notice."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import msgspec
 from orchestrator.core import CoreConfig, JobPhase, State
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobSubmitted, Tick
-from orchestrator.core.placement import ranked
+from orchestrator.core.placement import ahead_of_line, launch_markets_for, line_step, ranked
 from orchestrator.events import Market, MarketPolicy, PreemptionNotice
 from tests.core.harness import (
     AgentState,
@@ -66,6 +66,88 @@ def capacity(drv: Driver, pk, hint: float, usd: float = 10.0) -> None:
 
 def launches(ds: list) -> list[Launch]:
     return [c for d in ds for c in cmds(d, Launch)]
+
+
+def test_line_arithmetic() -> None:
+    s = State.empty()
+    drv = Driver(s, now=T0)
+    drv(price(A, 10.0))
+    drv(JobSubmitted(job_id="j1", spec=spec(total_steps=1000, deadline_ts=T0 + 3000.0)))
+    job = drv.job()
+    assert line_step(job, T0) == 0 and line_step(job, T0 + 1500) == 500 and line_step(job, T0 + 9000) == 1000
+    cfg = CoreConfig()
+    assert ahead_of_line(job, 500, cfg, T0 + 1500) and not ahead_of_line(job, 499, cfg, T0 + 1500)
+    # the margin shifts the line later in time: a job must be further ahead
+    assert not ahead_of_line(job, 500, CoreConfig(progress_line_margin_s=300.0), T0 + 1500)
+    both = frozenset({Market.SPOT, Market.ON_DEMAND})
+    assert launch_markets_for(job, 500, cfg, T0 + 1500) == frozenset({Market.SPOT})
+    assert launch_markets_for(job, 499, cfg, T0 + 1500) == both
+    assert launch_markets_for(job, 999, CoreConfig(progress_line=False), T0 + 1500) == both
+    # no deadline, spot-only or on-demand-only jobs: unchanged
+    nodl = drv.state.jobs["j1"].__class__(**{**{f: getattr(job, f) for f in job.__struct_fields__},
+                                              "spec": spec(total_steps=1000)})
+    assert launch_markets_for(nodl, 999, cfg, T0 + 1500) == both and ahead_of_line(nodl, 0, cfg, T0) is None
+    for market in (MarketPolicy.SPOT, MarketPolicy.ON_DEMAND):
+        j = nodl.__class__(**{**{f: getattr(job, f) for f in job.__struct_fields__},
+                              "spec": spec(total_steps=1000, deadline_ts=T0 + 3000.0, market=market)})
+        assert len(launch_markets_for(j, 0, cfg, T0 + 2000)) == 1
+
+
+def test_ahead_of_the_line_a_notice_waits_for_spot_then_on_demand_once_behind() -> None:
+    drv = Driver(now=T0)
+    nid = one_node(drv)
+    ds = notice_and_commit(drv, nid)
+    capacity(drv, A, 0.0)  # the zone's spot capacity is gone for a while
+    # no spot in the zone but the noticed pool; the job is ahead of the line: no on-demand launch
+    assert not launches(ds)
+    assert drv.job().phase == JobPhase.RESIZING
+    assert any(a.action == "wait" for d in ds for a in d.audit)
+    # the line reaches step 90 at T0 + 270: the first Tick after it launches on-demand
+    first_od = None
+    while drv.now < T0 + 600:
+        d = drv(Tick(), dt=10)
+        ls = cmds(d, Launch)
+        if ls:
+            first_od = (drv.now, ls)
+            break
+    assert first_od is not None
+    ts, (la,) = first_od
+    assert la.pool == A_OD
+    assert T0 + 270 <= ts < T0 + 290
+    assert not drv.job().force_on_demand  # the line, not the deadline fallback
+
+
+def test_without_the_line_policy_on_demand_replaces_at_once() -> None:
+    drv = Driver(State.empty(CoreConfig(progress_line=False)), now=T0)
+    nid = one_node(drv)
+    ds = notice_and_commit(drv, nid)
+    assert [la.pool for la in launches(ds)] == [A_OD]
+
+
+def test_spot_back_before_the_line_no_on_demand() -> None:
+    drv = Driver(now=T0)
+    nid = one_node(drv)
+    drv(Heartbeat(node_id=nid, seq=2, ts=drv.now, state=AgentState.TRAINING, job_id="j1", generation=1, step=200,
+                  step_time_s=1.0))  # the line reaches 200 at T0 + 600
+    notice_and_commit(drv, nid, step=200)
+    d = drv(Tick(), dt=120)  # noticed pool still skipped (deadline + grace), job ahead: waits
+    assert not cmds(d, Launch)
+    capacity(drv, A, 0.0)
+    d = drv(Tick(), dt=100)
+    assert not cmds(d, Launch)
+    capacity(drv, A, 1.0)  # capacity of A again (the notice's skip has passed by now)
+    d = drv(Tick(), dt=10)
+    (la,) = cmds(d, Launch)
+    assert la.pool == A
+    assert not [c for d in drv.decisions for c in cmds(d, Launch) if c.pool.market == Market.ON_DEMAND]
+
+
+def test_behind_the_line_on_demand_is_still_used_when_spot_is_missing() -> None:
+    drv = Driver(now=T0)
+    nid = one_node(drv)
+    drv.now = T0 + 1000  # line at 333, the job at 90: behind
+    ds = notice_and_commit(drv, nid)
+    assert [la.pool for la in launches(ds)] == [A_OD]
 
 
 def test_no_relaunch_into_the_noticed_pool_until_its_deadline_plus_grace() -> None:
