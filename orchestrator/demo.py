@@ -49,10 +49,11 @@ class DemoOptions:
     left to orchd, Young/Daly on a real spot market gives minutes, longer than this whole demo)."""
     notice_s: float = 20.0
     """Notice lead time of the noticed preemption (AWS gives 120 s, GCP/Azure 30 s)."""
-    notice_at: float = 0.15
-    vanish_at: float = 0.45
-    spike_at: float = 0.70
-    """Fractions of the steps at which each fault is injected (each waits for the previous recovery)."""
+    notice_at: float = 0.12
+    vanish_at: float = 0.35
+    spike_at: float = 0.55
+    """Fractions of the steps at which each fault is injected (each waits for the previous recovery). The
+    spike needs enough steps left: the job moves only after the new nodes booted, while it keeps training."""
     spike: bool = True
     prices: str = "fixed"
     """fixed | replay (the bundled AWS p3.2xlarge us-west-2 history, 1 trace hour per second)."""

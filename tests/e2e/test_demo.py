@@ -1,11 +1,13 @@
 """End to end: a shorter ``orchctl demo`` (embedded NATS, orchd with the real core, 3 local orch-agent
-nodes running the real tiny GPT trainer on CPU, a preemption with a notice and a node that vanishes).
+nodes running the real tiny GPT trainer on CPU, a preemption with a notice, a node that vanishes, a
+price spike).
 
-Asserts outcomes and order, not times:
+Asserts outcomes and order, not times (the price spike in the job's zone comes last):
 - the job succeeds and every step ran;
 - nothing was executed twice around the noticed preemption (its lost_steps is 0, and every step that
   ran twice lies in the window the vanished node's generation lost since its last periodic checkpoint);
 - every sample id was consumed once (re-executed steps fed identical samples);
+- the price spike moved the job to another zone at a checkpoint, losing no step;
 - the per-step losses equal an uninterrupted run of the same seed (3 ranks, one generation) within
   LOSS_TOL. Measured here: max |diff| 2.4e-7 over 200 steps across world sizes 3 -> 2 -> 3 (FSDP
   reduction order); the tolerance leaves room for other CPUs' float behaviour, far below the step-to-step
@@ -25,7 +27,7 @@ import pytest
 from orchestrator.demo import DemoOptions, run_demo
 from orchestrator.demo_report import load_step_logs, loss_by_step
 
-STEPS = 60
+STEPS = 150  # enough steps after the spike for the new zone's nodes to boot while training goes on
 LOSS_TOL = 1e-4
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -42,7 +44,7 @@ def _reference_losses(tmp: Path, steps: int, seed: int) -> dict[int, float]:
 
 
 def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
-    opts = DemoOptions(steps=STEPS, notice_s=10.0, notice_at=0.2, vanish_at=0.55, spike=False, timeout_s=240.0,
+    opts = DemoOptions(steps=STEPS, notice_s=10.0, notice_at=0.1, vanish_at=0.3, spike_at=0.45, timeout_s=240.0,
                        state_dir=str(tmp_path / "demo"), keep=True, ckpt_interval_s=2.0)
     result = anyio.run(run_demo, opts)
     r = result.report
@@ -65,6 +67,11 @@ def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
     assert len(twice) == vanished["lost_steps"] == r["steps_executed_twice"], (twice, r)
     assert r["sample_order_exact"], r
     assert r["generations"] >= 3, r
+    # the price spike moved the job to another zone at a checkpoint: nothing lost
+    (spike,) = r["price_spikes"]
+    assert spike["lost_steps"] == 0 and spike["next_generation"] > vanished["next_generation"], r
+    zones = [{p.split("/")[0] for p in g["nodes"].values()} for g in r["generation_table"]]
+    assert zones[0] == {"local-a"} and len(zones[-1]) == 1 and zones[-1] != {"local-a"}, zones
     assert r["cost_usd"] > 0 and r["on_demand_cost_usd"] > r["cost_usd"], r
     # the losses are those of an uninterrupted run of the same seed
     ref = _reference_losses(tmp_path / "ref", STEPS, opts.seed)
