@@ -22,6 +22,7 @@ import msgspec
 from orchestrator.core import lifecycle as lc
 from orchestrator.core import node_events as ne
 from orchestrator.core import policy
+from orchestrator.core.commands import Terminate
 from orchestrator.core.inputs import (
     AgentDisconnected,
     BusState,
@@ -56,6 +57,7 @@ from orchestrator.events import (
     Heartbeat,
     NodeLeaving,
     NodeRegistered,
+    PoolKey,
     PreemptionNotice,
     PriceTick,
     RanksExited,
@@ -219,12 +221,25 @@ def _job_cancelled(tx: Tx, ev: JobCancelled) -> None:
 # --- nodes --------------------------------------------------------------------------------------
 
 
+def _terminate_unowned(
+    tx: Tx, node_id: str, instance_id: str | None, pool: PoolKey | None, job_id: str | None, why: str
+) -> None:
+    """An instance the state does not own (unknown node, a node already terminated/gone - its record
+    is deleted -, another launch's token, a second instance for one node): terminate it, never adopt
+    it. No state change, so a redelivery decides the same Terminate again (idempotent at the cloud)."""
+    tx.emit(Terminate(node_id=node_id, instance_id=instance_id, pool=pool, reason=why))
+    tx.record(job_id, "terminate_unowned", why, node_id=node_id, instance_id=instance_id)
+
+
 def _node_launched(tx: Tx, ev: NodeLaunched) -> None:
     node = tx.nodes.get(ev.node_id)
     if node is None or node.token != ev.token:
-        tx.record(ev.job_id, "ignore", "unknown_node", node_id=ev.node_id, instance_id=ev.instance_id)
+        _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool, ev.job_id,
+                           "unknown_node" if node is None else "other_launch_token")
         return
     if node.instance_id is not None:
+        if ev.instance_id != node.instance_id:
+            _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool, node.job_id, "second_instance")
         return  # redelivered
     job = tx.jobs.get(node.job_id)
     phase = N.BOOTING if node.phase == N.REQUESTED else node.phase
@@ -277,7 +292,10 @@ def _reconcile(tx: Tx, job: Job) -> None:
 def _node_registered(tx: Tx, ev: NodeRegistered) -> None:
     node = tx.nodes.get(ev.node_id)
     if node is None:
-        tx.record(None, "ignore", "unknown_node", node_id=ev.node_id)
+        _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool, None, "unknown_node")
+        return
+    if ev.instance_id and node.instance_id is not None and ev.instance_id != node.instance_id:
+        _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool or node.pool, node.job_id, "second_instance")
         return
     if node.phase not in (N.REQUESTED, N.BOOTING):
         if ev.host and not node.host:
