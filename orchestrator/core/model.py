@@ -138,6 +138,11 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     scale_up_below_ratio: float = 0.5  # grow toward nodes_max when spot/on-demand is below this
     migrate_cooldown_s: float = 1800.0
     price_eval_interval_s: float = 60.0  # migration / scale-up evaluated at most this often per job
+    # Migration re-ranks the pools only when a pool record changed, a launch backoff or notice skip
+    # expired, the job started a generation or left its cooldown since its last evaluation - and at
+    # least once per window of this many seconds (decaying penalties and remaining work move costs
+    # slowly without any event).
+    price_rerank_max_s: float = 1800.0
     max_price_evals_per_tick: int = 50  # spreads that work over ticks (no latency spike at 10k nodes)
     migrate_horizon_h: float = 6.0
     checkpoint_gb_estimate: float = 20.0
@@ -238,6 +243,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     stats_ts: float = 0.0
     last_preempted_ts: float | None = None
     noticed_until: float = 0.0  # a terminate notice's deadline + notice_skip_grace_s: no new launches here before
+    changed_ts: float = 0.0  # last write of this record (Tx.put_pool): lets a job skip re-ranking unchanged pools
     # Launch failures.
     failures: int = 0
     backoff_until: float = 0.0

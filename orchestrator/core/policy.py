@@ -135,7 +135,8 @@ def _job_tick(tx: Tx, job: Job, evals: list[int]) -> None:
         job = pause_check(tx, job)
         if job.phase == J.RUNNING and evals[0] > 0 and tx.now - job.price_eval_ts >= cfg.price_eval_interval_s:
             evals[0] -= 1
-            job = _price(tx, tx.update_job(job, price_eval_ts=tx.now))
+            prev = job.price_eval_ts
+            job = _price(tx, tx.update_job(job, price_eval_ts=tx.now), prev)
     if job.phase in (J.CHECKPOINTING, J.RECOVERING):
         limit = 2 * save_seconds(job) + cfg.checkpoint_timeout_s
         if tx.now - job.phase_ts > limit:
@@ -266,8 +267,27 @@ def _migrate(tx: Tx, job: Job, rank: list, reason: str, cur: PoolStats | None) -
     return lc.launch(tx, job, best, job.target_nodes - have, "migrate", alternatives(rank, tx.cfg))
 
 
-def _price(tx: Tx, job: Job) -> Job:
-    """Migration to a cheaper pool, scale-up while spot is cheap (every price_eval_interval_s)."""
+def _market_moved(tx: Tx, job: Job, prev: float) -> bool:
+    """Whether the migration ranking can differ from the one at the job's last evaluation (``prev``):
+    see ``CoreConfig.price_rerank_max_s``. Conservative (``>=``): a change in the same second counts."""
+    now, cfg = tx.now, tx.cfg
+    if prev <= 0.0 or (job.gen_ts is not None and job.gen_ts >= prev):
+        return True
+    window = cfg.price_rerank_max_s
+    if window <= 0 or now // window != prev // window:
+        return True
+    if job.migrate_ts is not None and prev < job.migrate_ts + cfg.migrate_cooldown_s <= now:
+        return True
+    for ps in tx.pools.values():
+        if ps.changed_ts >= prev or prev < ps.backoff_until <= now or prev < ps.noticed_until <= now:
+            return True
+    return False
+
+
+def _price(tx: Tx, job: Job, prev_eval_ts: float = 0.0) -> Job:
+    """Migration to a cheaper pool, scale-up while spot is cheap (every price_eval_interval_s).
+    ``prev_eval_ts``: the job's previous evaluation; the pools are re-ranked only if they may rank
+    differently since (``_market_moved``)."""
     if job.phase != J.RUNNING or job.avoid_pools:
         return job
     cfg, spec = tx.cfg, job.spec
@@ -277,7 +297,9 @@ def _price(tx: Tx, job: Job) -> Job:
     step = lc.progress_step(tx, job)
     nn = job.target_nodes
     # Migration: a cheaper pool saves more than moving costs (over the next horizon).
-    if job.migrate_ts is None or tx.now - job.migrate_ts >= cfg.migrate_cooldown_s:
+    if (job.migrate_ts is None or tx.now - job.migrate_ts >= cfg.migrate_cooldown_s) and _market_moved(
+        tx, job, prev_eval_ts
+    ):
         rank = ranked(tx.pools, job, nn, step, cfg, tx.now, exclude={cur.pool.name})
         if rank and zone_of(rank[0][2].pool) != "":
             cur_cost = expected_cost_usd(job, cur, nn, step, cfg, tx.now, penalty=False)

@@ -98,6 +98,8 @@ class Tx:
         self.dirty.add("node." + node.node_id)
 
     def put_pool(self, name: str, ps: PoolStats) -> PoolStats:
+        if ps.changed_ts != self.now:
+            ps = _replace(ps, changed_ts=self.now)
         self.pools = self.pools.set(name, ps)
         self.dirty.add(pool_record_key(name))
         return ps
