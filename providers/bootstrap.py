@@ -146,7 +146,7 @@ def _digest(node_id: str, token: str) -> bytes:
 def render_user_data(node_id: str, bootstrap: NodeBootstrap, *, cloud: str) -> str:
     """A bash script (cloud-init runs it as root at first boot; GCE runs it at every boot).
 
-    It installs the agent into /opt/orch-agent, writes /etc/orch-agent/env (0600) with the node id, the
+    It installs the agent into /opt/orch-agent, writes /etc/orch-agent/agent.env (0600) with the node id, the
     NATS URLs and the enrolment token, and starts the ``orch-agent`` systemd unit. Every value is
     shell-quoted. Idempotent: a second run (GCE reboot) reinstalls nothing and restarts the unit."""
     token = bootstrap.node_credentials.get(node_id, bootstrap.credential)
@@ -165,10 +165,10 @@ def render_user_data(node_id: str, bootstrap: NodeBootstrap, *, cloud: str) -> s
 set -euo pipefail
 umask 077
 mkdir -p /etc/orch-agent /var/lib/orch-agent
-cat > /etc/orch-agent/env <<'ORCH_ENV_EOF'
+cat > /etc/orch-agent/agent.env <<'ORCH_ENV_EOF'
 {env_lines}
 ORCH_ENV_EOF
-chmod 600 /etc/orch-agent/env
+chmod 600 /etc/orch-agent/agent.env
 if [ ! -x /opt/orch-agent/bin/orch-agent ]; then
   python3 -m venv /opt/orch-agent
   /opt/orch-agent/bin/pip install --quiet {pkg}
@@ -180,8 +180,8 @@ After=network-online.target
 Wants=network-online.target
 
 [Service]
-EnvironmentFile=/etc/orch-agent/env
-ExecStart=/opt/orch-agent/bin/orch-agent --state-dir /var/lib/orch-agent {args}
+EnvironmentFile=/etc/orch-agent/agent.env
+ExecStart=/opt/orch-agent/bin/orch-agent --work-dir /var/lib/orch-agent {args}
 Restart=on-failure
 RestartSec=2
 KillSignal=SIGTERM
