@@ -130,3 +130,18 @@ def test_results_table_on_one_family(shared):
     for row in doc["rows"]:
         assert row["orchd_goal"]["below_optimal"] is False
         assert row["policies"]["optimal"]["cost_ratio"] <= row["policies"]["greedy_spot"]["cost_ratio"]
+
+
+def test_below_the_bound_flag_allows_only_the_fresh_start_rounding():
+    from simulations.replay import Summary
+    from simulations.results import Row, orchd_goal
+
+    def row(orchd: float, slack: float) -> Row:
+        s = {k: Summary(cost_ratio=v, deadline_met=1.0, preemptions=None, lost_hours=None, goodput=None, jobs=1)
+             for k, v in {"optimal": 0.301, "orchd": orchd, "greedy_spot": 0.31, "uniform_progress": 0.31}.items()}
+        return Row("f", "report", "one zone", ("z",), 1, s, slack)
+
+    slack = 1.0 / 576  # one 150 s quantum of a 24 h job
+    assert orchd_goal(row(0.301 - slack / 2, slack))["below_optimal"] is False
+    assert orchd_goal(row(0.301 - 2 * slack, slack))["below_optimal"] is True
+    assert orchd_goal(row(0.301 - slack / 2, 0.0))["below_optimal"] is True
