@@ -29,7 +29,15 @@ from nats.micro.request import Request
 from orchestrator import events as ev
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
 from orchestrator.jobspec import spec_problems
-from orchestrator.state import counts, job_summary, new_job_id, node_summary, pool_summary, record_dict
+from orchestrator.state import (
+    counts,
+    job_summary,
+    known_nodes,
+    new_job_id,
+    node_summary,
+    pool_summary,
+    record_dict,
+)
 
 log = structlog.get_logger("orchd.admin")
 
@@ -106,7 +114,6 @@ def _one_line(text: str) -> str:
 class Handlers:
     def __init__(self, d: Any) -> None:
         self.d = d
-        self._reaper: Any = None
 
     def _job(self, job_id: str) -> Any:
         job = self.d.state.jobs.get(job_id)
@@ -192,18 +199,10 @@ class Handlers:
         return ev.EventsReply(events=recent, last_seq=self.d.recent_seq)
 
     async def reap_run(self, req: ev.ReapRequest) -> ev.ReapReply:
-        from providers.reaper import KnownNode, Reaper
-
         if not self.d.providers:
             return ev.ReapReply(report={"dry_run": req.dry_run, "message": "no providers configured"})
-        if self._reaper is None:
-            self._reaper = Reaper(self.d.providers, cluster_id=self.d.settings.daemon.cluster_id)
-        state = self.d.state
-        known = {}
-        for node in state.nodes.values():
-            job = state.jobs.get(node.job_id)
-            phase = getattr(getattr(job, "phase", None), "value", "deleted")
-            known[node.node_id] = KnownNode(job_state=phase, instance_id=node.instance_id)
+        reaper = self.d.reaper_for()
+        known = known_nodes(self.d.state)
         report = await anyio.to_thread.run_sync(
-            lambda: self._reaper.reconcile(known, state_ok=True, dry_run=req.dry_run))
+            lambda: reaper.reconcile(known, state_ok=self.d.may_act(), dry_run=req.dry_run))
         return ev.ReapReply(report=report.to_dict())

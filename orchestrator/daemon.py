@@ -47,7 +47,7 @@ from orchestrator.loop import _EXPECTED, _HB_DECODER, _JS_TYPES, Daemon  # noqa:
 from orchestrator.metrics import Metrics
 from orchestrator.natsserver import NatsServer
 from orchestrator.settings import Settings, SettingsError, load_settings
-from orchestrator.state import CoreApi, default_core
+from orchestrator.state import CoreApi, default_core, known_nodes
 from orchestrator.store import Store
 
 log = structlog.get_logger("orchd")
@@ -138,6 +138,8 @@ async def run_daemon(
                 _start_feeds(tg, d, topo.js)
             if lease is not None:
                 tg.start_soon(lease.run, partial(_on_lease_change, d))
+            if providers and settings.daemon.reap_interval_s > 0:
+                tg.start_soon(_reap_periodically, d)
             hb_sub = await hbc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
                                         pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
             await bus.ensure_consumers(topo.js)
@@ -233,6 +235,21 @@ def _on_lease_change(d: Daemon, revision: int) -> None:
         log.error("lease_lost", fencing_token=d.fencing_token)
         d.exit_code = EXIT_LEASE_LOST
         d.request_stop()
+
+
+async def _reap_periodically(d: Daemon) -> None:
+    """providers.reaper on every provider, every daemon.reap_interval_s (orphans terminated after
+    daemon.reap_grace_s; nothing is done while this daemon may not act, e.g. without a valid lease)."""
+
+    async def read_state() -> tuple[dict, bool]:
+        return known_nodes(d.state), d.may_act()
+
+    async def on_report(report: Any) -> None:
+        if any(report.terminated.values()) or report.refused or report.errors:
+            log.warning("reaper_report", **report.to_dict())
+
+    await d.reaper_for().run_periodic(read_state, interval_s=d.settings.daemon.reap_interval_s,
+                                      on_report=on_report)
 
 
 def _start_feeds(tg: Any, d: Daemon, js: Any) -> None:

@@ -81,9 +81,23 @@ class Daemon:
         self._bg_tg: Any = None  # the task group that runs background flush slices
         self._stop = anyio.Event()
         self.exit_code = 0
+        self._reaper: Any = None
 
     def request_stop(self) -> None:
         self._stop.set()
+
+    def may_act(self) -> bool:
+        """True while this daemon may change the world (single daemon, or HA with a valid lease)."""
+        return self.executor.may_act() if self.executor is not None else False
+
+    def reaper_for(self) -> Any:
+        """The one Reaper of this daemon (its orphan grace timers are shared by every pass)."""
+        if self._reaper is None:
+            from providers.reaper import Reaper
+
+            self._reaper = Reaper(self.providers, cluster_id=self.settings.daemon.cluster_id,
+                                  grace_s=self.settings.daemon.reap_grace_s)
+        return self._reaper
 
     async def submit(self, event: Any) -> None:
         """Feed a shell event (admin intent) and return once its decision is persisted."""

@@ -73,6 +73,11 @@ class DaemonSettings:
     liveness_flush_s: float = 5.0
     """Heartbeat-only changes (last_seen, step) are persisted at most this often per node (the core
     leaves them out of ``dirty``); every other change is persisted with its batch."""
+    reap_interval_s: float = 0.0
+    """Run the orphan reaper (providers.reaper) every this many seconds while leading; 0 = only on
+    demand (``orchctl reap``)."""
+    reap_grace_s: float = 600.0
+    """An instance must look orphaned this long before the reaper terminates it."""
     liveness_flush_max: int = 500
     """At most this many liveness records per batch, so a flush never stalls the decide loop."""
     lease_ttl_s: float = 6.0

@@ -184,3 +184,15 @@ def new_job_id(spec: ev.JobSpec, entropy: str) -> str:
     from orchestrator.core.model import safe_token
 
     return f"{safe_token(spec.name)[:40]}-{entropy}"
+
+
+def known_nodes(state: Any) -> dict[str, Any]:
+    """node id -> providers.reaper.KnownNode(job phase, instance id): what the reaper matches against."""
+    from providers.reaper import KnownNode
+
+    known = {}
+    for node in state.nodes.values():
+        job = state.jobs.get(node.job_id)
+        known[node.node_id] = KnownNode(job_state=_s(job.phase) if job is not None else "deleted",
+                                        instance_id=node.instance_id)
+    return known

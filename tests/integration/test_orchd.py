@@ -19,7 +19,9 @@ from orchestrator import bus, cli, events as ev
 from orchestrator.client import AdminClient
 from orchestrator.daemon import run_daemon
 from orchestrator.jobspec import parse_jobspec
+from orchestrator.settings import load_settings
 from orchestrator.store import Store
+from providers.base import LaunchRequest
 from orchestrator.natsserver import NatsServer
 from providers.fake import FakeCloud
 from tests.integration import helpers as h
@@ -216,3 +218,30 @@ async def _load(url: str):
         return await Store(await bus.ensure_topology(nc)).load()
     finally:
         await nc.close()
+
+
+async def test_periodic_reaper_terminates_orphans_only(server, tmp_path):
+    """With daemon.reap_interval_s set, an instance carrying this deployment's tag but unknown to the
+    state is terminated after the grace period; the instances of a live job are left alone."""
+    cfg = h.write_config(tmp_path, server.url)
+    cfg.write_text(cfg.read_text().replace("[daemon]\n", "[daemon]\nreap_interval_s = 0.3\nreap_grace_s = 0.5\n"))
+    settings = load_settings(cfg, env={})
+    cloud = FakeCloud()
+    orphan = cloud.launch(LaunchRequest(pool=h.POOL, node_ids=("ghost-1",), idempotency_token="ghost",
+                                        cluster_id=settings.daemon.cluster_id, job_id="gone-job"))
+    nc = await nats.connect(server.url)
+    js = nc.jetstream()
+    async with anyio.create_task_group() as tg:
+        d = await tg.start(lambda task_status: run_daemon(settings, {"fake": cloud}, task_status=task_status))
+        await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL, 1.0, 3.0))
+        await h.wait_for(lambda: len(d.state.pools) >= 1)
+        client = await AdminClient.connect([server.url])
+        await client.submit(parse_jobspec(h.JOB_TOML.format(nodes=2)))
+        await client.close()
+        ghost = orphan.instances[0].instance_id
+        await h.wait_for(lambda: not [i for i in cloud.all_instances() if i.instance_id == ghost and i.alive],
+                         timeout=10)
+        alive = [i for i in cloud.all_instances() if i.alive]
+        assert len(alive) == 2 and all(i.node_id != "ghost-1" for i in alive)
+        d.request_stop()
+    await nc.close()
