@@ -231,3 +231,74 @@ def test_sigterm_during_nats_outage_exits_within_grace(tmp_path):
         if orchd.proc and orchd.proc.poll() is None:
             orchd.proc.kill()
         server.cleanup()
+
+
+async def test_nats_outage_longer_than_heartbeat_timeout_is_not_node_failure(tmp_path):
+    """The NATS server is down for longer than the heartbeat timeout: orchd feeds BusState to the core,
+    which pauses failure detection, so no node is suspected, abandoned or terminated."""
+    from providers.fake import FakeCloud
+
+    port = free_port()
+    server = NatsServer(tmp_path / "nats", port=port).start()
+    settings = h.settings_for(tmp_path, server.url)  # heartbeat_timeout_s = 5
+    cloud = FakeCloud()
+    opts = dict(max_reconnect_attempts=-1, reconnect_time_wait=0.1, error_cb=_quiet,
+                disconnected_cb=_quiet_cb, reconnected_cb=_quiet_cb)
+    nc = await nats.connect(server.url, **opts)
+    js = nc.jetstream(timeout=1.0)
+    agent = await h.SimAgent(nc).start()
+    try:
+        async with anyio.create_task_group() as tg:
+            d = await tg.start(lambda task_status: run_daemon(settings, {"fake": cloud}, task_status=task_status))
+            await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL, 1.0, 3.0))
+            await h.wait_for(lambda: len(d.state.pools) >= 1)
+            code, out, err = await actl(server.url, "jobs", "submit", str(_spec(tmp_path)), "-o", "json")
+            assert code == 0, err
+            job_id = json.loads(out)["job_id"]
+            await h.wait_for(lambda: len(cloud.all_instances()) == 2)
+            for inst in cloud.all_instances():
+                reg = ev.NodeRegistered(id=f"reg-{inst.node_id}", node_id=inst.node_id, instance_id=inst.instance_id,
+                                        pool=inst.pool, host="127.0.0.1", ts=time.time())
+                await h.publish_js(js, ev.subject_node_event(inst.node_id), reg)
+            starts = await h.wait_for(lambda: len(agent.of_kind(ev.StartGenerationCmd)) == 2 and
+                                      agent.of_kind(ev.StartGenerationCmd))
+
+            async def heartbeats() -> None:
+                seq = 0
+                while True:
+                    seq += 1
+                    for c in starts:
+                        hb = ev.Heartbeat(node_id=c.node_id, seq=seq, ts=time.time(), state=ev.AgentState.TRAINING,
+                                          job_id=c.job_id, generation=c.generation, step=seq)
+                        try:
+                            await nc.publish(ev.subject_heartbeat(c.node_id), ev.encode(hb))
+                        except Exception:
+                            pass
+                    await anyio.sleep(1.0)
+
+            tg.start_soon(heartbeats)
+            await h.wait_for(lambda: d.state.jobs[job_id].phase == "running")
+            sent_before = len(agent.received)
+            seq_before = d.recent_seq
+            await anyio.to_thread.run_sync(server.stop)
+            await anyio.sleep(settings.daemon.heartbeat_timeout_s + 2.0)  # silence longer than the timeout
+            await anyio.to_thread.run_sync(server.start)
+            await h.wait_for(lambda: d.connected and d.state.meta.bus_connected, timeout=20)
+            await anyio.sleep(settings.daemon.heartbeat_timeout_s + 1.0)  # the pause after reconnecting, and more
+            assert d.state.jobs[job_id].phase == "running"
+            assert all(n.suspect_since is None for n in d.state.nodes.values())
+            assert len(agent.received) == sent_before  # no checkpoint/abandon/stop sent to anyone
+            decided = [e for e in d.recent if e["seq"] > seq_before]
+            assert not decided, decided  # not even a CheckInstance: nobody was suspected
+            assert all(i.alive for i in cloud.all_instances())  # nothing terminated
+            d.request_stop()
+            tg.cancel_scope.cancel()
+    finally:
+        await nc.close()
+        server.cleanup()
+
+
+def _spec(tmp_path: Path) -> Path:
+    spec = tmp_path / "job.toml"
+    spec.write_text(h.JOB_TOML.format(nodes=2))
+    return spec
