@@ -128,7 +128,6 @@ async def run_daemon(
         if settings.metrics.enabled:
             http = serve_metrics(d.metrics, settings.metrics.host, settings.metrics.port)
             d.metrics_url = f"http://{settings.metrics.host}:{http.server_port}/metrics"
-        _write_discovery(d)
         async with anyio.create_task_group() as tg:
             await tg.start(d.executor.run)
             d._bg_tg = tg
@@ -144,6 +143,7 @@ async def run_daemon(
                                         pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
             await bus.ensure_consumers(topo.js)
             service = await admin.start_service(nc, d)
+            _write_discovery(d)  # readiness for orchctl and harnesses: written once the admin API answers
             async with anyio.create_task_group() as intake_tg:
                 for kind, stream, consumer in bus.CONSUMERS:
                     intake_tg.start_soon(d.intake.pull_forever, nc, stream, consumer, kind)
