@@ -14,18 +14,49 @@ import structlog
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _SECRET_KEYS = frozenset({"password", "token", "credential", "creds", "secret", "seed", "authorization"})
+_NOT_SECRET = frozenset({"fencing_token", "idempotency_token"})  # identifiers, not credentials
 
 
 def _redact(_logger: object, _name: str, event: dict) -> dict:
     """No secret reaches a log line: values of secret-looking keys are replaced."""
     for key in list(event):
-        if any(s in key.lower() for s in _SECRET_KEYS):
+        if key not in _NOT_SECRET and any(s in key.lower() for s in _SECRET_KEYS):
             event[key] = "***"
     return event
 
 
+class _Stream:
+    """The log sink. A log line must never crash the process: when the configured stream is gone
+    (closed by whoever owned it, e.g. an embedding program or a test harness), lines go to the
+    process's original stderr instead. ``None`` means "sys.stderr as it is at write time"."""
+
+    def __init__(self, stream=None) -> None:
+        self._stream = stream
+
+    def _target(self):
+        return self._stream if self._stream is not None else sys.stderr
+
+    def write(self, text: str) -> None:
+        try:
+            self._target().write(text)
+        except (ValueError, OSError):
+            sys.__stderr__.write(text)
+
+    def flush(self) -> None:
+        try:
+            self._target().flush()
+        except (ValueError, OSError):
+            pass
+
+    def isatty(self) -> bool:
+        try:
+            return self._target().isatty()
+        except (ValueError, OSError):
+            return False
+
+
 def configure(level: str = "info", fmt: str = "auto", stream=None) -> None:
-    stream = stream or sys.stderr
+    stream = _Stream(stream)
     console = fmt == "console" or (fmt == "auto" and stream.isatty())
     renderer = structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
     structlog.configure(

@@ -68,3 +68,18 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     bad.write_text("[nats\n")
     with pytest.raises(SettingsError, match="not valid TOML"):
         load_settings(bad, env={})
+
+
+def test_logging_survives_a_closed_stream_and_redacts_secrets(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    import structlog
+
+    from orchestrator.logs import configure
+
+    f = open(tmp_path / "log", "w")  # noqa: SIM115
+    configure("info", "json", stream=f)
+    structlog.get_logger().info("before_close", password="hunter2", fencing_token=7)
+    f.close()
+    structlog.get_logger().info("after_close")  # must not raise
+    text = (tmp_path / "log").read_text()
+    assert '"password": "***"' in text and '"fencing_token": 7' in text and "hunter2" not in text
+    configure("info", "json")
