@@ -148,7 +148,8 @@ class Handlers:
     async def jobs_list(self, req: ev.ListJobsRequest) -> ev.JobsReply:
         from orchestrator.core.model import TERMINAL_JOB_PHASES
 
-        jobs = [job_summary(j, self.d.state.nodes) for j in self.d.state.jobs.values()
+        state, now = self.d.state, time.time()
+        jobs = [job_summary(state, j, now) for j in state.jobs.values()
                 if req.include_finished or j.phase not in TERMINAL_JOB_PHASES]
         jobs.sort(key=lambda j: j["job_id"])
         return ev.JobsReply(jobs=jobs)
@@ -157,7 +158,7 @@ class Handlers:
         job = self._job(req.job_id)
         nodes = self.d.state.nodes
         now = time.time()
-        return ev.JobReply(summary=job_summary(job, nodes), job=record_dict(job),
+        return ev.JobReply(summary=job_summary(self.d.state, job, now), job=record_dict(job),
                            nodes=[node_summary(nodes[n], now) for n in job.nodes if n in nodes])
 
     async def jobs_cancel(self, req: ev.JobRequest) -> ev.OkReply:

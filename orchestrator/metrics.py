@@ -38,12 +38,12 @@ class Metrics:
             "orchd_notice_to_command_seconds", "Preemption notice publish to checkpoint command sent",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r,
         )
-        self.cost = Gauge("orchd_job_cost_usd", "Accrued cost per job", ["job"], registry=r)
+        self.cost = Gauge("orchd_job_cost_usd", "Accrued cost per job", ["job_id"], registry=r)
         self.on_demand_cost = Gauge(
-            "orchd_job_on_demand_cost_usd", "What the same node-hours would have cost on demand", ["job"], registry=r
+            "orchd_job_on_demand_cost_usd", "What the same node-hours would have cost on demand", ["job_id"], registry=r
         )
-        self.budget = Gauge("orchd_job_budget_usd", "Budget cap per job (absent when none)", ["job"], registry=r)
-        self.job_step = Gauge("orchd_job_step", "Last reported training step per job", ["job"], registry=r)
+        self.budget = Gauge("orchd_job_budget_usd", "Budget cap per job (absent when none)", ["job_id"], registry=r)
+        self.job_step = Gauge("orchd_job_step", "Last reported training step per job", ["job_id"], registry=r)
         self.recovery = Histogram(
             "orchd_recovery_seconds", "Preemption or failure to the next generation's first step",
             buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r,
@@ -53,7 +53,7 @@ class Metrics:
             buckets=(-30, -10, -1, 0, 1, 5, 10, 20, 30, 60, 120), registry=r,
         )
         self.checkpoint_missed = Counter(
-            "orchd_emergency_checkpoint_missed", "Emergency checkpoints that missed their deadline", ["job"], registry=r
+            "orchd_emergency_checkpoint_missed", "Emergency checkpoints that missed their deadline", ["job_id"], registry=r
         )
         self.pool_price = Gauge(
             "orchd_pool_price_usd_per_hour", "Latest price per pool", ["cloud", "region", "zone", "instance_type", "market"],
@@ -64,21 +64,21 @@ class Metrics:
             ["cloud", "region", "zone", "instance_type"], registry=r,
         )
         self.node_heartbeat_age = Gauge(
-            "orchd_node_heartbeat_age_seconds", "Seconds since each node's last heartbeat", ["node", "job"], registry=r
+            "orchd_node_heartbeat_age_seconds", "Seconds since each node's last heartbeat", ["node", "job_id"], registry=r
         )
         self.gpu_util = Gauge("orchd_node_gpu_utilization_ratio", "GPU utilisation 0..1", ["node", "gpu"], registry=r)
         self.gpu_temp = Gauge("orchd_node_gpu_temperature_celsius", "GPU temperature", ["node", "gpu"], registry=r)
         self.provider_calls = Counter(
             "orchd_provider_calls", "Provider calls by cloud, op and outcome", ["cloud", "op", "outcome"], registry=r
         )
-        self.goodput = Gauge("orchd_job_goodput_ratio", "Useful steps / executed steps per job", ["job"], registry=r)
+        self.goodput = Gauge("orchd_job_goodput_ratio", "Useful steps / executed steps per job", ["job_id"], registry=r)
         # Added for the alert rules (config/prometheus/alerts.yml) and the dashboard:
         self.job_phase = Gauge(
             "orchd_job_phase", "1 for each job's current phase (JobPhase value), 0 for the others it had",
-            ["job", "phase"], registry=r,
+            ["job_id", "phase"], registry=r,
         )
         self.job_nodes = Gauge(
-            "orchd_job_nodes", "Live nodes of each job per pool", ["job", "cloud", "region", "zone", "instance_type",
+            "orchd_job_nodes", "Live nodes of each job per pool", ["job_id", "cloud", "region", "zone", "instance_type",
                                                                   "market"], registry=r,
         )
         self.lease_revision = Gauge(

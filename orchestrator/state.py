@@ -11,6 +11,7 @@ Prometheus gauges (called from the decide loop on each Tick).
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -72,7 +73,11 @@ def _s(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
-def job_summary(job: Any, nodes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def job_summary(state: Any, job: Any, now: float) -> dict[str, Any]:
+    """A job for orchctl: ``cost_usd`` is accrued up to ``now`` (closed nodes plus the live ones)."""
+    from orchestrator.core import job_cost_usd
+
+    nodes = state.nodes
     spec = job.spec
     live = len(job.nodes)
     return {
@@ -87,7 +92,7 @@ def job_summary(job: Any, nodes: Mapping[str, Any] | None = None) -> dict[str, A
         "total_steps": spec.total_steps,
         "committed_step": job.committed_step,
         "zone": job.zone,
-        "cost_usd": round(job.cost_usd, 4),
+        "cost_usd": round(job_cost_usd(state, job.job_id, now), 4),
         "budget_usd": spec.budget_usd,
     }
 
@@ -156,10 +161,13 @@ def refresh_gauges(d: Any) -> None:
         (n.pool.cloud, n.pool_name, _s(n.phase)) for n in state.nodes.values()
     ).items():
         m.nodes.labels(cloud, pool, phase).set(n)
+    from orchestrator.core import job_cost_usd
+
+    now = time.time()
     m.job_phase.clear()
     m.job_nodes.clear()
     for job in state.jobs.values():
-        m.cost.labels(job.job_id).set(job.cost_usd)
+        m.cost.labels(job.job_id).set(job_cost_usd(state, job.job_id, now))
         if job.spec.budget_usd is not None:
             m.budget.labels(job.job_id).set(job.spec.budget_usd)
         m.job_phase.labels(job.job_id, _s(job.phase)).set(1)
