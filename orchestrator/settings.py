@@ -240,6 +240,18 @@ def load_dataclass(cls: type[T], raw: Any, path: str = "") -> tuple[T | None, li
     return cls(**kwargs), []
 
 
+def load_checked(cls: type[T], raw: Any, path: str) -> T:
+    """``load_dataclass`` plus the class's own ``check(path) -> list[str]`` cross checks; raise one
+    SettingsError listing every problem (used by each provider's Config)."""
+    cfg, problems = load_dataclass(cls, raw, path)
+    if cfg is not None:
+        problems += cfg.check(path)  # type: ignore[attr-defined]
+    if problems:
+        raise SettingsError(problems, path)
+    assert cfg is not None
+    return cfg
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}.{key}" if path else key
 

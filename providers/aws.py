@@ -33,7 +33,7 @@ from typing import Any
 import structlog
 
 from orchestrator.events import InstanceId, Market, NodeId, PoolKey
-from orchestrator.settings import SettingsError, load_dataclass
+from orchestrator.settings import load_checked
 from providers import catalog
 from providers.base import (
     TAG_CLUSTER,
@@ -50,6 +50,7 @@ from providers.base import (
     ProviderError,
     QuotaError,
     TransientError,
+    launch_each,
 )
 from providers.bootstrap import render_user_data
 
@@ -97,13 +98,7 @@ class Config:
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any], path: str = "providers.aws") -> Config:
-        cfg, problems = load_dataclass(cls, raw, path)
-        if cfg is not None:
-            problems += cfg.check(path)
-        if problems:
-            raise SettingsError(problems, path)
-        assert cfg is not None
-        return cfg
+        return load_checked(cls, raw, path)
 
     def check(self, path: str) -> list[str]:
         out = []
@@ -256,29 +251,12 @@ class AwsProvider:
         region = pool.region
         stripe = int(hashlib.sha256(request.idempotency_token.encode()).hexdigest()[:8], 16) % len(self._token_locks)
         with self._token_locks[stripe]:
-            existing = {i.node_id: i for i in self._by_token(region, request)}
-            got: list[Instance] = [existing[n] for n in request.node_ids if n in existing]
-            failure: ProviderError | None = None
-            for node_id in request.node_ids:
-                if node_id in existing:
-                    continue
-                try:
-                    got.append(self._run_one(request, node_id))
-                except ProviderError as e:
-                    failure = e
-                    # Capacity, quota and auth will not change for the next node of the same pool now.
-                    break
-            missing = request.count - len(got)
-            if failure is not None and not got:
-                raise failure
-            if failure is not None:
-                log.info("launch_partial", pool=pool.name, launched=len(got), missing=missing, reason=failure.reason)
-            return LaunchResult(
-                instances=tuple(got),
-                missing=missing,
-                failure=failure.reason if failure is not None and missing else None,
-                message=str(failure) if failure is not None and missing else "",
-            )
+            existing = {i.node_id: i for i in self._by_token(region, request) if i.node_id is not None}
+            result = launch_each(request, lambda node_id: self._run_one(request, node_id), existing)
+            if result.failure is not None:
+                log.info("launch_partial", pool=pool.name, launched=len(result.instances), missing=result.missing,
+                         reason=result.failure)
+            return result
 
     def _run_one(self, request: LaunchRequest, node_id: NodeId) -> Instance:
         pool = request.pool

@@ -13,7 +13,7 @@ or a describe-by-token-tag before launching where the cloud does not enforce it)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Protocol, runtime_checkable
 
@@ -101,6 +101,38 @@ class PriceQuote(msgspec.Struct, frozen=True, kw_only=True):
     on_demand_usd_h: float | None = None
     capacity_hint: float | None = None
     ts: float
+
+
+def launch_each(
+    request: LaunchRequest,
+    launch_one: Callable[[NodeId], Instance],
+    already: Mapping[str, Instance] | None = None,
+) -> LaunchResult:
+    """Launch one instance per node id in order, stopping at the first error: capacity, quota and auth
+    will not change for the next node of the same pool now. Nodes in ``already`` (found by the
+    idempotency token) are returned without a call. No instance at all -> the error is raised;
+    some -> a partial LaunchResult carrying the error's typed reason."""
+    already = already or {}
+    got = [already[n] for n in request.node_ids if n in already]
+    failure: ProviderError | None = None
+    for node_id in request.node_ids:
+        if node_id in already:
+            continue
+        try:
+            got.append(launch_one(node_id))
+        except ProviderError as e:
+            failure = e
+            break
+    missing = request.count - len(got)
+    if failure is not None and not got:
+        raise failure
+    partial = failure is not None and missing > 0
+    return LaunchResult(
+        instances=tuple(got),
+        missing=missing,
+        failure=failure.reason if partial else None,  # type: ignore[union-attr]
+        message=str(failure) if partial else "",
+    )
 
 
 class ProviderError(Exception):

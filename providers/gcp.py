@@ -39,7 +39,7 @@ from typing import Any
 import structlog
 
 from orchestrator.events import InstanceId, Market, NodeId, PoolKey
-from orchestrator.settings import SettingsError, load_dataclass
+from orchestrator.settings import load_checked
 from providers import catalog, gcp_prices
 from providers.base import (
     TAG_CLUSTER,
@@ -55,6 +55,7 @@ from providers.base import (
     ProviderError,
     QuotaError,
     TransientError,
+    launch_each,
 )
 from providers.bootstrap import render_user_data
 
@@ -96,13 +97,7 @@ class Config:
 
     @classmethod
     def from_raw(cls, raw: Mapping[str, Any], path: str = "providers.gcp") -> Config:
-        cfg, problems = load_dataclass(cls, raw, path)
-        if cfg is not None:
-            problems += cfg.check(path)
-        if problems:
-            raise SettingsError(problems, path)
-        assert cfg is not None
-        return cfg
+        return load_checked(cls, raw, path)
 
     def check(self, path: str) -> list[str]:
         out = []
@@ -290,20 +285,7 @@ class GcpProvider:
         pool = request.pool
         if pool.cloud != CLOUD:
             raise ProviderError(f"not a GCP pool: {pool.name}", pool=pool)
-        got: list[Instance] = []
-        failure: ProviderError | None = None
-        for node_id in request.node_ids:
-            try:
-                got.append(self._launch_one(request, node_id))
-            except ProviderError as e:
-                failure = e
-                break
-        missing = request.count - len(got)
-        if failure is not None and not got:
-            raise failure
-        return LaunchResult(instances=tuple(got), missing=missing,
-                            failure=failure.reason if failure is not None and missing else None,
-                            message=str(failure) if failure is not None and missing else "")
+        return launch_each(request, lambda node_id: self._launch_one(request, node_id))
 
     def _launch_one(self, request: LaunchRequest, node_id: NodeId) -> Instance:
         from google.api_core import exceptions as gx
