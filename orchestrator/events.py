@@ -356,22 +356,7 @@ WIRE_TYPES: Final[tuple[type, ...]] = (
     CommandAck,
 )
 
-AnyWire = Union[
-    PriceTick,
-    PreemptionNotice,
-    Heartbeat,
-    NodeRegistered,
-    GenerationStarted,
-    CheckpointCommitted,
-    RanksExited,
-    NodeLeaving,
-    CheckpointCmd,
-    StartGenerationCmd,
-    StopCmd,
-    AbandonGenerationCmd,
-    DrainCmd,
-    CommandAck,
-]
+AnyWire = Union[WIRE_TYPES]  # type: ignore[valid-type]
 
 
 class WireError(ValueError):

@@ -55,3 +55,18 @@ async def call(client: AdminClient, method: str, *args: Any, retry_s: float = 60
             if time.monotonic() > deadline:
                 raise
             await anyio.sleep(0.2)
+
+
+async def shutdown(orchd: Any, server: Any, *conns: Any) -> None:
+    """End a drill whatever happened: stop orchd if it is still up, close the connections, remove the
+    server. Shielded, so a cancelled drill still cleans up."""
+    with anyio.CancelScope(shield=True):
+        if orchd.alive():
+            await anyio.to_thread.run_sync(orchd.stop)
+        for conn in conns:
+            if conn is not None:
+                try:
+                    await conn.close()
+                except Exception:  # noqa: BLE001 - a broken connection is already closed for our purpose
+                    pass
+        server.cleanup()

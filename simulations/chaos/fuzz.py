@@ -444,16 +444,7 @@ async def run(seed: int, root: Path, *, n_messages: int = 100_000, garbage_repli
             tg.cancel_scope.cancel()
         await anyio.to_thread.run_sync(orchd.stop)
     finally:
-        with anyio.CancelScope(shield=True):
-            if orchd.alive():
-                await anyio.to_thread.run_sync(orchd.stop)
-            for conn in (nc, pub):
-                if conn is not None:
-                    try:
-                        await conn.close()
-                    except Exception:
-                        pass
-            server.cleanup()
+        await common.shutdown(orchd, server, nc, pub)
     res.daemon_crashes = orchd.crashes
     res.seconds = round(time.monotonic() - t_begin, 2)
     return res

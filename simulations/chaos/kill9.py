@@ -203,15 +203,7 @@ async def run_iteration(i: int, seed: int, root: Path, *, max_kills: int = 3, co
         res.alive_duplicates = after.alive_duplicates
         res.instances = after.instances
     finally:
-        with anyio.CancelScope(shield=True):
-            if orchd.alive():
-                await anyio.to_thread.run_sync(orchd.stop)
-            if nc is not None:
-                try:
-                    await nc.close()
-                except Exception:
-                    pass
-            server.cleanup()
+        await common.shutdown(orchd, server, nc)
     res.daemon_crashes = orchd.crashes
     res.seconds = round(time.monotonic() - t_begin, 2)
     return res

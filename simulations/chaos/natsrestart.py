@@ -132,15 +132,7 @@ async def run(seed: int, root: Path, *, n_events: int = 40, step_s: float = 0.04
             res.problems.append(f"after the outage: {[type(c).__name__ for c in after]}, {extra} new instance(s)")
         await anyio.to_thread.run_sync(orchd.stop)
     finally:
-        with anyio.CancelScope(shield=True):
-            if orchd.alive():
-                await anyio.to_thread.run_sync(orchd.stop)
-            if nc is not None:
-                try:
-                    await nc.close()
-                except Exception:
-                    pass
-            server.cleanup()
+        await common.shutdown(orchd, server, nc)
     res.daemon_crashes = orchd.crashes
     res.seconds = round(time.monotonic() - t_begin, 2)
     return res
