@@ -16,9 +16,7 @@ import nats.js.errors
 import pytest
 
 from orchestrator.lease import LeaderLease, lease_bucket
-from orchestrator.nats_auth import render_server_config
-from orchestrator.natsserver import NatsServer
-from tests.conftest import free_port
+from tests.ha_cluster import connect, nats_cluster
 
 pytestmark = pytest.mark.anyio
 TTL = 6.0  # the production default (DaemonSettings.lease_ttl_s): a stream leader election takes ~5 s
@@ -26,31 +24,8 @@ TTL = 6.0  # the production default (DaemonSettings.lease_ttl_s): a stream leade
 
 @pytest.fixture
 def cluster(tmp_path):
-    cports = [free_port() for _ in range(3)]
-    routes = [f"nats-route://127.0.0.1:{p}" for p in cports]
-    servers = []
-    try:
-        for i, cport in enumerate(cports, start=1):
-            conf = tmp_path / f"cluster-{i}.conf"
-            conf.write_text(render_server_config(
-                auth_include=None, host="127.0.0.1", port=-1, store_dir=None, http_port=None,
-                server_name=f"nats-{i}", cluster={"name": "orch", "host": "127.0.0.1", "port": cport,
-                                                  "routes": routes}))
-            servers.append(NatsServer(tmp_path / f"s{i}", config_file=str(conf), name=f"nats-{i}"))
-        for s in servers:
-            s.start()
+    with nats_cluster(tmp_path) as servers:
         yield servers
-    finally:
-        for s in servers:
-            s.cleanup()
-
-
-async def _connect(urls: list[str]):
-    async def quiet(_e: Exception) -> None:
-        return None
-
-    return await nats.connect(servers=urls, error_cb=quiet, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                              connect_timeout=1)
 
 
 async def _bucket(nc):
@@ -67,8 +42,8 @@ async def _bucket(nc):
 
 async def test_lease_fails_over_across_a_3_server_cluster(cluster) -> None:
     s1, s2, s3 = cluster
-    nc_a = await _connect([s1.url])  # a learns the other servers from s1 and fails over to them
-    nc_b = await _connect([s2.url, s3.url])
+    nc_a = await connect([s1.url])  # a learns the other servers from s1 and fails over to them
+    nc_b = await connect([s2.url, s3.url])
     kv_a = await _bucket(nc_a)
     assert (await kv_a.status()).stream_info.config.num_replicas == 3
     a = LeaderLease(kv_a, ttl_s=TTL, holder="orchd-a")
