@@ -27,6 +27,7 @@ import argparse
 import gc
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -35,6 +36,8 @@ from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
+import nats.js.errors
 import structlog
 from anyio.abc import TaskStatus
 
@@ -104,7 +107,7 @@ async def run_daemon(
         hbc = await bus.connect(settings.nats, urls, name="orchd-hb")
         d.connected = True
         d.metrics.nats_connected.set(1)
-        topo = await bus.ensure_topology(nc, settings.nats.stream_replicas)
+        topo = await _ensure_topology(d, nc)
         try:
             lease = await _take_lease(d, topo.js)
         except ValueError as e:  # e.g. the lease bucket's TTL differs from daemon.lease_ttl_s
@@ -190,6 +193,21 @@ async def _cancel_after_stop(d: Daemon, scope: anyio.CancelScope) -> None:
     await d._stop.wait()
     await anyio.sleep(d.settings.daemon.shutdown_grace_s)
     scope.cancel()
+
+
+async def _ensure_topology(d: Daemon, nc: Any, give_up_s: float = 60.0) -> Any:
+    """bus.ensure_topology, retried on timeouts and 503s: a cluster still electing its JetStream meta
+    leader, or two orchd creating the same R3 streams at once (on a 3-server cluster both creates then
+    time out; measured: a retry finds the streams)."""
+    deadline = time.monotonic() + give_up_s
+    while True:
+        try:
+            return await bus.ensure_topology(nc, d.settings.nats.stream_replicas)
+        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as e:
+            if time.monotonic() > deadline or d._stop.is_set():
+                raise
+            log.warning("topology_retry", error=repr(e))
+            await anyio.sleep(0.2 + random.random())  # jitter: do not collide with the other orchd again
 
 
 def _refence(cmd: Any, token: int) -> Any:
