@@ -149,8 +149,12 @@ class MetadataServer:
                 self.send_header("Content-Length", str(len(data)))
                 for k, v in (extra or {}).items():
                     self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):
+                    # The client went away mid long-poll: its node was killed (a preemption). Normal here.
+                    self.close_connection = True
 
             def _aws_ok(self) -> bool:
                 token = self.headers.get("X-aws-ec2-metadata-token", "")
