@@ -107,7 +107,7 @@ async def run_daemon(
         hbc = await bus.connect(settings.nats, urls, name="orchd-hb")
         d.connected = True
         d.metrics.nats_connected.set(1)
-        topo = await _ensure_topology(d, nc)
+        topo = await _retrying(d, "ensure_topology", lambda: bus.ensure_topology(nc, settings.nats.stream_replicas))
         try:
             lease = await _take_lease(d, topo.js)
         except ValueError as e:  # e.g. the lease bucket's TTL differs from daemon.lease_ttl_s
@@ -144,7 +144,7 @@ async def run_daemon(
                 tg.start_soon(_reap_periodically, d)
             hb_sub = await hbc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
                                         pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
-            await bus.ensure_consumers(topo.js)
+            await _retrying(d, "ensure_consumers", lambda: bus.ensure_consumers(topo.js))
             service = await admin.start_service(nc, d)
             _write_discovery(d)  # readiness for orchctl and harnesses: written once the admin API answers
             async with anyio.create_task_group() as intake_tg:
@@ -195,18 +195,19 @@ async def _cancel_after_stop(d: Daemon, scope: anyio.CancelScope) -> None:
     scope.cancel()
 
 
-async def _ensure_topology(d: Daemon, nc: Any, give_up_s: float = 60.0) -> Any:
-    """bus.ensure_topology, retried on timeouts and 503s: a cluster still electing its JetStream meta
-    leader, or two orchd creating the same R3 streams at once (on a 3-server cluster both creates then
-    time out; measured: a retry finds the streams)."""
+async def _retrying(d: Daemon, what: str, call: Any, give_up_s: float = 60.0) -> Any:
+    """``await call()``, retried on timeouts and 503s (idempotent JetStream set-up): a cluster still
+    electing its JetStream meta leader or a stream leader (after a server died: ~5 s), or two orchd
+    creating the same R3 streams at once (on a 3-server cluster both creates then time out; a retry
+    finds the streams). A new leader must not crash on these while taking over."""
     deadline = time.monotonic() + give_up_s
     while True:
         try:
-            return await bus.ensure_topology(nc, d.settings.nats.stream_replicas)
+            return await call()
         except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as e:
             if time.monotonic() > deadline or d._stop.is_set():
                 raise
-            log.warning("topology_retry", error=repr(e))
+            log.warning("jetstream_setup_retry", step=what, error=repr(e))
             await anyio.sleep(0.2 + random.random())  # jitter: do not collide with the other orchd again
 
 
