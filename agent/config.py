@@ -4,7 +4,8 @@ Precedence: command-line flags > environment ``ORCH_AGENT_<KEY>`` > ``--config F
 keys as the fields below) > defaults. Every bad key or value is reported in one ``ConfigError``.
 
 Names the bootstrap script writes (providers/bootstrap.py) are understood: ``ORCH_AGENT_NODE_ID``,
-``ORCH_AGENT_NATS_URLS`` (comma separated), ``ORCH_AGENT_CLOUD`` (the metadata flavour to watch).
+``ORCH_AGENT_NATS_URLS`` (comma separated), ``ORCH_AGENT_CLOUD`` (the metadata flavour to watch),
+``ORCH_AGENT_ENROL_TOKEN`` (redeemed for the node's NATS credential, see agent/main.py ``enrol``).
 Secrets: ``nats_password`` / ``nats_token`` from the environment or the file, never needed on a command
 line; under systemd, ``$CREDENTIALS_DIRECTORY/nats.password`` (LoadCredential=) is used when no
 password is configured, and ``$CREDENTIALS_DIRECTORY/nats-ca.pem`` as the TLS CA when present.
@@ -44,6 +45,9 @@ class AgentConfig:
     nats_token: str = ""
     nats_creds_file: str = ""
     nats_tls_ca_file: str = ""
+    enrol_token: str = ""
+    """Single-use enrolment token from the bootstrap (``ORCH_AGENT_ENROL_TOKEN``): exchanged once over
+    NATS for this node's own credential, which is kept in ``<work_dir>/nats-credential.json`` (0600)."""
     metadata: str = "none"
     """Metadata flavour to watch: aws | gcp | azure | none."""
     metadata_endpoint: str = DEFAULT_ENDPOINT
@@ -149,7 +153,7 @@ def load_config(argv: list[str] | None = None, env: Mapping[str, str] | None = N
             name = _ALIASES.get(name, name)
             if name in fields:
                 raw[name] = (k, v)
-            elif name != "enrol_token":  # written by the bootstrap; not redeemed by this agent yet
+            else:
                 problems.append(f"{k}: unknown setting")
     for name, v in vars(args).items():
         if name != "config" and v is not None:

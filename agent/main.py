@@ -138,6 +138,10 @@ class Agent:
             import ssl
 
             opts["tls"] = ssl.create_default_context(cafile=c.nats_tls_ca_file)
+        if c.enrol_token and not (c.nats_user or c.nats_token or c.nats_creds_file):
+            user, password = await self._node_credential(opts)
+            # agent_permissions (orchestrator/nats_auth.py): replies only on the node's own inbox prefix
+            opts.update(user=user, password=password, inbox_prefix=f"_INBOX.{c.node_id}")
         wait = 0.2
         while True:
             try:
@@ -146,6 +150,47 @@ class Agent:
                 log.warning("nats_connect_failed", error=repr(e), retry_s=wait)
                 await anyio.sleep(wait)
                 wait = min(2.0, wait * 2)
+
+    async def _node_credential(self, opts: dict) -> tuple[str, str]:
+        """This node's NATS user and password: from ``<work_dir>/nats-credential.json`` when enrolled
+        before (an agent restart), else by redeeming the enrolment token (orchestrator/credentials.py):
+        connect as ``enrol-<node>`` with the token as password, request ``orch.enrol.<node>``, store the
+        answer (0600). Retries until orchd answers; a refusal (expired, reused...) is logged and retried
+        slowly - the node stays unregistered and orchd replaces it after the heartbeat timeout."""
+        import json
+
+        path = self.work_dir / "nats-credential.json"
+        if path.exists():
+            stored = json.loads(path.read_text())
+            return stored["user"], stored["password"]
+        node = self.cfg.node_id
+        wait = 0.2
+        while True:
+            try:
+                nc = await nats.connect(servers=opts["servers"], tls=opts.get("tls"), connect_timeout=2,
+                                        user=f"enrol-{node}", password=self.cfg.enrol_token,
+                                        inbox_prefix=f"_INBOX.{node}.enrol", allow_reconnect=False,
+                                        max_reconnect_attempts=0, error_cb=opts["error_cb"],
+                                        name=f"orch-agent-enrol-{node}")
+                try:
+                    reply = json.loads((await nc.request(f"orch.enrol.{node}", self.cfg.enrol_token.encode(),
+                                                         timeout=5)).data)
+                finally:
+                    await nc.close()
+            except Exception as e:  # noqa: BLE001 - NATS or orchd not up yet: keep trying
+                log.warning("enrol_retry", error=type(e).__name__, retry_s=wait)
+                await anyio.sleep(wait)
+                wait = min(2.0, wait * 2)
+                continue
+            if "error" in reply:
+                log.error("enrol_refused", reason=reply["error"], retry_s=30)
+                await anyio.sleep(30)
+                continue
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"user": reply["user"], "password": reply["password"]}, f)
+            log.info("enrolled", user=reply["user"])
+            return reply["user"], reply["password"]
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         self.nc = nc = await self._connect()
@@ -156,7 +201,7 @@ class Agent:
                 self._tg = tg
                 await tg.start(self.outbox.run)
                 tg.start_soon(self.logs.run)
-                tg.start_soon(ensure_logs_stream, nc)
+                tg.start_soon(_ensure_logs_stream_quietly, nc)
                 if self.warm is not None:
                     await self.warm.refill()  # before commands can arrive: the first generation starts warm
                 sub = await nc.subscribe(subject_command(self.node_id), cb=self._on_command_msg)
@@ -465,6 +510,15 @@ class Agent:
                      save_s=report.save_s, deadline_margin_s=report.deadline_margin_s)
             if report.emergency:
                 self._ack_pending_azure()
+
+
+async def _ensure_logs_stream_quietly(nc: nats.NATS) -> None:
+    """A node user (per-node credential, agent_permissions) has no $JS.API access: the stream info
+    request times out. The stream is then the operator's or orchd's to create; the agent goes on."""
+    try:
+        await ensure_logs_stream(nc)
+    except Exception as e:  # noqa: BLE001
+        log.info("logs_stream_not_checked", error=repr(e))
 
 
 # --- command line -----------------------------------------------------------------------------------

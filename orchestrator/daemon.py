@@ -125,9 +125,10 @@ async def run_daemon(
             gc.collect()
             gc.freeze()
             gc.set_threshold(50_000, 50, 100)
+        credentials = node_credentials(settings) if settings.credentials.enabled else None
         d.executor = Executor(settings, providers, ctl, d._on_result, d.metrics, nats_urls=urls,
                               on_agent_sent=d._on_agent_sent,
-                              may_act=(lease.valid if lease is not None else _always))
+                              may_act=(lease.valid if lease is not None else _always), credentials=credentials)
         if settings.metrics.enabled:
             http = serve_metrics(d.metrics, settings.metrics.host, settings.metrics.port)
             d.metrics_url = f"http://{settings.metrics.host}:{http.server_port}/metrics"
@@ -146,6 +147,8 @@ async def run_daemon(
                                         pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
             await _retrying(d, "ensure_consumers", lambda: bus.ensure_consumers(topo.js))
             service = await admin.start_service(nc, d)
+            if credentials is not None:  # the enrol endpoint (orch.enrol.<node>), on the leader only
+                await credentials.serve(ctl)
             _write_discovery(d)  # readiness for orchctl and harnesses: written once the admin API answers
             async with anyio.create_task_group() as intake_tg:
                 for kind, stream, consumer in bus.CONSUMERS:
@@ -187,6 +190,29 @@ async def run_daemon(
                 await anyio.to_thread.run_sync(server.stop)
             log.info("orchd_stopped", events=d.events_decided, exit_code=d.exit_code)
     return d
+
+
+def node_credentials(settings: Settings) -> Any:
+    """``NodeCredentials`` from ``settings.credentials`` (an external nats-server on this host that
+    includes ``auth_file`` and writes ``server_pid_file``)."""
+    from pathlib import Path
+
+    from orchestrator.credentials import EnrollingIssuer, NodeCredentials
+    from orchestrator.nats_auth import User, orchctl_permissions, orchd_permissions, signal_reload
+
+    c = settings.credentials
+    roles = {"orchd": orchd_permissions(), "orchctl": orchctl_permissions()}
+    try:
+        static = [User(name=u["name"], password_hash=u["password_hash"], permissions=roles[u["role"]])
+                  for u in json.loads(Path(c.static_users_file).read_text())]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StartupError(f"credentials.static_users_file {c.static_users_file}: {e!r}") from None
+
+    def reload() -> None:
+        signal_reload(int(Path(c.server_pid_file).read_text().strip()))
+
+    return NodeCredentials(EnrollingIssuer(c.auth_file, static_users=static, reload=reload),
+                           enrol_ttl_s=c.enrol_ttl_s)
 
 
 async def _cancel_after_stop(d: Daemon, scope: anyio.CancelScope) -> None:

@@ -9,6 +9,8 @@ decide loop decides it and, in the same persisted batch, deletes the command's o
                    LaunchFailed(reason) for the nodes that got none. TransientError: retry with backoff,
                    same token, up to executor.max_attempts; then LaunchFailed(transient).
     Terminate      provider.terminate -> NodeGone(reason="terminated_by_us")
+    (credentials)  with ``credentials`` set: enrolment tokens minted before a launch go into its
+                   bootstrap; every NodeGone / LaunchFailed node has its credential revoked.
     CheckInstance  provider.describe  -> NodeGone(provider_missing | provider_terminated), or nothing
     SendToAgent    request/reply on orch.cmd.<node>, CommandAck reply fed to the core; retried with the
                    same cmd_id every command_ack_timeout_s up to command_retries, then CommandFailed.
@@ -34,6 +36,7 @@ from nats.aio.client import Client
 from orchestrator import events as ev
 from orchestrator.core.commands import CheckInstance, Command, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import CommandFailed, CoreEvent, LaunchFailed, NodeGone, NodeLaunched
+from orchestrator.credentials import NodeCredentials
 from orchestrator.metrics import Metrics
 from orchestrator.settings import Settings
 from providers.base import CloudProvider, InstanceState, LaunchRequest, NodeBootstrap, ProviderError
@@ -61,6 +64,9 @@ class Executor:
     may_act: Callable[[], bool] = lambda: True
     """False while this daemon does not hold a valid leader lease (HA): commands are then left in the
     outbox for the leader, never executed (clouds know nothing of fencing tokens)."""
+    credentials: NodeCredentials | None = None
+    """Per-node NATS credentials (orchestrator/credentials.py): enrolment tokens into the launch's
+    bootstrap, revoked on NodeGone and for launch nodes that got no instance. None: no credentials."""
     _tg: TaskGroup | None = None
     _limiters: dict[str, anyio.CapacityLimiter] = field(default_factory=dict)
     in_flight: set[str] = field(default_factory=set)
@@ -103,7 +109,18 @@ class Executor:
             events = _failure_events(cmd, ev.FailureReason.UNKNOWN, repr(e))
         finally:
             self.in_flight.discard(key)
+        if self.credentials is not None:
+            await self._revoke_departed(events)
         self.feed(Result(key, tuple(events)))
+
+    async def _revoke_departed(self, events: tuple[CoreEvent, ...] | list[CoreEvent]) -> None:
+        gone = [e.node_id for e in events if isinstance(e, NodeGone)]
+        gone += [n for e in events if isinstance(e, LaunchFailed) for n in e.node_ids]
+        for node_id in gone:
+            try:
+                await anyio.to_thread.run_sync(self.credentials.on_gone, node_id)  # type: ignore[union-attr]
+            except Exception as e:  # noqa: BLE001 - a failed revoke must not lose the event; logged
+                log.error("credential_revoke_failed", node=node_id, error=repr(e))
 
     def _limiter(self, cloud: str) -> anyio.CapacityLimiter:
         lim = self._limiters.get(cloud)
@@ -139,7 +156,9 @@ class Executor:
             idempotency_token=cmd.token,
             cluster_id=self.settings.daemon.cluster_id,
             job_id=cmd.job_id,
-            bootstrap=NodeBootstrap(nats_urls=self.nats_urls),
+            bootstrap=NodeBootstrap(nats_urls=self.nats_urls, node_credentials=(
+                {} if self.credentials is None
+                else await anyio.to_thread.run_sync(self.credentials.on_launch, cmd.node_ids))),
         )
         try:
             result = await self._call(cmd.pool.cloud, "launch", provider.launch, req)

@@ -129,6 +129,22 @@ class ProvidersSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class CredentialsSettings:
+    """Per-node NATS credentials through enrolment (orchestrator/credentials.py, docs/operations.md)."""
+
+    enabled: bool = False
+    """Off: launches carry no credential and nothing is revoked (agents use whatever they are given)."""
+    auth_file: str = ""
+    """The nats-server users include orchd owns and rewrites (``include "auth.conf"`` in its config)."""
+    static_users_file: str = ""
+    """JSON list of ``{"name", "password_hash" (bcrypt), "role": "orchd" | "orchctl"}``, always rendered."""
+    server_pid_file: str = ""
+    """nats-server's ``pid_file``: orchd sends it SIGHUP after each change (same host)."""
+    enrol_ttl_s: float = 1800.0
+    """Lifetime of an enrolment token in the user data (until the agent redeems it)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     nats: NatsSettings = NatsSettings()
     daemon: DaemonSettings = DaemonSettings()
@@ -136,6 +152,7 @@ class Settings:
     metrics: MetricsSettings = MetricsSettings()
     log: LogSettings = LogSettings()
     providers: ProvidersSettings = ProvidersSettings()
+    credentials: CredentialsSettings = CredentialsSettings()
 
     @property
     def state_path(self) -> Path:
@@ -147,7 +164,7 @@ _CHOICES: dict[tuple[type, str], tuple[str, ...]] = {
     (LogSettings, "format"): ("auto", "json", "console"),
     (ProvidersSettings, "enabled"): ("aws", "gcp", "azure", "local", "fake"),
 }
-_POSITIVE = {"heartbeat_interval_s", "heartbeat_timeout_s", "tick_s", "interval_s", "lease_ttl_s"}
+_POSITIVE = {"heartbeat_interval_s", "heartbeat_timeout_s", "tick_s", "interval_s", "lease_ttl_s", "enrol_ttl_s"}
 
 
 def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
@@ -181,6 +198,14 @@ def _cross_checks(s: Settings) -> list[str]:
         out.append("daemon.heartbeat_timeout_s: must be greater than daemon.heartbeat_interval_s")
     if s.nats.tls_cert_file and not s.nats.tls_key_file:
         out.append("nats.tls_key_file: required when nats.tls_cert_file is set")
+    c = s.credentials
+    if c.enabled:
+        if not s.nats.urls:
+            out.append("credentials.enabled: needs nats.urls (an external nats-server using auth_file; the "
+                       "embedded server runs without authorization)")
+        for name in ("auth_file", "static_users_file", "server_pid_file"):
+            if not getattr(c, name):
+                out.append(f"credentials.{name}: required when credentials.enabled")
     return out
 
 
