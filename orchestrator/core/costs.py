@@ -8,9 +8,11 @@ node remembers the integral when its billing started (``Node.cost0``); a job's c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import msgspec
 
-from orchestrator.core.model import Job, Node, NodePhase
+from orchestrator.core.model import Job, Node, NodePhase, PoolStats
 from orchestrator.core.pricing import pool_cum_usd, record_exposure
 from orchestrator.core.tx import Tx
 
@@ -38,9 +40,8 @@ def live_step_time(tx: Tx, job: Job) -> float | None:
     return total / count if count else job.step_time_s
 
 
-def burn_usd_h(tx: Tx, job: Job) -> float:
-    """$ per hour the job's launched nodes cost now."""
-    total = 0.0
+def _billed_pools(tx: Tx, job: Job) -> Iterator[PoolStats]:
+    """The pool of each launched (billed) node of the job that has a known price."""
     nodes, pools = tx.nodes, tx.pools
     for nid in job.nodes:
         n = nodes.get(nid)
@@ -48,22 +49,17 @@ def burn_usd_h(tx: Tx, job: Job) -> float:
             continue
         ps = pools.get(n.pool_name)
         if ps is not None and ps.price_usd_h is not None:
-            total += ps.price_usd_h
-    return total
+            yield ps
+
+
+def burn_usd_h(tx: Tx, job: Job) -> float:
+    """$ per hour the job's launched nodes cost now."""
+    return sum((ps.price_usd_h for ps in _billed_pools(tx, job)), 0.0)  # type: ignore[misc]
 
 
 def worst_burn_usd_h(tx: Tx, job: Job) -> float:
     """$ per hour the launched nodes could cost before the next check: spot at most at on-demand."""
-    total = 0.0
-    nodes, pools = tx.nodes, tx.pools
-    for nid in job.nodes:
-        n = nodes.get(nid)
-        if n is None or n.phase == N.REQUESTED:
-            continue
-        ps = pools.get(n.pool_name)
-        if ps is not None and ps.price_usd_h is not None:
-            total += max(ps.price_usd_h, ps.on_demand_usd_h or 0.0)
-    return total
+    return sum((max(ps.price_usd_h, ps.on_demand_usd_h or 0.0) for ps in _billed_pools(tx, job)), 0.0)  # type: ignore[type-var]
 
 
 def node_cost_usd(tx: Tx, node: Node) -> float:
