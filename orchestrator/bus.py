@@ -211,11 +211,15 @@ def consumer_config(durable: str, subjects: tuple[str, ...]) -> ConsumerConfig:
     )
 
 
-async def ensure_consumers(js: JetStreamContext) -> None:
-    """Create the durable pull consumers (an existing one is updated to this config)."""
+async def ensure_consumers(js: JetStreamContext, timeout_s: float | None = None) -> None:
+    """Create the durable pull consumers (an existing one is updated to this config).
+
+    ``timeout_s``: per request, shorter than the context's 5 s for a caller that retries (idempotent):
+    during a stream leader election the first request goes unanswered, and a short timeout lets the
+    retry find the new leader seconds sooner."""
     for _kind, stream, durable in CONSUMERS:
         subjects = SUBJECTS_EVENTS if stream == STREAM_EVENTS else SUBJECTS_MARKET
-        await js.add_consumer(stream, consumer_config(durable, subjects))
+        await js.add_consumer(stream, consumer_config(durable, subjects), timeout=timeout_s)
 
 
 def message_kind(subject: str) -> str:

@@ -115,7 +115,8 @@ async def run_daemon(
         if lease is None and settings.daemon.ha:
             return d  # stopped while standing by
         d.store = Store(topo, writer=ctl)
-        records, outbox = await d.store.load()  # only the leader reads: the state is its from here on
+        # only the leader reads: the state is its from here on (retried: a takeover may meet an election)
+        records, outbox = await _retrying(d, "load_state", d.store.load)
         d.state = d.core.restore(records) if records else d.core.empty_state()
         d.intake.put_shell(ShellItem(LeaseChanged(revision=d.fencing_token)))
         log.info("state_loaded", records=len(records), outbox=len(outbox), fencing_token=d.fencing_token)
@@ -145,7 +146,7 @@ async def run_daemon(
                 tg.start_soon(_reap_periodically, d)
             hb_sub = await hbc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
                                         pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
-            await _retrying(d, "ensure_consumers", lambda: bus.ensure_consumers(topo.js))
+            await _retrying(d, "ensure_consumers", lambda: bus.ensure_consumers(topo.js, timeout_s=2.0))
             service = await admin.start_service(nc, d)
             if credentials is not None:  # the enrol endpoint (orch.enrol.<node>), on the leader only
                 await credentials.serve(ctl)
@@ -230,7 +231,7 @@ async def _retrying(d: Daemon, what: str, call: Any, give_up_s: float = 60.0) ->
     while True:
         try:
             return await call()
-        except (nats.errors.TimeoutError, nats.js.errors.ServiceUnavailableError) as e:
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as e:
             if time.monotonic() > deadline or d._stop.is_set():
                 raise
             log.warning("jetstream_setup_retry", step=what, error=repr(e))

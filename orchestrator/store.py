@@ -29,7 +29,6 @@ from typing import Any
 import anyio
 import msgspec
 import structlog
-from nats.js.kv import KeyValue
 
 from orchestrator import bus
 from orchestrator.core.commands import Command
@@ -37,6 +36,7 @@ from orchestrator.core.commands import Command
 log = structlog.get_logger("orchd.store")
 
 _KV_OP = "KV-Operation"
+_MARKER = "Nats-Marker-Reason"  # nats-server 2.11+: a server-placed removal (TTL, max age)
 _command_codec_enc = msgspec.json.Encoder()
 _command_codec_dec = msgspec.json.Decoder(Command)
 _AUDIT_ANY = "_"
@@ -71,8 +71,8 @@ class Store:
 
     async def load(self) -> tuple[dict[str, bytes], dict[str, Command]]:
         """Every live record and every pending outbox command."""
-        records = await _load_bucket(self.topo.state_kv)
-        raw_outbox = await _load_bucket(self.topo.outbox_kv)
+        records = await _load_bucket(self.js, bus.KV_STATE)
+        raw_outbox = await _load_bucket(self.js, bus.KV_OUTBOX)
         outbox: dict[str, Command] = {}
         for key, data in raw_outbox.items():
             try:
@@ -163,20 +163,45 @@ class Store:
         return out[-limit:]
 
 
-async def _load_bucket(kv: KeyValue) -> dict[str, bytes]:
+async def _load_bucket(js: Any, bucket: str, idle_timeout_s: float = 5.0) -> dict[str, bytes]:
+    """Every live key of a KV bucket: each key stored before the call, at its latest value.
+
+    Not ``kv.watchall()`` / ``kv.keys()`` (nats-py): they end the initial values at a ``None`` marker
+    decided from a ``consumer_info`` taken right after the consumer is created, or from one message's
+    ``num_pending`` - both can say "nothing more" while values are still on their way (nats.py issues
+    842 and 995). On an R3 cluster a new leader loaded 0 records of a bucket that held its job that way.
+
+    Here the end is a fact from the stream leader: the stream's last sequence. A KV stream never loses
+    its last message (the per-subject limit keeps the newest; a delete or purge is itself a marker; our
+    buckets have no max age), so reading a last-per-subject consumer up to that sequence delivers every
+    key. A key rewritten while we read loses its old message before delivery, and its new one comes
+    after the target: so once there, the stream is asked again and the read goes on to its new last
+    sequence, until nothing was written meanwhile. A stall raises ``nats.errors.TimeoutError`` (the
+    daemon retries the load)."""
+    stream = f"KV_{bucket}"
+    state = (await js.stream_info(stream)).state
     out: dict[str, bytes] = {}
-    watcher = await kv.watchall(ignore_deletes=True)
+    if not state.messages:
+        return out
+    target, prefix = state.last_seq, f"$KV.{bucket}."
+    sub = await js.subscribe(prefix + ">", stream=stream, ordered_consumer=True,
+                             deliver_policy=bus.DeliverPolicy.LAST_PER_SUBJECT)
     try:
-        async for entry in watcher:
-            if entry is None:
-                break
-            if entry.value:
-                out[entry.key] = entry.value
-            else:
-                out.pop(entry.key, None)
+        seen = 0
+        while True:
+            while seen < target:
+                msg = await sub.next_msg(timeout=idle_timeout_s)
+                seen = msg.metadata.sequence.stream
+                key = msg.subject[len(prefix):]
+                if msg.data and not (msg.headers and (_KV_OP in msg.headers or _MARKER in msg.headers)):
+                    out[key] = msg.data
+                else:  # a delete or purge marker
+                    out.pop(key, None)
+            target = (await js.stream_info(stream)).state.last_seq
+            if target <= seen:
+                return out
     finally:
-        await watcher.stop()
-    return out
+        await sub.unsubscribe()
 
 
 class _Round:
