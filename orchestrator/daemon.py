@@ -114,70 +114,74 @@ async def run_daemon(
             raise StartupError(f"leader lease: {e}") from None
         if lease is None and settings.daemon.ha:
             return d  # stopped while standing by
-        d.store = Store(topo, writer=ctl)
-        # only the leader reads: the state is its from here on (retried: a takeover may meet an election)
-        records, outbox = await _retrying(d, "load_state", d.store.load)
-        d.state = d.core.restore(records) if records else d.core.empty_state()
-        d.intake.put_shell(ShellItem(LeaseChanged(revision=d.fencing_token)))
-        log.info("state_loaded", records=len(records), outbox=len(outbox), fencing_token=d.fencing_token)
-        # The state of 10,000 nodes is a large, long-lived heap: move what exists now out of the
-        # collector's view and collect young objects less often (full collections scan everything).
-        if tune_gc:  # process-wide: only the orchd command asks for it, not embedders
-            gc.collect()
-            gc.freeze()
-            gc.set_threshold(50_000, 50, 100)
-        credentials = node_credentials(settings) if settings.credentials.enabled else None
-        d.executor = Executor(settings, providers, ctl, d._on_result, d.metrics, nats_urls=urls,
-                              on_agent_sent=d._on_agent_sent,
-                              may_act=(lease.valid if lease is not None else _always), credentials=credentials)
-        if settings.metrics.enabled:
-            http = serve_metrics(d.metrics, settings.metrics.host, settings.metrics.port)
-            d.metrics_url = f"http://{settings.metrics.host}:{http.server_port}/metrics"
-        async with anyio.create_task_group() as tg:
-            await tg.start(d.executor.run)
-            d._bg_tg = tg
-            for key, cmd in outbox.items():  # decided before a crash: execute again, same ids/tokens
-                d.executor.submit(key, _refence(cmd, d.fencing_token))
-            if feeds:
-                _start_feeds(tg, d, topo.js)
+        # The lease is renewed from here on: loading the state may wait out a stream leader election
+        # (seconds), longer than the lease TTL.
+        async with anyio.create_task_group() as lease_tg:
             if lease is not None:
-                tg.start_soon(lease.run, partial(_on_lease_change, d))
-            if providers and settings.daemon.reap_interval_s > 0:
-                tg.start_soon(_reap_periodically, d)
-            hb_sub = await hbc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
-                                        pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
-            await _retrying(d, "ensure_consumers", lambda: bus.ensure_consumers(topo.js, timeout_s=2.0))
-            service = await admin.start_service(nc, d)
-            if credentials is not None:  # the enrol endpoint (orch.enrol.<node>), on the leader only
-                await credentials.serve(ctl)
-            _write_discovery(d)  # readiness for orchctl and harnesses: written once the admin API answers
-            async with anyio.create_task_group() as intake_tg:
-                for kind, stream, consumer in bus.CONSUMERS:
-                    intake_tg.start_soon(d.intake.pull_forever, nc, stream, consumer, kind)
-                d.metrics.up.set(1)
-                sdnotify.notify_ready(f"orchd ready, nats {d.nats_url}")
-                log.info("orchd_ready", nats=d.nats_url, metrics=d.metrics_url, fencing_token=d.fencing_token)
-                task_status.started(d)
-                try:
-                    with anyio.CancelScope() as loop_scope:
-                        # A batch that cannot be persisted (NATS down) must not hold a SIGTERM forever:
-                        # after the grace period it is abandoned - unacked, undispatched, redelivered.
-                        intake_tg.start_soon(_cancel_after_stop, d, loop_scope)
-                        await d.decide_loop()
-                    if loop_scope.cancelled_caught:
-                        log.warning("shutdown_abandoned_batch", grace_s=settings.daemon.shutdown_grace_s)
-                finally:
-                    with anyio.CancelScope(shield=True):
-                        sdnotify.notify_stopping("orchd stopping")
-                        log.info("orchd_stopping")
-                        intake_tg.cancel_scope.cancel()
-            with anyio.move_on_after(settings.daemon.shutdown_grace_s, shield=True):
-                await _quietly(service.stop())
-                await _quietly(hb_sub.unsubscribe())
-                leftover = d.intake.take()
-                d._flush_live = True  # and persist every liveness-only change
-                await d.process(leftover)  # finish what was already taken in: decided and persisted
-            tg.cancel_scope.cancel()  # in-flight commands stay in the outbox for the next daemon
+                lease_tg.start_soon(lease.run, partial(_on_lease_change, d))
+            d.store = Store(topo, writer=ctl)
+            # only the leader reads: the state is its from here on (retried: a takeover may meet an election)
+            records, outbox = await _retrying(d, "load_state", d.store.load)
+            d.state = d.core.restore(records) if records else d.core.empty_state()
+            d.intake.put_shell(ShellItem(LeaseChanged(revision=d.fencing_token)))
+            log.info("state_loaded", records=len(records), outbox=len(outbox), fencing_token=d.fencing_token)
+            # The state of 10,000 nodes is a large, long-lived heap: move what exists now out of the
+            # collector's view and collect young objects less often (full collections scan everything).
+            if tune_gc:  # process-wide: only the orchd command asks for it, not embedders
+                gc.collect()
+                gc.freeze()
+                gc.set_threshold(50_000, 50, 100)
+            credentials = node_credentials(settings) if settings.credentials.enabled else None
+            d.executor = Executor(settings, providers, ctl, d._on_result, d.metrics, nats_urls=urls,
+                                  on_agent_sent=d._on_agent_sent,
+                                  may_act=(lease.valid if lease is not None else _always), credentials=credentials)
+            if settings.metrics.enabled:
+                http = serve_metrics(d.metrics, settings.metrics.host, settings.metrics.port)
+                d.metrics_url = f"http://{settings.metrics.host}:{http.server_port}/metrics"
+            async with anyio.create_task_group() as tg:
+                await tg.start(d.executor.run)
+                d._bg_tg = tg
+                for key, cmd in outbox.items():  # decided before a crash: execute again, same ids/tokens
+                    d.executor.submit(key, _refence(cmd, d.fencing_token))
+                if feeds:
+                    _start_feeds(tg, d, topo.js)
+                if providers and settings.daemon.reap_interval_s > 0:
+                    tg.start_soon(_reap_periodically, d)
+                hb_sub = await hbc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
+                                            pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
+                await _retrying(d, "ensure_consumers", lambda: bus.ensure_consumers(topo.js, timeout_s=2.0))
+                service = await admin.start_service(nc, d)
+                if credentials is not None:  # the enrol endpoint (orch.enrol.<node>), on the leader only
+                    await credentials.serve(ctl)
+                _write_discovery(d)  # readiness for orchctl and harnesses: written once the admin API answers
+                async with anyio.create_task_group() as intake_tg:
+                    for kind, stream, consumer in bus.CONSUMERS:
+                        intake_tg.start_soon(d.intake.pull_forever, nc, stream, consumer, kind)
+                    d.metrics.up.set(1)
+                    sdnotify.notify_ready(f"orchd ready, nats {d.nats_url}")
+                    log.info("orchd_ready", nats=d.nats_url, metrics=d.metrics_url, fencing_token=d.fencing_token)
+                    task_status.started(d)
+                    try:
+                        with anyio.CancelScope() as loop_scope:
+                            # A batch that cannot be persisted (NATS down) must not hold a SIGTERM forever:
+                            # after the grace period it is abandoned - unacked, undispatched, redelivered.
+                            intake_tg.start_soon(_cancel_after_stop, d, loop_scope)
+                            await d.decide_loop()
+                        if loop_scope.cancelled_caught:
+                            log.warning("shutdown_abandoned_batch", grace_s=settings.daemon.shutdown_grace_s)
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            sdnotify.notify_stopping("orchd stopping")
+                            log.info("orchd_stopping")
+                            intake_tg.cancel_scope.cancel()
+                with anyio.move_on_after(settings.daemon.shutdown_grace_s, shield=True):
+                    await _quietly(service.stop())
+                    await _quietly(hb_sub.unsubscribe())
+                    leftover = d.intake.take()
+                    d._flush_live = True  # and persist every liveness-only change
+                    await d.process(leftover)  # finish what was already taken in: decided and persisted
+                tg.cancel_scope.cancel()  # in-flight commands stay in the outbox for the next daemon
+            lease_tg.cancel_scope.cancel()  # releases the lease (clean exit)
     finally:
         with anyio.CancelScope(shield=True):
             d.metrics.up.set(0)

@@ -69,10 +69,14 @@ class Store:
         self.writes = 0
         self._pipe = _Pipeline(writer or topo.nc)  # writer: a connection of its own (see daemon)
 
-    async def load(self) -> tuple[dict[str, bytes], dict[str, Command]]:
-        """Every live record and every pending outbox command."""
-        records = await _load_bucket(self.js, bus.KV_STATE)
-        raw_outbox = await _load_bucket(self.js, bus.KV_OUTBOX)
+    async def load(self, timeout_s: float = 2.0) -> tuple[dict[str, bytes], dict[str, Command]]:
+        """Every live record and every pending outbox command.
+
+        ``timeout_s`` bounds each request and each wait for the next record: a load that meets a
+        stream leader election raises ``nats.errors.TimeoutError`` soon, for the caller to retry."""
+        js = self.topo.nc.jetstream(timeout=timeout_s)
+        records = await _load_bucket(js, bus.KV_STATE, timeout_s)
+        raw_outbox = await _load_bucket(js, bus.KV_OUTBOX, timeout_s)
         outbox: dict[str, Command] = {}
         for key, data in raw_outbox.items():
             try:
