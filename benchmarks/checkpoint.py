@@ -37,7 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from trainer import dist as tdist  # noqa: E402
-from trainer import store  # noqa: E402
 from trainer.checkpoint import CheckpointManager  # noqa: E402
 from trainer.emergency import EmergencyState, agree  # noqa: E402
 from trainer.model import GPT, GPTConfig, per_sample_loss  # noqa: E402

@@ -18,7 +18,10 @@ What it does (all through the wire, no shortcuts into the daemon):
      orchd_events_total, counted after persist) / the time it took to process them.
 
 Output keys: offered_events_per_s (latency phase), events_per_s (capacity phase), latency_events_per_s
-(processed during the latency phase), notice_to_command_p50/p99/max_ms, notices, samples, and the setup.
+(processed during the latency phase), notice_to_command_p50/p99/max_ms, notices, samples, and the setup;
+and orchd's own view of the latency phase from its histograms (upper bucket bounds of p50/p99):
+daemon_notice_to_command_sent, daemon_event_lag (JetStream publish -> decide: delivery and queueing),
+daemon_batch_decide and daemon_batch_persist (per batch).
 """
 
 from __future__ import annotations
@@ -60,21 +63,40 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def histogram_quantiles(metrics_url: str, name: str, qs: tuple[float, ...] = (0.5, 0.99)) -> dict[str, float | None]:
-    """Upper bucket bounds holding the quantiles of a Prometheus histogram (orchd's own view)."""
+def histogram_buckets(metrics_url: str, name: str, labels: str = "") -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of one Prometheus histogram series of orchd's; ``labels`` picks
+    the series (e.g. ``part="persist"``)."""
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
         text = r.read().decode()
     buckets = []
     for line in text.splitlines():
-        if line.startswith(f"{name}_bucket{{"):
+        if line.startswith(f"{name}_bucket{{") and labels in line:
             le = line.split('le="', 1)[1].split('"', 1)[0]
             buckets.append((float("inf") if le == "+Inf" else float(le), float(line.rsplit(" ", 1)[1])))
+    return buckets
+
+
+def histogram_quantiles(buckets: list[tuple[float, float]], before: list[tuple[float, float]] = (),
+                        qs: tuple[float, ...] = (0.5, 0.99)) -> dict[str, float | None]:
+    """Upper bucket bounds holding the quantiles of the observations made between ``before`` and
+    ``buckets`` (two readings of the same histogram)."""
+    if before:
+        buckets = [(le, c - c0) for (le, c), (_, c0) in zip(buckets, before, strict=True)]
     total = buckets[-1][1] if buckets else 0
     out: dict[str, float | None] = {}
     for q in qs:
         out[f"p{int(q * 100)}_le_ms"] = next((le * 1000 for le, c in buckets if total and c >= q * total), None)
     out["count"] = total
     return out
+
+
+# orchd's own view of the latency phase: its parts, from its histograms
+DAEMON_HISTOGRAMS = {
+    "daemon_notice_to_command_sent": ("orchd_notice_to_command_seconds", ""),  # notice publish -> command sent
+    "daemon_event_lag": ("orchd_event_lag_seconds", ""),  # JetStream publish -> decide (delivery + queueing)
+    "daemon_batch_decide": ("orchd_batch_seconds", 'part="decide"'),  # one batch's decide
+    "daemon_batch_persist": ("orchd_batch_seconds", 'part="persist"'),  # one batch's KV/outbox writes
+}
 
 
 def events_total(metrics_url: str) -> float:
@@ -212,6 +234,7 @@ interval_s = 3600
         noticed: dict[str, float] = {}
         offered = 0
         start_events = events_total(metrics_url)
+        hist0 = {k: histogram_buckets(metrics_url, *v) for k, v in DAEMON_HISTOGRAMS.items()}
         lat_cpu0 = cpu_s(daemon.pid)
         t_start = time.time()
         notice_targets = iter(ids[:: args.job_nodes])  # one node of each job
@@ -258,7 +281,7 @@ interval_s = 3600
             notice_to_command_p99_ms=round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2) if lat else None,
             notice_to_command_max_ms=round(lat[-1], 2) if lat else None,
             notice_to_command_all_ms=[round(x, 1) for x in lat],
-            daemon_notice_to_command_sent=histogram_quantiles(metrics_url, "orchd_notice_to_command_seconds"),
+            **{k: histogram_quantiles(histogram_buckets(metrics_url, *v), hist0[k]) for k, v in DAEMON_HISTOGRAMS.items()},
         )
         log(f"latency phase: {result}")
 
