@@ -1,0 +1,150 @@
+"""Per-node credentials on a 3-server NATS cluster through the auth callout (orchestrator/authcallout.py).
+
+Every server has the same static config: one auth user and ``auth_callout``. Two callout services
+(standing for two orchd, leader and standby) answer in one queue group from one R3 ``ORCH_CREDS``
+bucket. Checked on real servers:
+- static users get their role's permissions; a wrong password, an unknown user are refused;
+- a token minted by "orchd A" is redeemed through "orchd B"'s enrol endpoint (a failover between
+  launch and enrolment), the node's credential works on every server, with the agent's permissions
+  only (a forbidden publish is a permissions violation);
+- a token works once; a revoked node (NodeGone) cannot connect again, on any server;
+- the bucket holds only hashes, never a token or password.
+"""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import nats
+import nats.errors
+import pytest
+
+from orchestrator.authcallout import (
+    AuthCallout,
+    CalloutCredentials,
+    CredentialStore,
+    StaticUser,
+    auth_user_permissions,
+    render_callout_authorization,
+)
+from orchestrator.nats_auth import User, hash_password, render_server_config
+from orchestrator.natsserver import NatsServer
+from orchestrator.nkeys import KeyPair
+from tests.conftest import free_port
+from tests.ha_cluster import JS_NOT_READY
+
+pytestmark = pytest.mark.anyio
+
+AUTH_PW = "auth-secret-1"
+ORCHD_PW = "orchd-secret-1"
+
+
+@pytest.fixture
+def callout_cluster(tmp_path):
+    issuer = KeyPair.create("account")
+    auth_conf = tmp_path / "auth.conf"
+    auth_conf.write_text(render_callout_authorization(
+        issuer.public_key, [User(name="orchd-auth", password_hash=hash_password(AUTH_PW),
+                                 permissions=auth_user_permissions())]))
+    cports = [free_port() for _ in range(3)]
+    routes = [f"nats-route://127.0.0.1:{p}" for p in cports]
+    servers = []
+    try:
+        for i, cport in enumerate(cports, start=1):
+            conf = tmp_path / f"s{i}.conf"
+            conf.write_text(render_server_config(
+                auth_include="auth.conf", host="127.0.0.1", port=-1, store_dir=None, http_port=None,
+                server_name=f"nats-{i}", cluster={"name": "orch", "host": "127.0.0.1", "port": cport,
+                                                  "routes": routes}))
+            servers.append(NatsServer(tmp_path / f"n{i}", config_file=str(conf), name=f"nats-{i}"))
+        for s in servers:
+            s.start()
+        yield issuer, servers
+    finally:
+        for s in servers:
+            s.cleanup()
+
+
+async def _connect(url: str, user: str, password: str, **kw):
+    return await nats.connect(url, user=user, password=password, connect_timeout=3, allow_reconnect=False,
+                              max_reconnect_attempts=0, **kw)
+
+
+async def _refused(url: str, user: str, password: str) -> bool:
+    try:
+        nc = await _connect(url, user, password)
+    except (nats.errors.Error, OSError):
+        return True
+    await nc.close()
+    return False
+
+
+async def test_node_credentials_through_the_callout_on_a_cluster(callout_cluster) -> None:
+    issuer, servers = callout_cluster
+    urls = [s.url for s in servers]
+    statics = [StaticUser("orchd", hash_password(ORCHD_PW), "orchd")]
+    conns = []
+    try:
+        # two "orchd", each with its callout connection (the auth user bypasses the callout)
+        for url in urls[:2]:
+            conns.append(await nats.connect(url, user="orchd-auth", password=AUTH_PW))
+        js = conns[0].jetstream(timeout=2)
+        with anyio.fail_after(30):
+            while True:
+                try:
+                    store_a = await CredentialStore.open(js, replicas=3)
+                    break
+                except JS_NOT_READY:
+                    await anyio.sleep(0.3)
+        store_b = await CredentialStore.open(conns[1].jetstream(timeout=2), replicas=3)
+        assert (await store_a.kv.status()).stream_info.config.num_replicas == 3
+        for nc, store in zip(conns, (store_a, store_b), strict=True):
+            await AuthCallout(issuer, store, statics).serve(nc)
+        creds_a, creds_b = CalloutCredentials(store_a), CalloutCredentials(store_b)
+        await creds_b.serve(conns[1])  # B leads now: its enrol endpoint
+
+        # -- static users: right password in, wrong one and strangers out --------------------------
+        orchd = await _connect(urls[2], "orchd", ORCHD_PW)
+        await orchd.publish("orch.cmd.n1", b"x")
+        await orchd.flush()
+        await orchd.close()
+        assert await _refused(urls[2], "orchd", "wrong")
+        assert await _refused(urls[0], "mallory", "x")
+
+        # -- A mints a token at launch; the agent enrols through B ------------------------------------
+        token = (await anyio.to_thread.run_sync(creds_a.on_launch, ["n1"]))["n1"]
+        assert await _refused(urls[2], "enrol-n1", "not-the-token")
+        assert await _refused(urls[2], "enrol-n2", token)  # another node's enrol user
+        enrol = await _connect(urls[2], "enrol-n1", token, inbox_prefix="_INBOX.n1.enrol")
+        reply = json.loads((await enrol.request("orch.enrol.n1", token.encode(), timeout=5)).data)
+        await enrol.close()
+        assert reply["user"] == "node-n1" and len(reply["password"]) >= 40
+        assert await _refused(urls[1], "enrol-n1", token)  # redeemed: the token cannot even log in again
+
+        # -- the node's credential: every server, the agent's subjects only --------------------------
+        for url in urls:
+            errors: list[str] = []
+
+            async def on_error(e: Exception, errors=errors) -> None:
+                errors.append(str(e))
+
+            node = await _connect(url, "node-n1", reply["password"], inbox_prefix="_INBOX.n1", error_cb=on_error)
+            await node.publish("orch.node.n1.hb", b"{}")
+            await node.publish("orch.node.n2.hb", b"{}")  # another node's subject
+            await node.flush()
+            await anyio.sleep(0.2)
+            await node.close()
+            assert len(errors) == 1 and "permissions violation" in errors[0] and "orch.node.n2.hb" in errors[0], errors
+
+        # -- the bucket holds hashes only ----------------------------------------------------------------
+        entry = await store_a.kv.get("node.n1")
+        assert reply["password"] not in entry.value.decode() and token not in entry.value.decode()
+
+        # -- NodeGone (on A, the old leader's object: the records are shared) revokes everywhere ------
+        await anyio.to_thread.run_sync(creds_a.on_gone, "n1")
+        for url in urls:
+            assert await _refused(url, "node-n1", reply["password"])
+    finally:
+        for nc in conns:
+            await nc.close()
