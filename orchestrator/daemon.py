@@ -95,9 +95,12 @@ async def run_daemon(
         urls = (server.url,)
         log.info("embedded_nats_started", url=server.url, store=str(server.store_dir))
     d.nats_url = ",".join(urls)
-    nc = ctl = hbc = None
+    nc = ctl = hbc = authc = None
     http = None
     try:
+        callout_credentials = None
+        if settings.credentials.enabled and settings.credentials.mode == "callout":  # first: orchd's own logins go through it
+            authc, callout_credentials = await _start_auth_callout(d, settings, urls)
         nc = await bus.connect(settings.nats, urls, name="orchd", on_state=d._on_bus_state)
         # A second connection for writes and commands: their acks and replies never queue behind
         # the heartbeat flood that the intake connection reads (one reader task per connection).
@@ -131,7 +134,7 @@ async def run_daemon(
                 gc.collect()
                 gc.freeze()
                 gc.set_threshold(50_000, 50, 100)
-            credentials = node_credentials(settings) if settings.credentials.enabled else None
+            credentials = callout_credentials or (node_credentials(settings) if settings.credentials.enabled else None)
             d.executor = Executor(settings, providers, ctl, d._on_result, d.metrics, nats_urls=urls,
                                   on_agent_sent=d._on_agent_sent,
                                   may_act=(lease.valid if lease is not None else _always), credentials=credentials)
@@ -187,7 +190,7 @@ async def run_daemon(
             d.metrics.up.set(0)
             if http is not None:
                 http.shutdown()
-            for conn in (hbc, ctl, nc):
+            for conn in (hbc, ctl, nc, authc):  # the callout connection last: the others log in through it
                 if conn is not None:
                     with anyio.move_on_after(3):
                         await _quietly(conn.close())
@@ -195,6 +198,21 @@ async def run_daemon(
                 await anyio.to_thread.run_sync(server.stop)
             log.info("orchd_stopped", events=d.events_decided, exit_code=d.exit_code)
     return d
+
+
+def _static_users(settings: Settings) -> list[dict]:
+    """``credentials.static_users_file``: ``[{"name", "password_hash", "role": "orchd"|"orchctl"}]``."""
+    from pathlib import Path
+
+    path = settings.credentials.static_users_file
+    try:
+        users = json.loads(Path(path).read_text())
+        for u in users:
+            if u["role"] not in ("orchd", "orchctl") or not u["name"] or not u["password_hash"].startswith("$2"):
+                raise ValueError(f"bad entry for {u.get('name')!r}")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise StartupError(f"credentials.static_users_file {path}: {e!r}") from None
+    return users
 
 
 def node_credentials(settings: Settings) -> Any:
@@ -207,17 +225,52 @@ def node_credentials(settings: Settings) -> Any:
 
     c = settings.credentials
     roles = {"orchd": orchd_permissions(), "orchctl": orchctl_permissions()}
-    try:
-        static = [User(name=u["name"], password_hash=u["password_hash"], permissions=roles[u["role"]])
-                  for u in json.loads(Path(c.static_users_file).read_text())]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise StartupError(f"credentials.static_users_file {c.static_users_file}: {e!r}") from None
+    static = [User(name=u["name"], password_hash=u["password_hash"], permissions=roles[u["role"]])
+              for u in _static_users(settings)]
 
     def reload() -> None:
         signal_reload(int(Path(c.server_pid_file).read_text().strip()))
 
     return NodeCredentials(EnrollingIssuer(c.auth_file, static_users=static, reload=reload),
                            enrol_ttl_s=c.enrol_ttl_s)
+
+
+async def _start_auth_callout(d: Daemon, settings: Settings, urls: tuple[str, ...]) -> tuple[Any, Any]:
+    """``[credentials] mode = "callout"``: connect as the auth user (the one the servers do not ask
+    about), answer ``$SYS.REQ.USER.AUTH`` - on every orchd, standbys included, before orchd's own
+    connections, which the callout authorizes - and return (connection, ``CalloutCredentials``)."""
+    import dataclasses
+    from pathlib import Path
+
+    from orchestrator.authcallout import AuthCallout, CalloutCredentials, CredentialStore, StaticUser
+    from orchestrator.nkeys import KeyPair, NkeyError
+
+    c = settings.credentials
+    problems, issuer, password = [], None, ""
+    try:
+        issuer = KeyPair.from_seed(Path(c.issuer_seed_file).read_text())
+        if issuer.kind != "account":
+            problems.append(f"credentials.issuer_seed_file: a {issuer.kind} seed, an account seed (SA...) is needed")
+    except (OSError, NkeyError) as e:
+        problems.append(f"credentials.issuer_seed_file {c.issuer_seed_file!r}: {e}")
+    try:
+        password = Path(c.auth_password_file).read_text().strip()
+    except OSError as e:
+        problems.append(f"credentials.auth_password_file {c.auth_password_file!r}: {e}")
+    try:
+        static = [StaticUser(u["name"], u["password_hash"], u["role"]) for u in _static_users(settings)]
+    except StartupError as e:
+        problems.append(str(e))
+    if problems:
+        raise StartupError("; ".join(problems))
+    auth = dataclasses.replace(settings.nats, user=c.auth_user, password=password, token="", creds_file="",
+                               nkey_seed_file="")
+    authc = await bus.connect(auth, urls, name="orchd-auth")
+    store = await _retrying(d, "credentials_bucket",
+                            lambda: CredentialStore.open(authc.jetstream(timeout=5.0), settings.nats.stream_replicas))
+    await AuthCallout(issuer, store, static).serve(authc)
+    log.info("auth_callout_serving", issuer=issuer.public_key, auth_user=c.auth_user, static_users=len(static))
+    return authc, CalloutCredentials(store, enrol_ttl_s=c.enrol_ttl_s)
 
 
 async def _cancel_after_stop(d: Daemon, scope: anyio.CancelScope) -> None:

@@ -142,6 +142,16 @@ class CredentialsSettings:
     """nats-server's ``pid_file``: orchd sends it SIGHUP after each change (same host)."""
     enrol_ttl_s: float = 1800.0
     """Lifetime of an enrolment token in the user data (until the agent redeems it)."""
+    mode: str = "file"
+    """``file``: orchd rewrites one local server's users include and reloads it (auth_file,
+    server_pid_file). ``callout``: every server of a cluster asks orchd (NATS auth callout,
+    orchestrator/authcallout.py); credentials live in an R3 KV bucket, any orchd can answer."""
+    issuer_seed_file: str = ""
+    """callout: the account nkey seed (``SA...``) that signs the user JWTs (a LoadCredential file)."""
+    auth_user: str = "orchd-auth"
+    """callout: the user orchd answers the callout as (the server config's ``auth_users``)."""
+    auth_password_file: str = ""
+    """callout: that user's password (a LoadCredential file)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,13 +209,16 @@ def _cross_checks(s: Settings) -> list[str]:
     if s.nats.tls_cert_file and not s.nats.tls_key_file:
         out.append("nats.tls_key_file: required when nats.tls_cert_file is set")
     c = s.credentials
-    if c.enabled:
+    if c.mode not in ("file", "callout"):
+        out.append(f"credentials.mode: {c.mode!r} is not one of file, callout")
+    elif c.enabled:
         if not s.nats.urls:
-            out.append("credentials.enabled: needs nats.urls (an external nats-server using auth_file; the "
-                       "embedded server runs without authorization)")
-        for name in ("auth_file", "static_users_file", "server_pid_file"):
+            out.append("credentials.enabled: needs nats.urls (external nats-servers with authorization; the "
+                       "embedded server runs without it)")
+        needed = ("auth_file", "server_pid_file") if c.mode == "file" else ("issuer_seed_file", "auth_password_file")
+        for name in ("static_users_file", *needed):
             if not getattr(c, name):
-                out.append(f"credentials.{name}: required when credentials.enabled")
+                out.append(f"credentials.{name}: required when credentials.enabled (mode {c.mode})")
     return out
 
 

@@ -148,3 +148,80 @@ async def test_node_credentials_through_the_callout_on_a_cluster(callout_cluster
     finally:
         for nc in conns:
             await nc.close()
+
+
+async def test_orchd_in_callout_mode_enrols_a_real_agent_and_revokes_when_gone(tmp_path) -> None:
+    """The daemon wiring (``[credentials] mode = "callout"``): orchd answers the callout for its own
+    logins, a launch carries an enrolment token, the real agent enrols and heartbeats with its own
+    credential, the node dies -> NodeGone -> a new login with that credential is refused."""
+    from agent.config import AgentConfig
+    from agent.main import Agent
+    from orchestrator import events as ev
+    from orchestrator.client import AdminClient
+    from orchestrator.daemon import run_daemon
+    from orchestrator.jobspec import parse_jobspec
+    from orchestrator.settings import load_settings
+    from tests.integration import helpers as h
+    from tests.integration.test_node_credentials import RecordingCloud
+
+    issuer = KeyPair.create("account")
+    (tmp_path / "issuer.seed").write_text(issuer.seed)
+    (tmp_path / "auth.pw").write_text(AUTH_PW + "\n")
+    users = tmp_path / "static-users.json"
+    users.write_text(json.dumps([{"name": "orchd", "password_hash": hash_password(ORCHD_PW), "role": "orchd"}]))
+    (tmp_path / "auth.conf").write_text(render_callout_authorization(
+        issuer.public_key, [User(name="orchd-auth", password_hash=hash_password(AUTH_PW),
+                                 permissions=auth_user_permissions())]))
+    (tmp_path / "server.conf").write_text(render_server_config(host="127.0.0.1", port=-1, store_dir=None,
+                                                               http_port=None, server_name="orch-callout"))
+    server = NatsServer(tmp_path / "srv", config_file=str(tmp_path / "server.conf")).start()
+    try:
+        url = server.url
+        settings = load_settings(h.write_config(tmp_path, url), env={
+            "ORCH_NATS__USER": "orchd", "ORCH_NATS__PASSWORD": ORCHD_PW,
+            "ORCH_CREDENTIALS__ENABLED": "true", "ORCH_CREDENTIALS__MODE": "callout",
+            "ORCH_CREDENTIALS__ISSUER_SEED_FILE": str(tmp_path / "issuer.seed"),
+            "ORCH_CREDENTIALS__AUTH_PASSWORD_FILE": str(tmp_path / "auth.pw"),
+            "ORCH_CREDENTIALS__STATIC_USERS_FILE": str(users)})
+        cloud = RecordingCloud()
+        async with anyio.create_task_group() as tg:
+            d = await tg.start(lambda task_status: run_daemon(settings, {"fake": cloud}, feeds=False,
+                                                              task_status=task_status))
+            observer = await nats.connect(url, user="orchd", password=ORCHD_PW, connect_timeout=2)
+            js = observer.jetstream()
+            await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL, 1.0, 3.0))
+            await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL_OD, 3.0, 3.0))
+            await h.wait_for(lambda: len(d.state.pools) == 2)
+            admin = await AdminClient.connect([url], nats_settings=settings.nats)
+            await admin.call("jobs", "submit", ev.SubmitJobRequest(spec=parse_jobspec(h.JOB_TOML.format(nodes=1))))
+            await admin.close()
+            (inst,) = await h.wait_for(lambda: cloud.all_instances())
+            token = cloud.requests[0].bootstrap.node_credentials[inst.node_id]
+
+            agent = Agent(AgentConfig(node_id=inst.node_id, nats_urls=(url,), enrol_token=token,
+                                      instance_id=inst.instance_id, pool=inst.pool, work_dir=str(tmp_path / "agent"),
+                                      heartbeat_s=0.2, metadata="none"))
+            agent_scope = anyio.CancelScope()
+
+            async def run_agent() -> None:
+                with agent_scope:
+                    try:
+                        await agent.run()
+                    except ConnectionResetError:
+                        pass
+
+            tg.start_soon(run_agent)
+            await h.wait_for(lambda: d.state.nodes.get(inst.node_id) is not None
+                             and d.state.nodes[inst.node_id].last_seen > 0, timeout=15)
+            stored = json.loads((tmp_path / "agent" / "nats-credential.json").read_text())
+            assert stored["user"] == f"node-{inst.node_id}"
+
+            agent_scope.cancel()
+            cloud.preempt(inst.instance_id)  # the node dies: heartbeat timeout -> CheckInstance -> NodeGone
+            with anyio.fail_after(20):
+                while not await _refused(url, stored["user"], stored["password"]):
+                    await anyio.sleep(0.2)
+            d.request_stop()
+        await observer.close()
+    finally:
+        server.cleanup()

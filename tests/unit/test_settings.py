@@ -61,6 +61,22 @@ def test_cross_check_heartbeat_timeout() -> None:
         load_settings(None, env={"ORCH_DAEMON__HEARTBEAT_TIMEOUT_S": "1", "ORCH_DAEMON__HEARTBEAT_INTERVAL_S": "2"})
 
 
+def test_credentials_mode_and_its_required_files_are_checked() -> None:
+    with pytest.raises(SettingsError, match="credentials.mode: 'jwt' is not one of file, callout"):
+        load_settings(None, env={"ORCH_CREDENTIALS__MODE": "jwt"})
+    with pytest.raises(SettingsError) as err:
+        load_settings(None, env={"ORCH_CREDENTIALS__ENABLED": "true", "ORCH_CREDENTIALS__MODE": "callout"})
+    text = str(err.value)
+    for needle in ("needs nats.urls", "credentials.static_users_file: required", "credentials.issuer_seed_file: required",
+                   "credentials.auth_password_file: required"):
+        assert needle in text
+    assert "auth_file" not in text.replace("auth_password_file", "")  # the file mode's keys are not asked for
+    s = load_settings(None, env={"ORCH_NATS__URLS": "nats://a:1", "ORCH_CREDENTIALS__ENABLED": "true",
+                                 "ORCH_CREDENTIALS__MODE": "callout", "ORCH_CREDENTIALS__STATIC_USERS_FILE": "u",
+                                 "ORCH_CREDENTIALS__ISSUER_SEED_FILE": "s", "ORCH_CREDENTIALS__AUTH_PASSWORD_FILE": "p"})
+    assert s.credentials.mode == "callout" and s.credentials.auth_user == "orchd-auth"
+
+
 def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
     with pytest.raises(SettingsError, match="file not found"):
         load_settings(tmp_path / "nope.toml", env={})
