@@ -4,7 +4,7 @@ Role: the cluster-wide variant of ``orchestrator/credentials.py`` (``[credential
 That one writes one server's users file and keeps enrolment tokens in one orchd's memory, so it cannot
 serve an HA deployment. Here:
 
-- Every nats-server of the cluster has the same static config (``render_callout_authorization``):
+- Every nats-server of the cluster has the same static config (``nats_auth.render_callout_authorization``):
   ``authorization { users: [<auth user>], auth_callout { issuer: <account nkey>, auth_users: [...] } }``.
   The server asks ``$SYS.REQ.USER.AUTH`` about every other connection.
 - Every orchd - leader and standbys - connects as the auth user (the only one that bypasses the
@@ -34,7 +34,7 @@ import hmac
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +46,8 @@ import structlog
 
 from orchestrator.credentials import ENROL_SUBJECT_PREFIX, enrol_permissions
 from orchestrator.nats_auth import (
+    AUTH_SUBJECT,
     Permissions,
-    User,
     agent_permissions,
     check_token,
     node_user,
@@ -60,7 +60,6 @@ from providers.bootstrap import ENROL_TTL_S, EnrolmentError
 log = structlog.get_logger("orchd.authcallout")
 
 CREDS_BUCKET = "ORCH_CREDS"
-AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
 QUEUE = "orchd-auth"
 RESPONSE_TTL_NS = 60 * 10**9  # allow_responses: one reply within 1 min (as the file mode's users)
 ROLES = {"orchd": orchd_permissions, "orchctl": orchctl_permissions}
@@ -68,21 +67,6 @@ ROLES = {"orchd": orchd_permissions, "orchctl": orchctl_permissions}
 
 def _digest(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def auth_user_permissions() -> Permissions:
-    """The auth user (orchd's callout connection): orchd's own rights plus the callout subject."""
-    p = orchd_permissions()
-    return Permissions(publish=p.publish, subscribe=(*p.subscribe, AUTH_SUBJECT),
-                       allow_responses=True, inbox_prefix=p.inbox_prefix)
-
-
-def render_callout_authorization(issuer_public_key: str, auth_users: Sequence[User], timeout_s: float = 2.0) -> str:
-    """The ``authorization`` block of every server of the cluster (static: no reload ever)."""
-    body = "\n".join(u.render() for u in auth_users)
-    names = ", ".join(f'"{u.name}"' for u in auth_users)
-    return (f"authorization {{\n  timeout: {timeout_s}\n  users = [\n{body}\n  ]\n"
-            f"  auth_callout {{\n    issuer: \"{issuer_public_key}\"\n    auth_users: [{names}]\n  }}\n}}\n")
 
 
 # --- the shared credential records --------------------------------------------------------------------

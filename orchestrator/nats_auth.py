@@ -124,6 +124,29 @@ def render_authorization(users: Sequence[User], timeout_s: float = 2.0) -> str:
     return f"authorization {{\n  timeout: {timeout_s}\n  users = [\n{body}\n  ]\n}}\n"
 
 
+AUTH_SUBJECT = "$SYS.REQ.USER.AUTH"
+"""Where nats-server sends its authorization requests when ``auth_callout`` is configured."""
+
+
+def auth_user_permissions() -> Permissions:
+    """The callout's auth user (orchd's callout connection): orchd's own rights plus the callout subject."""
+    p = orchd_permissions()
+    return Permissions(publish=p.publish, subscribe=(*p.subscribe, AUTH_SUBJECT),
+                       allow_responses=True, inbox_prefix=p.inbox_prefix)
+
+
+def render_callout_authorization(issuer_public_key: str, auth_users: Sequence[User], timeout_s: float = 2.0) -> str:
+    """The ``authorization`` block for ``[credentials] mode = "callout"`` (orchestrator/authcallout.py): the
+    same static file on every server of a cluster, never rewritten. ``auth_users`` bypass the callout;
+    every other login is decided by orchd and signed by the account key ``issuer_public_key``."""
+    if not issuer_public_key.startswith("A"):
+        raise ValueError("the callout issuer must be an account public key (A...)")
+    body = "\n".join(u.render() for u in auth_users)
+    names = ", ".join(_q(u.name) for u in auth_users)
+    return (f"authorization {{\n  timeout: {timeout_s}\n  users = [\n{body}\n  ]\n"
+            f"  auth_callout {{\n    issuer: {_q(issuer_public_key)}\n    auth_users: [{names}]\n  }}\n}}\n")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TlsFiles:
     cert_file: str
@@ -357,8 +380,15 @@ def example_files() -> dict[str, str]:
     ]
     header = ("# Example users include. In production orchd's NodeCredentialIssuer owns this file: it keeps\n"
               "# the static users (orchd, operators) and adds/removes one user per node, then reloads.\n")
+    callout = ("# Example users include for [credentials] mode = \"callout\" (docs/operations.md): the same\n"
+               "# file on every server, never rewritten. Replace the issuer with the public key of orchd's\n"
+               "# credentials.issuer_seed_file and the hash with that of credentials.auth_password_file.\n")
+    auth_user = User(name="orchd-auth", password_hash="$2b$10$REPLACE.WITH.bcrypt.HASH.OF.AUTH.PASSWORD.xxxxxxxxxxxx",
+                     permissions=auth_user_permissions())
+    example_issuer = "ABJHLOVMPA4CI6R5KLNGOB4GSLNIY7IOUPAJC4YFNDLQVIOBYQGUWVLA"  # the NATS docs' example key
     return {"server-secure.conf": example_server_config(), **example_cluster_configs(),
-            "auth.conf.example": header + render_authorization(users)}
+            "auth.conf.example": header + render_authorization(users),
+            "auth-callout.conf.example": callout + render_callout_authorization(example_issuer, [auth_user])}
 
 
 if __name__ == "__main__":  # pragma: no cover - regenerates config/nats

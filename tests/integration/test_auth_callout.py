@@ -20,15 +20,14 @@ import nats
 import nats.errors
 import pytest
 
-from orchestrator.authcallout import (
-    AuthCallout,
-    CalloutCredentials,
-    CredentialStore,
-    StaticUser,
+from orchestrator.authcallout import AuthCallout, CalloutCredentials, CredentialStore, StaticUser
+from orchestrator.nats_auth import (
+    User,
     auth_user_permissions,
+    hash_password,
     render_callout_authorization,
+    render_server_config,
 )
-from orchestrator.nats_auth import User, hash_password, render_server_config
 from orchestrator.natsserver import NatsServer
 from orchestrator.nkeys import KeyPair
 from tests.conftest import free_port

@@ -452,3 +452,8 @@ def test_example_configs_are_valid_for_nats_server(tmp_path: Path) -> None:
         res = subprocess.run([server_binary(), "-t", "-c", str(tmp_path / name)], capture_output=True, text=True,
                              timeout=30)
         assert res.returncode == 0 and "is valid" in res.stdout + res.stderr, (name, res.stdout + res.stderr)
+    # and with the auth callout include instead (credentials.mode = "callout"): the same server config
+    shutil.copy(src / "auth-callout.conf.example", tmp_path / "auth.conf")
+    res = subprocess.run([server_binary(), "-t", "-c", str(tmp_path / "cluster-1.conf")], capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0 and "is valid" in res.stdout + res.stderr, res.stdout + res.stderr
