@@ -44,7 +44,7 @@ import bcrypt
 import nats.js.errors
 import structlog
 
-from orchestrator.credentials import ENROL_SUBJECT_PREFIX, enrol_permissions
+from orchestrator.credentials import enrol_permissions, serve_enrol_endpoint
 from orchestrator.nats_auth import (
     AUTH_SUBJECT,
     Permissions,
@@ -289,18 +289,4 @@ class CalloutCredentials:
 
     async def serve(self, nc: Any) -> Any:
         """The enrol endpoint ``orch.enrol.*`` (the leader's)."""
-
-        async def handle(msg: Any) -> None:
-            node = msg.subject.rsplit(".", 1)[-1]
-            try:
-                reply = await self.redeem(node, msg.data.decode())
-            except EnrolmentError as e:
-                (log.error if e.reason == "reused" else log.warning)("enrolment_refused", node=node, reason=e.reason)
-                reply = {"error": e.reason}
-            except Exception as e:  # a bad node id, a KV outage: refuse, keep serving
-                log.exception("enrolment_failed", node=node, error=repr(e))
-                reply = {"error": "internal"}
-            if msg.reply:
-                await msg.respond(json.dumps(reply).encode())
-
-        return await nc.subscribe(f"{ENROL_SUBJECT_PREFIX}.*", cb=handle)
+        return await serve_enrol_endpoint(nc, self.redeem)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import anyio
@@ -150,20 +150,25 @@ class NodeCredentials:
 
     async def serve(self, nc: Any) -> Any:
         """Subscribe the enrol endpoint on ``orch.enrol.*`` (returns the subscription)."""
+        return await serve_enrol_endpoint(nc, lambda node, token: anyio.to_thread.run_sync(self.redeem, node, token))
 
-        async def handle(msg: Any) -> None:
-            node = msg.subject.rsplit(".", 1)[-1]
-            try:
-                cred = await anyio.to_thread.run_sync(self.redeem, node, msg.data.decode())
-                reply = {"user": cred["user"], "password": cred["password"]}
-            except EnrolmentError as e:
-                (log.error if e.reason == "reused" else log.warning)("enrolment_refused", node=node,
-                                                                      reason=e.reason)
-                reply = {"error": e.reason}
-            except Exception as e:  # a bad node id, a failed reload: refuse, keep serving
-                log.exception("enrolment_failed", node=node, error=repr(e))
-                reply = {"error": "internal"}
-            if msg.reply:
-                await msg.respond(json.dumps(reply).encode())
 
-        return await nc.subscribe(f"{ENROL_SUBJECT_PREFIX}.*", cb=handle)
+async def serve_enrol_endpoint(nc: Any, redeem: Callable[[str, str], Awaitable[dict[str, Any]]]) -> Any:
+    """``orch.enrol.<node>`` with the token as payload -> ``{"user", "password"}`` from ``redeem(node,
+    token)``, or ``{"error": reason}`` (EnrolmentError's reason; ``internal`` for anything else, logged)."""
+
+    async def handle(msg: Any) -> None:
+        node = msg.subject.rsplit(".", 1)[-1]
+        try:
+            cred = await redeem(node, msg.data.decode())
+            reply = {"user": cred["user"], "password": cred["password"]}
+        except EnrolmentError as e:
+            (log.error if e.reason == "reused" else log.warning)("enrolment_refused", node=node, reason=e.reason)
+            reply = {"error": e.reason}
+        except Exception as e:  # a bad node id, a failed reload or KV write: refuse, keep serving
+            log.exception("enrolment_failed", node=node, error=repr(e))
+            reply = {"error": "internal"}
+        if msg.reply:
+            await msg.respond(json.dumps(reply).encode())
+
+    return await nc.subscribe(f"{ENROL_SUBJECT_PREFIX}.*", cb=handle)
