@@ -122,7 +122,7 @@ class CredentialStore:
         key = f"enrol.{check_token(node_id)}"
         rec, rev = await self._get(key)
         if rec is None or not any(hmac.compare_digest(h, _digest(token)) for h in rec["hashes"]):
-            raise EnrolmentError("reused" if rev else "unknown", node_id)
+            raise EnrolmentError("unknown", node_id)  # (a redeemed token cannot even log in: see decide)
         if self.clock() > rec["exp"]:
             raise EnrolmentError("expired", node_id)
         try:
@@ -169,18 +169,18 @@ class AuthCallout:
         self.store = store
         self.static = {u.name: u for u in static_users}
         self.account = account
-        self._verified: dict[tuple[str, str], bool] = {}  # (user, sha256(password)) -> bcrypt result
-        self.decisions: dict[str, int] = {}
+        self._verified: set[tuple[str, str]] = set()  # (user, sha256(password)) that bcrypt accepted
 
     async def decide(self, user: str, password: str) -> tuple[Permissions | None, str]:
         """(permissions, "") for a known user with the right password, else (None, reason)."""
         if user in self.static:
             u = self.static[user]
             key = (user, _digest(password))
-            if key not in self._verified:  # bcrypt costs ~50 ms: once per password, not per connect
-                self._verified[key] = await anyio.to_thread.run_sync(
-                    bcrypt.checkpw, password.encode(), u.password_hash.encode())
-            return (ROLES[u.role](), "") if self._verified[key] else (None, "bad_password")
+            if key not in self._verified:  # bcrypt costs ~50 ms: once per good password, not per login
+                if not await anyio.to_thread.run_sync(bcrypt.checkpw, password.encode(), u.password_hash.encode()):
+                    return None, "bad_password"
+                self._verified.add(key)
+            return ROLES[u.role](), ""
         try:
             if user.startswith("enrol-"):
                 node = user.removeprefix("enrol-")
@@ -213,22 +213,16 @@ class AuthCallout:
             user, password = str(opts.get("user") or ""), str(opts.get("pass") or "")
         except (NkeyError, KeyError, TypeError, UnicodeDecodeError) as e:
             log.warning("auth_request_rejected", error=str(e)[:200])
-            self._count("invalid_request")
             return None
         perms, reason = await self.decide(user, password)
         body: dict[str, Any] = {"type": "authorization_response", "version": 2}
         if perms is None:
             body["error"] = "not authorized"
             log.warning("auth_denied", user=user[:80], reason=reason)
-            self._count(reason)
         else:
             body["jwt"] = self.user_jwt(user, user_nkey, perms)
             log.debug("auth_granted", user=user)
-            self._count("granted")
         return encode_jwt({"sub": user_nkey, "aud": server_id, "nats": body}, self.issuer).encode()
-
-    def _count(self, outcome: str) -> None:
-        self.decisions[outcome] = self.decisions.get(outcome, 0) + 1
 
     async def serve(self, nc: Any) -> Any:
         """Answer ``$SYS.REQ.USER.AUTH`` on ``nc`` (the auth user's connection), in the queue group."""
