@@ -120,3 +120,28 @@ async def wait_for(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> 
             if v:
                 return v
             await anyio.sleep(interval)
+
+
+async def start_enrolling_agent(tg: Any, d: Any, inst: Any, token: str, url: str, work_dir: Path) -> tuple[anyio.CancelScope, dict]:
+    """A real orch-agent for ``inst`` that enrols with ``token`` (per-node credentials), started in
+    ``tg``; returns once orchd has its heartbeats: (the agent's cancel scope, its stored credential)."""
+    import json
+
+    from agent.config import AgentConfig
+    from agent.main import Agent
+
+    agent = Agent(AgentConfig(node_id=inst.node_id, nats_urls=(url,), enrol_token=token, instance_id=inst.instance_id,
+                              pool=inst.pool, work_dir=str(work_dir), heartbeat_s=0.2, metadata="none"))
+    scope = anyio.CancelScope()
+
+    async def run_agent() -> None:
+        with scope:
+            try:
+                await agent.run()
+            except ConnectionResetError:  # its credential revoked under it
+                pass
+
+    tg.start_soon(run_agent)
+    await wait_for(lambda: d.state.nodes.get(inst.node_id) is not None and d.state.nodes[inst.node_id].last_seen > 0,
+                   timeout=15)
+    return scope, json.loads((work_dir / "nats-credential.json").read_text())

@@ -153,8 +153,6 @@ async def test_orchd_in_callout_mode_enrols_a_real_agent_and_revokes_when_gone(t
     """The daemon wiring (``[credentials] mode = "callout"``): orchd answers the callout for its own
     logins, a launch carries an enrolment token, the real agent enrols and heartbeats with its own
     credential, the node dies -> NodeGone -> a new login with that credential is refused."""
-    from agent.config import AgentConfig
-    from agent.main import Agent
     from orchestrator import events as ev
     from orchestrator.client import AdminClient
     from orchestrator.daemon import run_daemon
@@ -197,22 +195,7 @@ async def test_orchd_in_callout_mode_enrols_a_real_agent_and_revokes_when_gone(t
             (inst,) = await h.wait_for(lambda: cloud.all_instances())
             token = cloud.requests[0].bootstrap.node_credentials[inst.node_id]
 
-            agent = Agent(AgentConfig(node_id=inst.node_id, nats_urls=(url,), enrol_token=token,
-                                      instance_id=inst.instance_id, pool=inst.pool, work_dir=str(tmp_path / "agent"),
-                                      heartbeat_s=0.2, metadata="none"))
-            agent_scope = anyio.CancelScope()
-
-            async def run_agent() -> None:
-                with agent_scope:
-                    try:
-                        await agent.run()
-                    except ConnectionResetError:
-                        pass
-
-            tg.start_soon(run_agent)
-            await h.wait_for(lambda: d.state.nodes.get(inst.node_id) is not None
-                             and d.state.nodes[inst.node_id].last_seen > 0, timeout=15)
-            stored = json.loads((tmp_path / "agent" / "nats-credential.json").read_text())
+            agent_scope, stored = await h.start_enrolling_agent(tg, d, inst, token, url, tmp_path / "agent")
             assert stored["user"] == f"node-{inst.node_id}"
 
             agent_scope.cancel()

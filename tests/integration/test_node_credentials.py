@@ -283,23 +283,8 @@ async def test_orchd_with_credentials_enabled_enrols_a_real_agent_and_revokes_wh
             token = cloud.requests[0].bootstrap.node_credentials[inst.node_id]
             assert node_user(inst.node_id) not in (tmp_path / "auth.conf").read_text()
 
-            agent = Agent(AgentConfig(node_id=inst.node_id, nats_urls=(url,), enrol_token=token,
-                                      instance_id=inst.instance_id, pool=inst.pool, work_dir=str(tmp_path / "agent"),
-                                      heartbeat_s=0.2, metadata="none"))
-            agent_scope = anyio.CancelScope()
-
-            async def run_agent() -> None:
-                with agent_scope:
-                    try:
-                        await agent.run()
-                    except ConnectionResetError:
-                        pass
-
-            tg.start_soon(run_agent)
-            await h.wait_for(lambda: d.state.nodes.get(inst.node_id) is not None
-                             and d.state.nodes[inst.node_id].last_seen > 0, timeout=15)
+            agent_scope, stored = await h.start_enrolling_agent(tg, d, inst, token, url, tmp_path / "agent")
             assert node_user(inst.node_id) in (tmp_path / "auth.conf").read_text()
-            stored = json.loads((tmp_path / "agent" / "nats-credential.json").read_text())
 
             # the node dies: its agent stops, the cloud reclaims the instance
             agent_scope.cancel()
