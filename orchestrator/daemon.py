@@ -266,9 +266,14 @@ async def _start_auth_callout(d: Daemon, settings: Settings, urls: tuple[str, ..
     auth = dataclasses.replace(settings.nats, user=c.auth_user, password=password, token="", creds_file="",
                                nkey_seed_file="")
     authc = await bus.connect(auth, urls, name="orchd-auth")
-    store = await _retrying(d, "credentials_bucket",
-                            lambda: CredentialStore.open(authc.jetstream(timeout=5.0), settings.nats.stream_replicas))
-    await AuthCallout(issuer, store, static).serve(authc)
+    try:
+        store = await _retrying(d, "credentials_bucket", lambda: CredentialStore.open(
+            authc.jetstream(timeout=5.0), settings.nats.stream_replicas))
+        await AuthCallout(issuer, store, static).serve(authc)
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await _quietly(authc.close())
+        raise
     log.info("auth_callout_serving", issuer=issuer.public_key, auth_user=c.auth_user, static_users=len(static))
     return authc, CalloutCredentials(store, enrol_ttl_s=c.enrol_ttl_s)
 

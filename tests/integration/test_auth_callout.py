@@ -207,3 +207,21 @@ async def test_orchd_in_callout_mode_enrols_a_real_agent_and_revokes_when_gone(t
         await observer.close()
     finally:
         server.cleanup()
+
+
+async def test_orchd_in_callout_mode_lists_every_bad_credential_file_at_start(tmp_path) -> None:
+    from orchestrator.daemon import StartupError, run_daemon
+    from orchestrator.settings import load_settings
+    from tests.integration import helpers as h
+
+    (tmp_path / "user.seed").write_text(KeyPair.create("user").seed)  # a seed, but not an account's
+    settings = load_settings(h.write_config(tmp_path, "nats://127.0.0.1:1"), env={
+        "ORCH_CREDENTIALS__ENABLED": "true", "ORCH_CREDENTIALS__MODE": "callout",
+        "ORCH_CREDENTIALS__ISSUER_SEED_FILE": str(tmp_path / "user.seed"),
+        "ORCH_CREDENTIALS__AUTH_PASSWORD_FILE": str(tmp_path / "missing.pw"),
+        "ORCH_CREDENTIALS__STATIC_USERS_FILE": str(tmp_path / "missing.json")})
+    with pytest.raises(StartupError) as err:
+        await run_daemon(settings, {}, feeds=False)
+    text = str(err.value)
+    assert "a user seed, an account seed (SA...) is needed" in text
+    assert "credentials.auth_password_file" in text and "credentials.static_users_file" in text
