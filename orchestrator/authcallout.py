@@ -110,21 +110,25 @@ class CredentialStore:
             except nats.js.errors.KeyWrongLastSequenceError:
                 continue  # raced with another writer: read again
 
-    async def check_enrolment(self, node_id: str, token: str) -> str | None:
-        """None if the token is valid now, else the refusal reason (unknown | expired)."""
-        rec, _ = await self._get(f"enrol.{check_token(node_id)}")
+    def _refusal(self, rec: dict | None, token: str) -> str | None:
+        """Why an enrolment record does not accept ``token`` now (unknown | expired), or None."""
         if rec is None or not any(hmac.compare_digest(h, _digest(token)) for h in rec["hashes"]):
             return "unknown"
         return "expired" if self.clock() > rec["exp"] else None
 
+    async def check_enrolment(self, node_id: str, token: str) -> str | None:
+        """None if the token is valid now, else the refusal reason (unknown | expired)."""
+        rec, _ = await self._get(f"enrol.{check_token(node_id)}")
+        return self._refusal(rec, token)
+
     async def redeem(self, node_id: str, token: str) -> str:
-        """The node's new password, once: the enrolment record is deleted (compare-and-set) first."""
+        """The node's new password, once: the enrolment record is deleted (compare-and-set) first.
+        (A redeemed token is "unknown": it cannot even log in again, see ``AuthCallout.decide``.)"""
         key = f"enrol.{check_token(node_id)}"
         rec, rev = await self._get(key)
-        if rec is None or not any(hmac.compare_digest(h, _digest(token)) for h in rec["hashes"]):
-            raise EnrolmentError("unknown", node_id)  # (a redeemed token cannot even log in: see decide)
-        if self.clock() > rec["exp"]:
-            raise EnrolmentError("expired", node_id)
+        reason = self._refusal(rec, token)
+        if reason is not None:
+            raise EnrolmentError(reason, node_id)
         try:
             await self.kv.delete(key, last=rev)
         except nats.js.errors.KeyWrongLastSequenceError:
