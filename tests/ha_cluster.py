@@ -24,8 +24,9 @@ JS_NOT_READY = (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError
 
 
 @contextmanager
-def nats_cluster(tmp_path: Path, n: int = 3) -> Iterator[list[NatsServer]]:
-    """n nats-servers (nats-1..nats-n) clustered on loopback; stopped and removed on exit."""
+def nats_cluster(tmp_path: Path, n: int = 3, auth_include: str | None = None) -> Iterator[list[NatsServer]]:
+    """n nats-servers (nats-1..nats-n) clustered on loopback; stopped and removed on exit.
+    ``auth_include``: an authorization file in ``tmp_path`` every server includes (None: no auth)."""
     cports = [free_port() for _ in range(n)]
     routes = [f"nats-route://127.0.0.1:{p}" for p in cports]
     servers = []
@@ -33,7 +34,7 @@ def nats_cluster(tmp_path: Path, n: int = 3) -> Iterator[list[NatsServer]]:
         for i, cport in enumerate(cports, start=1):
             conf = tmp_path / f"cluster-{i}.conf"
             conf.write_text(render_server_config(
-                auth_include=None, host="127.0.0.1", port=-1, store_dir=None, http_port=None,
+                auth_include=auth_include, host="127.0.0.1", port=-1, store_dir=None, http_port=None,
                 server_name=f"nats-{i}", cluster={"name": "orch", "host": "127.0.0.1", "port": cport,
                                                   "routes": routes}))
             servers.append(NatsServer(tmp_path / f"s{i}", config_file=str(conf), name=f"nats-{i}"))

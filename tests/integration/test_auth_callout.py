@@ -30,8 +30,7 @@ from orchestrator.nats_auth import (
 )
 from orchestrator.natsserver import NatsServer
 from orchestrator.nkeys import KeyPair
-from tests.conftest import free_port
-from tests.ha_cluster import JS_NOT_READY
+from tests.ha_cluster import JS_NOT_READY, nats_cluster
 
 pytestmark = pytest.mark.anyio
 
@@ -46,23 +45,8 @@ def callout_cluster(tmp_path):
     auth_conf.write_text(render_callout_authorization(
         issuer.public_key, [User(name="orchd-auth", password_hash=hash_password(AUTH_PW),
                                  permissions=auth_user_permissions())]))
-    cports = [free_port() for _ in range(3)]
-    routes = [f"nats-route://127.0.0.1:{p}" for p in cports]
-    servers = []
-    try:
-        for i, cport in enumerate(cports, start=1):
-            conf = tmp_path / f"s{i}.conf"
-            conf.write_text(render_server_config(
-                auth_include="auth.conf", host="127.0.0.1", port=-1, store_dir=None, http_port=None,
-                server_name=f"nats-{i}", cluster={"name": "orch", "host": "127.0.0.1", "port": cport,
-                                                  "routes": routes}))
-            servers.append(NatsServer(tmp_path / f"n{i}", config_file=str(conf), name=f"nats-{i}"))
-        for s in servers:
-            s.start()
+    with nats_cluster(tmp_path, auth_include="auth.conf") as servers:
         yield issuer, servers
-    finally:
-        for s in servers:
-            s.cleanup()
 
 
 async def _connect(url: str, user: str, password: str, **kw):
