@@ -17,10 +17,6 @@ import nats
 from agent.main import AgentConfig
 from orchestrator.events import (
     CheckpointCommitted,
-    GenerationStarted,
-    NodeLeaving,
-    NodeRegistered,
-    PreemptionNotice,
     RanksExited,
 )
 from orchestrator.natsserver import NatsServer

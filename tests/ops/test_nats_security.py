@@ -13,7 +13,6 @@ import datetime as dt
 import io
 import ipaddress
 import json
-import os
 import stat
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from orchestrator.nats_auth import (
     NodeCredentialIssuer, TlsFiles, User, agent_permissions, connect_options, hash_password, node_user,
     orchctl_permissions, orchd_permissions, render_server_config, signal_reload,
 )
-from orchestrator.natsserver import NatsServer, NatsServerError
+from orchestrator.natsserver import NatsServer
 from orchestrator.settings import NatsSettings
 from tests.conftest import IN_CI
 
