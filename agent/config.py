@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from agent.watchers import DEFAULT_ENDPOINT
-from orchestrator.events import PoolKey
+from wire import PoolKey
 
 ENV_PREFIX = "ORCH_AGENT_"
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import psutil
 
-from orchestrator.events import GpuStats
+from wire import GpuStats
 
 
 class SystemSampler:

@@ -22,7 +22,7 @@ import anyio
 import structlog
 from nats.aio.client import Client as NATS
 
-from orchestrator.events import JobId, LogLine, NodeId, encode, subject_logs
+from wire import JobId, LogLine, NodeId, encode, subject_logs
 
 log = structlog.get_logger("agent.logship")
 

@@ -47,8 +47,8 @@ from agent.outbox import Outbox
 from agent.ranks import RankGroup, resume_step
 from agent.warm import WarmPool
 from agent.watchers import AzureWatcher, Notice, make_watcher
-from orchestrator import sdnotify
-from orchestrator.events import (
+from wire import sdnotify
+from wire import (
     AbandonGenerationCmd,
     AgentCommand,
     AgentState,
@@ -548,7 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"orch-agent: {e}", file=sys.stderr)
         return 2
-    from orchestrator.logs import configure
+    from wire.logs import configure
 
     configure(cfg.log_level)
     structlog.contextvars.bind_contextvars(node_id=cfg.node_id)  # one agent per process: safe here

@@ -35,7 +35,7 @@ import anyio.abc
 import structlog
 
 from agent.warm import WarmPool, module_of
-from orchestrator.events import StartGenerationCmd
+from wire import StartGenerationCmd
 from trainer import contract
 
 log = structlog.get_logger("agent.ranks")

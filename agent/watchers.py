@@ -31,7 +31,7 @@ import anyio
 import structlog
 
 from agent.http import HttpError, request
-from orchestrator.events import NoticeKind
+from wire import NoticeKind
 
 log = structlog.get_logger("agent.watchers")
 

@@ -43,11 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import nats  # noqa: E402
 
-from orchestrator import events as ev  # noqa: E402
-from orchestrator.client import AdminClient  # noqa: E402
+import wire as ev  # noqa: E402
+from orchestrator.cli.client import AdminClient  # noqa: E402
 from orchestrator.jobspec import parse_jobspec  # noqa: E402
 from orchestrator.natsserver import NatsServer  # noqa: E402
-from orchestrator.registry import read_fake_file  # noqa: E402
+from simulations.fakecloud import read_fake_file  # noqa: E402
 
 POOLS = [ev.PoolKey(cloud="fake", region="r1", zone=z, instance_type=t, market=m)
          for z in ("r1a", "r1b") for t in ("gpu.a", "gpu.b") for m in (ev.Market.SPOT, ev.Market.ON_DEMAND)]

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.core import State, decide  # noqa: E402
 from orchestrator.core.commands import Launch  # noqa: E402
 from orchestrator.core.inputs import JobSubmitted, NodeLaunched, Tick  # noqa: E402
-from orchestrator.events import (  # noqa: E402
+from wire import (  # noqa: E402
     AgentState,
     CheckpointPolicy,
     GenerationStarted,

@@ -10,7 +10,7 @@ Objects (all created idempotently; a changed config is applied with ``update_str
     stream ORCH_AUDIT     orch.audit.>    decision audit (append-only, limited by age/bytes)
     KV ORCH_STATE         the core's records: job.<id>, node.<id>, pool.<name>, meta
     KV ORCH_OUTBOX        commands decided and persisted but not yet completed
-    KV orch_lease         the leader lease (orchestrator.lease); its revision is the fencing token
+    KV orch_lease         the leader lease (orchestrator.daemon.lease); its revision is the fencing token
 
 Both ingestion streams de-duplicate on ``Nats-Msg-Id`` inside ``DUPLICATE_WINDOW_S``.
 

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 import yaml
 
-from orchestrator.events import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrainerSpec
+from wire import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrainerSpec
 
 KNOWN_CLOUDS = ("aws", "gcp", "azure", "local", "fake")
 CHECKPOINT_SCHEMES = ("file://", "s3://", "gs://", "az://", "abfs://")

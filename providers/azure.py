@@ -34,8 +34,8 @@ from typing import Any
 
 import structlog
 
-from orchestrator.events import InstanceId, Market, NodeId, PoolKey
-from orchestrator.settings import load_checked
+from wire import InstanceId, Market, NodeId, PoolKey
+from wire.config import load_checked
 from providers import catalog
 from providers.base import (
     TAG_CLUSTER,

@@ -19,7 +19,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
-from orchestrator.events import FailureReason, InstanceId, NodeId, PoolKey
+from wire import FailureReason, InstanceId, NodeId, PoolKey
 
 # Tag keys every provider puts on the instances it creates (labels on GCP: lowercase, no dots).
 TAG_CLUSTER = "orch-cluster"  # the deployment's cluster id: the reaper only ever touches these

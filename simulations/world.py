@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from orchestrator.core import CoreConfig, JobPhase, State, decide
 from orchestrator.core.commands import CheckInstance, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import JobSubmitted, LaunchFailed, NodeGone, NodeLaunched, Tick
-from orchestrator.events import (
+from wire import (
     AbandonGenerationCmd,
     AgentState,
     CheckpointCmd,

@@ -15,7 +15,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import StreamConfig
 
-from orchestrator.nats_auth import render_server_config
+from orchestrator.security.nats_auth import render_server_config
 from orchestrator.natsserver import NatsServer
 from tests.conftest import free_port
 

@@ -11,7 +11,7 @@ from typing import Union
 
 import msgspec
 
-from orchestrator.events import AgentCommand, InstanceId, JobId, NodeId, PoolKey
+from wire.messages import AgentCommand, InstanceId, JobId, NodeId, PoolKey
 
 
 class _Cmd(msgspec.Struct, frozen=True, kw_only=True, tag_field="type"):

@@ -49,7 +49,7 @@ from orchestrator.core.model import (
     fin,
 )
 from orchestrator.core.tx import Tx
-from orchestrator.events import (
+from wire.messages import (
     AgentState,
     CheckpointCommitted,
     CommandAck,

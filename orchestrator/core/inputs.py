@@ -8,7 +8,7 @@ from typing import Union
 
 import msgspec
 
-from orchestrator.events import (
+from wire.messages import (
     CheckpointCommitted,
     CommandAck,
     FailureReason,

@@ -38,7 +38,7 @@ from orchestrator.core.model import (
 from orchestrator.core.placement import alternatives, markets_for, ranked, zone_of
 from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds, transfer_cost_usd
 from orchestrator.core.tx import Tx
-from orchestrator.events import AbandonGenerationCmd, CheckpointCmd, StartGenerationCmd
+from wire.messages import AbandonGenerationCmd, CheckpointCmd, StartGenerationCmd
 
 J = JobPhase
 N = NodePhase

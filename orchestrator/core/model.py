@@ -16,7 +16,7 @@ from typing import Any, Final
 import immutables
 import msgspec
 
-from orchestrator.events import JobSpec, PoolKey
+from wire.messages import JobSpec, PoolKey
 
 # Characters allowed in ids we mint (node ids are NATS subject tokens and KV key parts).
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")

@@ -15,7 +15,7 @@ from orchestrator.core.inputs import AgentDisconnected, CommandFailed, NodeDrain
 from orchestrator.core.model import GEN_PHASES, TERMINAL_JOB_PHASES, Intent, JobPhase, NodePhase, fin
 from orchestrator.core.pricing import record_exposure
 from orchestrator.core.tx import Tx
-from orchestrator.events import Market, NodeLeaving, NoticeKind, PreemptionNotice
+from wire.messages import Market, NodeLeaving, NoticeKind, PreemptionNotice
 
 J = JobPhase
 N = NodePhase

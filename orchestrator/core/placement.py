@@ -21,7 +21,7 @@ import immutables
 
 from orchestrator.core.model import CoreConfig, Job, PoolStats
 from orchestrator.core.pricing import expected_cost_usd
-from orchestrator.events import Market, MarketPolicy, PoolKey
+from wire.messages import Market, MarketPolicy, PoolKey
 
 Alternative = tuple[str, float, float]  # (pool name, price_usd_h, expected_cost_usd)
 

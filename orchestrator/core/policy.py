@@ -36,7 +36,7 @@ from orchestrator.core.pricing import (
     save_seconds,
 )
 from orchestrator.core.tx import Tx
-from orchestrator.events import AbandonGenerationCmd, Market, MarketPolicy, PriceTick
+from wire.messages import AbandonGenerationCmd, Market, MarketPolicy, PriceTick
 
 J = JobPhase
 N = NodePhase

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 from orchestrator.core.model import CoreConfig, Job, PoolStats
-from orchestrator.events import Market
+from wire.messages import Market
 
 
 def decay(value: float, since_ts: float, now: float, half_life_s: float) -> float:

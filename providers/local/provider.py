@@ -38,7 +38,8 @@ import msgspec
 import psutil
 import structlog
 
-from orchestrator.events import FailureReason, InstanceId, Market, NodeId, PoolKey
+from wire import FailureReason, InstanceId, Market, NodeId, PoolKey
+from wire.config import load_checked
 from providers.base import (
     TAG_CLUSTER,
     CapacityError,
@@ -355,10 +356,5 @@ def kill_tree(pid: int) -> None:
 
 
 def from_settings(table: Mapping[str, Any]) -> LocalProvider:
-    """``[providers.local]`` of orchd's settings -> LocalProvider (unknown keys are an error)."""
-    from orchestrator.settings import load_dataclass
-
-    cfg, problems = load_dataclass(LocalConfig, dict(table), "providers.local")
-    if problems or cfg is None:
-        raise ValueError("; ".join(problems))
-    return LocalProvider(cfg)
+    """``[providers.local]`` of orchd's settings -> LocalProvider; one SettingsError with every problem."""
+    return LocalProvider(load_checked(LocalConfig, dict(table), "providers.local"))

@@ -3,7 +3,7 @@ and a fuzzer of malformed / hostile messages on every subject and the admin serv
 
 Everything is real except the GPU hosts: a real ``nats-server`` (``orchestrator.natsserver``), orchd as a
 real subprocess (``python -m orchestrator.daemon``), the file-backed fake cloud of
-``orchestrator.registry.FileFakeCloud`` (so launches survive orchd's death and are counted on the cloud
+``simulations.fakecloud.FileFakeCloud`` (so launches survive orchd's death and are counted on the cloud
 side, from the file), and simulated agents (``agents.SimFleet``: NATS clients that register, ack
 commands, heartbeat, train at a fixed step rate and report checkpoint commits) instead of orch-agent with
 trainer processes, to keep a drill in seconds.

@@ -30,8 +30,8 @@ from typing import Any
 
 import anyio
 
-from orchestrator import events as ev
-from orchestrator.registry import read_fake_file
+import wire as ev
+from simulations.fakecloud import read_fake_file
 from trainer import contract
 
 GARBAGE_REPLIES = (b"", b"{", b"null", b'{"type":"command_ack","v":9,"cmd_id":"x","node_id":"n","ok":true,"ts":1}',

@@ -8,8 +8,8 @@ from typing import Any
 import anyio
 import nats
 
-from orchestrator import events as ev
-from orchestrator.client import AdminClient, AdminUnreachable
+import wire as ev
+from orchestrator.cli.client import AdminClient, AdminUnreachable
 from simulations.chaos.harness import PRICES, price_tick
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from orchestrator import events as ev
+import wire as ev
 from orchestrator.natsserver import NatsServer
 from simulations.chaos import common
 from simulations.chaos.agents import SimFleet

@@ -1,7 +1,7 @@
 """Real parts of the drills: a nats-server, orchd as a subprocess, its metrics, the fake cloud's file.
 
 Role: start/kill/restart orchd exactly as an operator's process manager would (``python -m
-orchestrator.daemon --config FILE``; readiness = the discovery file ``<state>/orchd.json`` written by
+orchestrator.daemon.run --config FILE``; readiness = the discovery file ``<state>/orchd.json`` written by
 *this* pid), scrape ``orchd_messages_rejected_total`` from its /metrics, and count launches on the cloud
 side from the ``FileFakeCloud`` state file (never from orchd's state).
 
@@ -22,8 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from orchestrator import events as ev
-from orchestrator.registry import read_fake_file
+import wire as ev
+from simulations.fakecloud import read_fake_file
 from providers.base import Instance
 
 ROOT = Path(__file__).resolve().parents[2]

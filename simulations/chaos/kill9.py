@@ -27,9 +27,9 @@ from typing import Any
 
 import anyio
 
-from orchestrator import events as ev
+import wire as ev
 from orchestrator.natsserver import NatsServer
-from orchestrator.registry import FileFakeCloud
+from simulations.fakecloud import FileFakeCloud
 from providers.reaper import Reaper
 from simulations.chaos import common
 from simulations.chaos.agents import SimFleet

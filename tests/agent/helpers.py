@@ -13,7 +13,7 @@ import nats
 from nats.js.api import StreamConfig
 
 from agent.main import Agent, AgentConfig
-from orchestrator.events import (
+from wire import (
     CommandAck,
     NodeId,
     StartGenerationCmd,

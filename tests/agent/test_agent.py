@@ -11,7 +11,7 @@ import nats
 import pytest
 
 from agent.main import AgentConfig
-from orchestrator.events import (
+from wire import (
     AbandonGenerationCmd,
     CheckpointCmd,
     CheckpointCommitted,
@@ -178,7 +178,7 @@ def test_new_generation_resumes_and_abandon_kills(nats_url: str, tmp_path) -> No
 
 
 def test_rank_logs_are_shipped_and_read_back(nats_url: str, tmp_path) -> None:
-    from orchestrator.logs_cmd import read_logs
+    from orchestrator.cli.logs import read_logs
 
     async def go() -> None:
         nc = await nats.connect(nats_url)

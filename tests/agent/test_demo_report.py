@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.demo_report import Injection, Rec, compute_report, load_step_logs, loss_by_step, sample_order_exact
+from orchestrator.cli.demo_report import Injection, Rec, compute_report, load_step_logs, loss_by_step, sample_order_exact
 
 
 def _gen(g: int, steps: range, ws: int, t0: float, dt: float = 1.0) -> list[Rec]:
@@ -50,7 +50,7 @@ def test_load_step_logs_tags_nodes_and_skips_torn_lines(tmp_path) -> None:
 def test_demo_display_and_text_report_render() -> None:
     from rich.console import Console
 
-    from orchestrator.demo import DemoOptions, _View, format_report, render
+    from orchestrator.cli.demo import DemoOptions, _View, format_report, render
 
     view = _View(DemoOptions())
     console = Console(record=True, width=120)

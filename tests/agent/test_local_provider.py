@@ -8,7 +8,7 @@ import time
 import anyio
 import nats
 
-from orchestrator.events import Market, NodeId, NodeRegistered, PreemptionNotice
+from wire import Market, NodeId, NodeRegistered, PreemptionNotice
 from providers.base import InstanceState, LaunchRequest, NodeBootstrap
 from providers.local import LocalConfig, LocalProvider
 from providers.local.prices import BUNDLED_HISTORY, ReplayPrices, load_history

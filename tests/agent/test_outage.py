@@ -15,7 +15,7 @@ import anyio
 import nats
 
 from agent.main import AgentConfig
-from orchestrator.events import (
+from wire import (
     CheckpointCommitted,
     RanksExited,
 )

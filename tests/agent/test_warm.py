@@ -13,7 +13,7 @@ import msgspec
 
 from agent.ranks import RankGroup
 from agent.warm import WarmPool, module_of
-from orchestrator.events import TrainerSpec
+from wire import TrainerSpec
 from tests.agent.helpers import start_cmd
 from trainer import contract
 

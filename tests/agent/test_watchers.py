@@ -10,7 +10,7 @@ import anyio
 import pytest
 
 from agent.watchers import AwsWatcher, AzureWatcher, GcpWatcher, Notice, make_watcher
-from orchestrator.events import NoticeKind
+from wire import NoticeKind
 from providers.local.metadata import MetadataServer
 
 

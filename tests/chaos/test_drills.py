@@ -9,9 +9,10 @@ import random
 import anyio
 import pytest
 
-from orchestrator import bus, events as ev
-from orchestrator.daemon import _EXPECTED, _HB_DECODER, _JS_TYPES
-from orchestrator.ingest import screen, screen_heartbeat
+import wire as ev
+from orchestrator import bus
+from orchestrator.daemon.loop import _EXPECTED, _HB_DECODER, _JS_TYPES
+from orchestrator.daemon.ingest import screen, screen_heartbeat
 from simulations.chaos.__main__ import passed, run_all
 from simulations.chaos.fuzz import Generator
 

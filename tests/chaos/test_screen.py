@@ -1,4 +1,4 @@
-"""Unit tests of ``orchestrator.ingest.screen``: the checks the chaos fuzzer found missing (a node
+"""Unit tests of ``orchestrator.daemon.ingest.screen``: the checks the chaos fuzzer found missing (a node
 publishing another node's events, negative prices) - pure, no I/O."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from orchestrator import events as ev
-from orchestrator.ingest import screen, screen_heartbeat
+import wire as ev
+from orchestrator.daemon.ingest import screen, screen_heartbeat
 
 POOL = ev.PoolKey(cloud="fake", region="r1", zone="r1a", instance_type="gpu.small", market=ev.Market.SPOT)
 R = msgspec.structs.replace

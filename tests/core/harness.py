@@ -7,7 +7,7 @@ from typing import Any
 from orchestrator.core import Decision, State, decide, state_from_records, state_to_records
 from orchestrator.core.commands import CheckInstance, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import NodeLaunched, NodeRegistered
-from orchestrator.events import (
+from wire import (
     CheckpointCmd,
     CheckpointCommitted,
     CheckpointPolicy,

@@ -15,7 +15,7 @@ import msgspec
 from orchestrator.core import State, decide, state_to_records
 from orchestrator.core.inputs import JobSubmitted, Tick, NodeLaunched, NodeGone, LaunchFailed
 from orchestrator.core.commands import Launch
-from orchestrator.events import FailureReason
+from wire import FailureReason
 from tests.core.harness import pool, price, spec
 
 s, now, out = State.empty(), 1000.0, []

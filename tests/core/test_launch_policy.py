@@ -10,7 +10,7 @@ from orchestrator.core import CoreConfig, JobPhase, State
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobSubmitted, Tick
 from orchestrator.core.placement import ahead_of_line, launch_markets_for, line_step, ranked
-from orchestrator.events import Market, MarketPolicy, PreemptionNotice
+from wire import Market, MarketPolicy, PreemptionNotice
 from tests.core.harness import (
     AgentState,
     CheckpointCommitted,

@@ -10,7 +10,7 @@ import pytest
 from orchestrator.core import JobPhase, NodePhase, State, decide, job_cost_usd
 from orchestrator.core.commands import Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import JobSubmitted, LaunchFailed, NodeGone, NodeLaunched, Tick
-from orchestrator.events import (
+from wire import (
     AbandonGenerationCmd,
     AgentState,
     FailureReason,

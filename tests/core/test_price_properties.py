@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from orchestrator.core import JobPhase
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobSubmitted, Tick
-from orchestrator.events import CheckpointCommitted, Market, RanksExited
+from wire import CheckpointCommitted, Market, RanksExited
 from tests.core.harness import Driver, cmds, pool, price, spec
 
 A = pool("p4d.24xlarge", "us-east-1a")
@@ -22,7 +22,7 @@ def test_pause_resume_hysteresis_never_flaps(ratios: list[float]) -> None:
     drv(price(A, 0.5 * OD, od=OD))
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_max=1, nodes_min=1, total_steps=10**6)))
     drv.register(drv.launched(d))
-    from orchestrator.events import GenerationStarted as GS
+    from wire import GenerationStarted as GS
 
     drv(GS(id="g0", node_id=drv.job().gen_nodes[0], job_id="j1", generation=1, first_step=1, ts=drv.now))
     assert drv.job().phase == JobPhase.RUNNING
@@ -49,7 +49,7 @@ def test_pause_resume_hysteresis_never_flaps(ratios: list[float]) -> None:
                     drv(RanksExited(id=f"x{job.generation}", node_id=n, job_id="j1", generation=job.generation,
                                     exit_code=75, reason="emergency_checkpoint", last_step=1, ts=drv.now))
             if job.phase == JobPhase.STARTING:
-                from orchestrator.events import GenerationStarted
+                from wire import GenerationStarted
 
                 drv(GenerationStarted(id="g", node_id=job.gen_nodes[0], job_id="j1", generation=job.generation,
                                       first_step=1, ts=drv.now))

@@ -16,7 +16,7 @@ from orchestrator.core.pricing import (
     transfer_cost_usd,
     young_daly_s,
 )
-from orchestrator.events import CheckpointPolicy, Market
+from wire import CheckpointPolicy, Market
 from tests.core.harness import pool, spec
 
 CFG = CoreConfig()

@@ -35,7 +35,7 @@ from orchestrator.core.lifecycle import burn_usd_h, cost_now
 from orchestrator.core.placement import zone_of
 from orchestrator.core.records import all_keys
 from orchestrator.core.tx import Tx
-from orchestrator.events import (
+from wire import (
     AgentState,
     CheckpointCommitted,
     FailureReason,

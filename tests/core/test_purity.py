@@ -1,5 +1,5 @@
 """The decision core stays pure: the import-linter contract holds, and the core imports nothing but
-msgspec, immutables, math, typing-level stdlib and orchestrator.events / orchestrator.core.*."""
+msgspec, immutables, math, typing-level stdlib and wire / orchestrator.core.*."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "orchestrator" / "core"
 ALLOWED = {
     "__future__", "msgspec", "immutables", "math", "dataclasses", "enum", "typing", "collections.abc",
-    "orchestrator.events",
+    "wire",
 }
 CONTRACT = "The decision core is pure"
 

@@ -10,7 +10,7 @@ from orchestrator.core import CoreConfig, State
 from orchestrator.core import policy as core_policy
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobSubmitted, Tick
-from orchestrator.events import MarketPolicy
+from wire import MarketPolicy
 from tests.core.harness import Driver, GenerationStarted, cmds, pool, price, spec
 
 A = pool("p4d.24xlarge", "us-east-1a")

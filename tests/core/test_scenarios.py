@@ -19,7 +19,7 @@ from orchestrator.core.inputs import (
     NodeLaunched,
     Tick,
 )
-from orchestrator.events import (
+from wire import (
     AbandonGenerationCmd,
     CheckpointCmd,
     FailureReason,
@@ -416,7 +416,7 @@ def test_registration_before_node_launched() -> None:
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_max=1)))
     (la,) = cmds(d, Launch)
     nid = la.node_ids[0]
-    from orchestrator.events import NodeRegistered
+    from wire import NodeRegistered
 
     d = drv(NodeRegistered(id="r", node_id=nid, instance_id="i-1", host="h1", ts=drv.now))
     (start,) = cmds(d, StartGenerationCmd)

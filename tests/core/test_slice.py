@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from orchestrator.core import JobPhase, NodePhase
 from orchestrator.core.inputs import JobSubmitted, LeaseChanged
-from orchestrator.events import PreemptionNotice
+from wire import PreemptionNotice
 
 from tests.core.harness import (
     AgentState, CheckpointCmd, CheckpointCommitted, Driver, GenerationStarted, Heartbeat, Launch, RanksExited,

@@ -9,7 +9,7 @@ import pytest
 from orchestrator.core import JobPhase, NodePhase
 from orchestrator.core.commands import Launch, Terminate
 from orchestrator.core.inputs import AgentDisconnected, JobSubmitted, NodeDrainRequested, NodeGone, Tick
-from orchestrator.events import CheckpointCmd, NodeLeaving, PreemptionNotice, StartGenerationCmd
+from wire import CheckpointCmd, NodeLeaving, PreemptionNotice, StartGenerationCmd
 from tests.core.harness import Driver, GenerationStarted, RanksExited, cmds, pool, price, spec
 
 A = pool("p4d.24xlarge", "us-east-1a")

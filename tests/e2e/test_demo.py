@@ -24,8 +24,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from orchestrator.demo import DemoOptions, run_demo
-from orchestrator.demo_report import load_step_logs, loss_by_step
+from orchestrator.cli.demo import DemoOptions, run_demo
+from orchestrator.cli.demo_report import load_step_logs, loss_by_step
 
 STEPS = 150  # enough steps after the spike for the new zone's nodes to boot while training goes on
 LOSS_TOL = 1e-4

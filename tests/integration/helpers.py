@@ -14,7 +14,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from orchestrator import events as ev
+import wire as ev
 from orchestrator.settings import load_settings
 
 POOL = ev.PoolKey(cloud="fake", region="r1", zone="r1a", instance_type="gpu.small", market=ev.Market.SPOT)

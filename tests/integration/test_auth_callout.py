@@ -20,8 +20,8 @@ import nats
 import nats.errors
 import pytest
 
-from orchestrator.authcallout import AuthCallout, CalloutCredentials, CredentialStore, StaticUser
-from orchestrator.nats_auth import (
+from orchestrator.security.authcallout import AuthCallout, CalloutCredentials, CredentialStore, StaticUser
+from orchestrator.security.nats_auth import (
     User,
     auth_user_permissions,
     hash_password,
@@ -29,7 +29,7 @@ from orchestrator.nats_auth import (
     render_server_config,
 )
 from orchestrator.natsserver import NatsServer
-from orchestrator.nkeys import KeyPair
+from orchestrator.security.nkeys import KeyPair
 from tests.ha_cluster import JS_NOT_READY, nats_cluster
 
 pytestmark = pytest.mark.anyio
@@ -137,9 +137,9 @@ async def test_orchd_in_callout_mode_enrols_a_real_agent_and_revokes_when_gone(t
     """The daemon wiring (``[credentials] mode = "callout"``): orchd answers the callout for its own
     logins, a launch carries an enrolment token, the real agent enrols and heartbeats with its own
     credential, the node dies -> NodeGone -> a new login with that credential is refused."""
-    from orchestrator import events as ev
-    from orchestrator.client import AdminClient
-    from orchestrator.daemon import run_daemon
+    import wire as ev
+    from orchestrator.cli.client import AdminClient
+    from orchestrator.daemon.run import run_daemon
     from orchestrator.jobspec import parse_jobspec
     from orchestrator.settings import load_settings
     from tests.integration import helpers as h
@@ -194,7 +194,7 @@ async def test_orchd_in_callout_mode_enrols_a_real_agent_and_revokes_when_gone(t
 
 
 async def test_orchd_in_callout_mode_lists_every_bad_credential_file_at_start(tmp_path) -> None:
-    from orchestrator.daemon import StartupError, run_daemon
+    from orchestrator.daemon.run import StartupError, run_daemon
     from orchestrator.settings import load_settings
     from tests.integration import helpers as h
 

@@ -8,13 +8,13 @@ import anyio
 import nats
 import pytest
 
-from orchestrator import events as ev
-from orchestrator.client import AdminClient
-from orchestrator.daemon import run_daemon
+import wire as ev
+from orchestrator.cli.client import AdminClient
+from orchestrator.daemon.run import run_daemon
 from orchestrator.jobspec import parse_jobspec
 from orchestrator.natsserver import NatsServer
 from orchestrator.settings import load_settings
-from providers.fake import FakeCloud
+from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
 
 pytestmark = pytest.mark.anyio

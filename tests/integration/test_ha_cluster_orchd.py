@@ -41,11 +41,11 @@ import nats.js.errors
 import pytest
 
 from orchestrator import bus
-from orchestrator import events as ev
-from orchestrator.client import AdminClient, AdminUnreachable
+import wire as ev
+from orchestrator.cli.client import AdminClient, AdminUnreachable
 from orchestrator.jobspec import parse_jobspec
-from orchestrator.lease import LEASE_BUCKET, LEASE_KEY
-from orchestrator.registry import FileFakeCloud, read_fake_file
+from orchestrator.daemon.lease import LEASE_BUCKET, LEASE_KEY
+from simulations.fakecloud import FileFakeCloud, read_fake_file
 from providers.base import Instance
 from tests.ha_cluster import connect, nats_cluster, wait_jetstream
 from tests.integration import helpers as h
@@ -102,8 +102,8 @@ class SharedFileFakeCloud(FileFakeCloud):
 def orchd_main(argv: list[str]) -> int:
     """``python -m tests.integration.test_ha_cluster_orchd CONFIG FAKE_FILE``: the orchd command
     (signals, exit codes) with the shared fake cloud as its only provider."""
-    from orchestrator import daemon
-    from orchestrator.logs import configure
+    from orchestrator.daemon import run as daemon
+    from wire.logs import configure
     from orchestrator.settings import load_settings
 
     settings = load_settings(argv[0])

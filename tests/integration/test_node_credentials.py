@@ -23,18 +23,18 @@ from nats.errors import NoServersError
 
 from agent.config import AgentConfig
 from agent.main import Agent
-from orchestrator import events as ev
+import wire as ev
 from orchestrator.core.commands import Launch, Terminate
 from orchestrator.core.inputs import NodeGone, NodeLaunched
-from orchestrator.credentials import EnrollingIssuer, NodeCredentials, enrol_user
-from orchestrator.executor import Executor, Result
-from orchestrator.metrics import Metrics
-from orchestrator.nats_auth import User, hash_password, node_user, orchd_permissions, render_server_config, signal_reload
+from orchestrator.security.credentials import EnrollingIssuer, NodeCredentials, enrol_user
+from orchestrator.daemon.executor import Executor, Result
+from orchestrator.daemon.metrics import Metrics
+from orchestrator.security.nats_auth import User, hash_password, node_user, orchd_permissions, render_server_config, signal_reload
 from orchestrator.natsserver import NatsServer
 from orchestrator.settings import Settings
 from providers.base import LaunchRequest
 from providers.bootstrap import render_user_data
-from providers.fake import FakeCloud
+from simulations.fakecloud import FakeCloud
 
 pytestmark = pytest.mark.anyio
 
@@ -244,8 +244,8 @@ async def test_orchd_with_credentials_enabled_enrols_a_real_agent_and_revokes_wh
     """The daemon wiring (settings.credentials): a job's launch carries an enrolment token, the real agent
     enrols through orchd's endpoint and registers with its own credential; the node dies (agent stops,
     instance preempted) -> heartbeat timeout -> CheckInstance -> NodeGone -> its NATS user is revoked."""
-    from orchestrator.client import AdminClient
-    from orchestrator.daemon import run_daemon
+    from orchestrator.cli.client import AdminClient
+    from orchestrator.daemon.run import run_daemon
     from orchestrator.jobspec import parse_jobspec
     from orchestrator.settings import load_settings
     from tests.integration import helpers as h

@@ -15,15 +15,17 @@ import nats
 import pytest
 import yaml
 
-from orchestrator import bus, cli, events as ev
-from orchestrator.client import AdminClient
-from orchestrator.daemon import run_daemon
+import wire as ev
+from orchestrator import bus
+from orchestrator.cli import main as cli
+from orchestrator.cli.client import AdminClient
+from orchestrator.daemon.run import run_daemon
 from orchestrator.jobspec import parse_jobspec
 from orchestrator.settings import load_settings
-from orchestrator.store import Store
+from orchestrator.daemon.store import Store
 from providers.base import LaunchRequest
 from orchestrator.natsserver import NatsServer
-from providers.fake import FakeCloud
+from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
 
 pytestmark = pytest.mark.anyio

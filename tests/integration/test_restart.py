@@ -16,10 +16,11 @@ import anyio
 import nats
 import pytest
 
-from orchestrator import cli, events as ev
-from orchestrator.daemon import run_daemon
+import wire as ev
+from orchestrator.cli import main as cli
+from orchestrator.daemon.run import run_daemon
 from orchestrator.natsserver import NatsServer
-from orchestrator.registry import read_fake_file
+from simulations.fakecloud import read_fake_file
 from tests.conftest import free_port
 from tests.integration import helpers as h
 
@@ -236,7 +237,7 @@ def test_sigterm_during_nats_outage_exits_within_grace(tmp_path):
 async def test_nats_outage_longer_than_heartbeat_timeout_is_not_node_failure(tmp_path):
     """The NATS server is down for longer than the heartbeat timeout: orchd feeds BusState to the core,
     which pauses failure detection, so no node is suspected, abandoned or terminated."""
-    from providers.fake import FakeCloud
+    from simulations.fakecloud import FakeCloud
 
     port = free_port()
     server = NatsServer(tmp_path / "nats", port=port).start()

@@ -16,7 +16,7 @@ import pytest
 
 from orchestrator import bus
 from orchestrator.core.commands import Launch
-from orchestrator.store import Store, outbox_key
+from orchestrator.daemon.store import Store, outbox_key
 from tests.ha_cluster import connect, nats_cluster, wait_jetstream
 from tests.integration import helpers as h
 

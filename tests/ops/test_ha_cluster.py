@@ -15,7 +15,7 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from orchestrator.lease import LeaderLease, lease_bucket
+from orchestrator.daemon.lease import LeaderLease, lease_bucket
 from tests.ha_cluster import connect, nats_cluster
 
 pytestmark = pytest.mark.anyio

@@ -11,7 +11,7 @@ import nats
 import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 
-from orchestrator.lease import LeaderLease, lease_bucket
+from orchestrator.daemon.lease import LeaderLease, lease_bucket
 
 pytestmark = pytest.mark.anyio
 TTL = 1.0

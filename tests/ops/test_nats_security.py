@@ -1,6 +1,6 @@
 """NATS least privilege, per-node credentials and TLS against a real nats-server.
 
-The server runs with the config orchestrator.nats_auth renders (users with per-role permissions, in
+The server runs with the config orchestrator.security.nats_auth renders (users with per-role permissions, in
 an auth.conf include that the NodeCredentialIssuer rewrites and reloads). A forbidden publish,
 subscribe or request is shown refused by the server's permissions-violation error (error_cb) AND by
 the message not arriving; the allowed paths are shown working.
@@ -22,8 +22,8 @@ import pytest
 import structlog
 from nats.errors import NoServersError, TimeoutError as NatsTimeoutError
 
-from orchestrator import logs
-from orchestrator.nats_auth import (
+from wire import logs
+from orchestrator.security.nats_auth import (
     NodeCredentialIssuer, TlsFiles, User, agent_permissions, connect_options, hash_password, node_user,
     orchctl_permissions, orchd_permissions, render_server_config, signal_reload,
 )
@@ -420,7 +420,7 @@ def test_connect_options_read_systemd_credentials(tmp_path: Path) -> None:
 
 def test_server_config_example_is_current(tmp_path: Path) -> None:
     """config/nats/server-secure.conf is what render_server_config produces for the documented paths."""
-    from orchestrator.nats_auth import example_server_config
+    from orchestrator.security.nats_auth import example_server_config
 
     path = Path(__file__).resolve().parents[2] / "config" / "nats" / "server-secure.conf"
     assert path.read_text() == example_server_config()

@@ -1,5 +1,5 @@
 """Prometheus: alert rules load, their unit tests pass (each alert fires in one case and stays silent
-in another), the tests can fail, and the real exposition of orchestrator.metrics passes
+in another), the tests can fail, and the real exposition of orchestrator.daemon.metrics passes
 `promtool check metrics`."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import yaml
 from prometheus_client import generate_latest
 
-from orchestrator.metrics import Metrics
+from orchestrator.daemon.metrics import Metrics
 from tests.conftest import require_tool
 
 PROM = Path(__file__).resolve().parents[2] / "config" / "prometheus"

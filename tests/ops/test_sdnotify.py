@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from orchestrator import sdnotify
+from wire import sdnotify
 
 
 def _recv(sock: socket.socket) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from orchestrator.events import Market, NodeId, PoolKey
+from wire import Market, NodeId, PoolKey
 from providers.base import LaunchRequest, NodeBootstrap
 
 

@@ -18,7 +18,7 @@ from botocore.exceptions import NoCredentialsError
 from botocore.stub import ANY, Stubber
 from moto.server import ThreadedMotoServer
 
-from orchestrator.events import Market
+from wire import Market
 from orchestrator.settings import SettingsError
 from providers.aws import AwsProvider, Config, client_token, map_error
 from providers.base import (

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.events import Market
+from wire import Market
 from orchestrator.settings import SettingsError
 from providers.azure import AzureProvider, Config, vm_name
 from providers.base import AuthError, CapacityError, CloudProvider, InstanceState, QuotaError, TransientError

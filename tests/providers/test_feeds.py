@@ -7,10 +7,11 @@ import nats
 import nats.js.errors
 import pytest
 
-from orchestrator.events import Market, PriceTick, decode
+from wire import Market, PriceTick, decode
 from providers.base import PriceQuote, TransientError
-from providers.fake import FakeCloud
-from providers.feeds import MARKET_STREAM, ensure_market_stream, feed_once, run_price_feed, tick_id
+from simulations.fakecloud import FakeCloud
+from orchestrator import bus
+from orchestrator.daemon.feeds import feed_once, run_price_feed, tick_id
 from tests.providers.helpers import pool
 
 pytestmark = pytest.mark.anyio
@@ -39,7 +40,7 @@ class Failing(FakeCloud):
 
 
 async def _stream_ticks(js, subject: str = "orch.price.>") -> list[PriceTick]:  # type: ignore[no-untyped-def]
-    sub = await js.pull_subscribe(subject, stream=MARKET_STREAM)
+    sub = await js.pull_subscribe(subject, stream=bus.STREAM_MARKET)
     out = []
     try:
         while True:
@@ -58,8 +59,8 @@ async def test_feed_publishes_ticks_and_dedups(nats_url: str) -> None:
     nc = await nats.connect(nats_url, error_cb=_ignore)
     try:
         js = nc.jetstream()
-        await ensure_market_stream(js)
-        await js.purge_stream(MARKET_STREAM)
+        await bus.ensure_topology(nc)
+        await js.purge_stream(bus.STREAM_MARKET)
         now = [1_800_000_000.0]
         cloud = _cloud(now)
         r1 = await feed_once(js, cloud)
@@ -67,7 +68,7 @@ async def test_feed_publishes_ticks_and_dedups(nats_url: str) -> None:
         # a publish that timed out on a loaded box and was retried shows up as a duplicate: both are stored once
         assert (r1.quotes, r1.published + r1.duplicates, r1.failed) == (3, 3, 0)
         assert (r2.published, r2.duplicates) == (0, 3)
-        info = await js.stream_info(MARKET_STREAM)
+        info = await js.stream_info(bus.STREAM_MARKET)
         assert info.state.messages == 3
         west = await _stream_ticks(js, "orch.price.aws.us-west-2")
         assert sorted((t.pool.market, t.price_usd_h) for t in west) == [(Market.ON_DEMAND, 1.006), (Market.SPOT, 0.45)]
@@ -81,8 +82,8 @@ async def test_feed_task_rounds_and_survives_provider_errors(nats_url: str) -> N
     nc = await nats.connect(nats_url, error_cb=_ignore)
     try:
         js = nc.jetstream()
-        await ensure_market_stream(js)
-        await js.purge_stream(MARKET_STREAM)
+        await bus.ensure_topology(nc)
+        await js.purge_stream(bus.STREAM_MARKET)
         now = [1_800_000_100.0]
         cloud = _cloud(now)
         rounds = []
@@ -129,7 +130,7 @@ async def test_real_provider_prices_reach_the_stream(nats_url: str) -> None:
         provider = GcpProvider(Config.from_raw({"project": "p", "zones": ["us-central1-a"], "machine_types": ["g2-standard-4"],
                                                 "markets": ["spot"], "billing_endpoint": fake.url, "anonymous": True}))
         js = nc.jetstream()
-        await ensure_market_stream(js)
+        await bus.ensure_topology(nc)
         r = await feed_once(js, provider, limiter=anyio.CapacityLimiter(1))
         assert (r.quotes, r.published + r.duplicates) == (1, 1)
         (tick,) = await _stream_ticks(js, "orch.price.gcp.us-central1")
@@ -146,7 +147,7 @@ async def test_no_stream_counts_failures_without_crashing(nats_url: str) -> None
     try:
         js = nc.jetstream()
         try:
-            await js.delete_stream(MARKET_STREAM)
+            await js.delete_stream(bus.STREAM_MARKET)
         except nats.js.errors.NotFoundError:
             pass
         now = [1_800_000_000.0]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.events import Market
+from wire import Market
 from orchestrator.settings import SettingsError
 from providers.base import TAG_CLUSTER, CapacityError, CloudProvider, InstanceState, QuotaError, TransientError, AuthError
 from providers.gcp import Config, GcpProvider, label_value, vm_name

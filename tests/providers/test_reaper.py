@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.events import InstanceId, Market, NodeId, PoolKey
+from wire import InstanceId, Market, NodeId, PoolKey
 from providers.base import TAG_CLUSTER, TAG_NODE, Instance, InstanceState, TransientError
-from providers.fake import FakeCloud
+from simulations.fakecloud import FakeCloud
 from providers.reaper import KnownNode, Reaper, plan
 from tests.providers.helpers import request
 

@@ -12,9 +12,9 @@ import pytest
 from orchestrator.settings import SettingsError, load_settings
 from providers.aws import AwsProvider
 from providers.azure import AzureProvider
-from providers.fake import FakeCloud
+from simulations.fakecloud import FakeCloud
 from providers.gcp import GcpProvider
-from providers.registry import build_providers, feed_plan
+from orchestrator.daemon.registry import build_providers, feed_plan
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "clouds"
 
@@ -101,7 +101,7 @@ def test_control_host_without_sdks(tmp_path: Path) -> None:
                 return None
         sys.meta_path.insert(0, Block())
         from orchestrator.settings import load_settings
-        from providers.registry import build_providers
+        from orchestrator.daemon.registry import build_providers
         import tomllib, pathlib
         ok = build_providers(load_settings(sys.argv[1], env={}))
         assert list(ok) == ["fake"], ok

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator import events as ev
+import wire as ev
 
 POOL = ev.PoolKey(cloud="aws", region="us-east-1", zone="us-east-1a", instance_type="p3.2xlarge", market=ev.Market.SPOT)
 

@@ -2,9 +2,9 @@
 
 import pytest
 
-from orchestrator.events import FailureReason, Market, PoolKey
+from wire import FailureReason, Market, PoolKey
 from providers.base import CapacityError, CloudProvider, LaunchRequest, TransientError
-from providers.fake import FakeCloud
+from simulations.fakecloud import FakeCloud
 
 POOL = PoolKey(cloud="fake", region="r1", zone="r1a", instance_type="g.1", market=Market.SPOT)
 

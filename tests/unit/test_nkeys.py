@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.nkeys import KeyPair, NkeyError, decode_jwt, decode_public, encode_jwt
+from orchestrator.security.nkeys import KeyPair, NkeyError, decode_jwt, decode_public, encode_jwt
 
 # An account public key published in the NATS documentation's auth callout example (nats-by-example).
 DOC_ACCOUNT_KEY = "ABJHLOVMPA4CI6R5KLNGOB4GSLNIY7IOUPAJC4YFNDLQVIOBYQGUWVLA"

@@ -89,7 +89,7 @@ def test_missing_file_and_bad_toml(tmp_path: Path) -> None:
 def test_logging_survives_a_closed_stream_and_redacts_secrets(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     import structlog
 
-    from orchestrator.logs import configure
+    from wire.logs import configure
 
     f = open(tmp_path / "log", "w")  # noqa: SIM115
     configure("info", "json", stream=f)

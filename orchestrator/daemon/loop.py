@@ -19,14 +19,16 @@ import anyio
 import msgspec
 import structlog
 
-from orchestrator import bus, events as ev, sdnotify
+import wire as ev
+from orchestrator import bus
+from wire import sdnotify
 from orchestrator.core.inputs import BusState, Tick
-from orchestrator.executor import Executor, Result
-from orchestrator.ingest import Batch, Intake, ShellItem, screen, screen_heartbeat
-from orchestrator.metrics import Metrics
+from orchestrator.daemon.executor import Executor, Result
+from orchestrator.daemon.ingest import Batch, Intake, ShellItem, screen, screen_heartbeat
+from orchestrator.daemon.metrics import Metrics
 from orchestrator.settings import Settings
-from orchestrator.state import CoreApi, refresh_gauges, summarize_event
-from orchestrator.store import Store, outbox_key
+from orchestrator.daemon.state import CoreApi, refresh_gauges, summarize_event
+from orchestrator.daemon.store import Store, outbox_key
 
 log = structlog.get_logger("orchd")
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import anyio
 
-from orchestrator.demo_report import Injection, compute_report, load_step_logs
+from orchestrator.cli.demo_report import Injection, compute_report, load_step_logs
 
 JOB_ID = "demo"
 
@@ -94,7 +94,7 @@ def demo_settings(state_dir: Path) -> Any:
 def demo_core(settings: Any) -> Any:
     """The real decision core with timings scaled to a CPU demo (seconds instead of minutes)."""
     from orchestrator import core
-    from orchestrator.state import CoreApi
+    from orchestrator.daemon.state import CoreApi
 
     config = core.CoreConfig(heartbeat_timeout_s=settings.daemon.heartbeat_timeout_s, tick_s=settings.daemon.tick_s,
                              boot_s_estimate=5.0, restart_overhead_s=10.0, terminate_s=5.0, launch_timeout_s=60.0,
@@ -119,7 +119,7 @@ def demo_provider(state_dir: Path, opts: DemoOptions) -> Any:
 
 
 def demo_jobspec(state_dir: Path, opts: DemoOptions) -> Any:
-    from orchestrator.events import CheckpointPolicy, JobSpec, MarketPolicy, TrainerSpec
+    from wire import CheckpointPolicy, JobSpec, MarketPolicy, TrainerSpec
 
     return JobSpec(
         name="tiny-gpt-demo",
@@ -154,9 +154,9 @@ class _View:
 async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
     """Run the scenario; return the report. ``progress(view)`` is called about twice a second."""
 
-    from orchestrator.client import AdminClient
-    from orchestrator.daemon import run_daemon
-    from orchestrator.logs import configure
+    from orchestrator.cli.client import AdminClient
+    from orchestrator.daemon.run import run_daemon
+    from wire.logs import configure
 
     state_dir = Path(opts.state_dir or tempfile.mkdtemp(prefix="orch-demo-")).resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -408,7 +408,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m orchestrator.demo``: the same as ``orchctl demo``."""
+    """``python -m orchestrator.cli.demo``: the same as ``orchctl demo``."""
     p = argparse.ArgumentParser(prog="orchctl")
     sub = p.add_subparsers(dest="cmd", required=True)
     add_parser(sub, argparse.ArgumentParser(add_help=False))

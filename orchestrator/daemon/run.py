@@ -41,17 +41,18 @@ import nats.js.errors
 import structlog
 from anyio.abc import TaskStatus
 
-from orchestrator import bus, sdnotify
+from orchestrator import bus
+from wire import sdnotify
 from orchestrator.core.inputs import LeaseChanged
-from orchestrator.executor import Executor
-from orchestrator.ingest import ShellItem
-from orchestrator.lease import LeaderLease, lease_bucket
-from orchestrator.loop import _EXPECTED, _HB_DECODER, _JS_TYPES, Daemon  # noqa: F401 (re-exported)
-from orchestrator.metrics import Metrics
+from orchestrator.daemon.executor import Executor
+from orchestrator.daemon.ingest import ShellItem
+from orchestrator.daemon.lease import LeaderLease, lease_bucket
+from orchestrator.daemon.loop import _EXPECTED, _HB_DECODER, _JS_TYPES, Daemon  # noqa: F401 (re-exported)
+from orchestrator.daemon.metrics import Metrics
 from orchestrator.natsserver import NatsServer
 from orchestrator.settings import Settings, SettingsError, load_settings
-from orchestrator.state import CoreApi, default_core, known_nodes
-from orchestrator.store import Store
+from orchestrator.daemon.state import CoreApi, default_core, known_nodes
+from orchestrator.daemon.store import Store
 
 log = structlog.get_logger("orchd")
 
@@ -77,9 +78,9 @@ async def run_daemon(
 
     ``providers`` maps ``pool.cloud`` to the CloudProvider that serves it; ``core`` defaults to
     ``orchestrator.core`` (tests may pass another ``CoreApi``); ``feeds`` runs the providers' price
-    feeds (``providers.feeds``, per ``settings.providers.feeds``)."""
-    from orchestrator import admin
-    from orchestrator.metrics_http import serve_metrics
+    feeds (``orchestrator.daemon.feeds``, per ``settings.providers.feeds``)."""
+    from orchestrator.daemon.run import admin
+    from orchestrator.daemon.metrics_http import serve_metrics
 
     d = Daemon(settings, providers, core or default_core(settings), metrics or Metrics())
     if stop is not None:
@@ -220,8 +221,8 @@ def node_credentials(settings: Settings) -> Any:
     includes ``auth_file`` and writes ``server_pid_file``)."""
     from pathlib import Path
 
-    from orchestrator.credentials import EnrollingIssuer, NodeCredentials
-    from orchestrator.nats_auth import User, orchctl_permissions, orchd_permissions, signal_reload
+    from orchestrator.security.credentials import EnrollingIssuer, NodeCredentials
+    from orchestrator.security.nats_auth import User, orchctl_permissions, orchd_permissions, signal_reload
 
     c = settings.credentials
     roles = {"orchd": orchd_permissions(), "orchctl": orchctl_permissions()}
@@ -242,8 +243,8 @@ async def _start_auth_callout(d: Daemon, settings: Settings, urls: tuple[str, ..
     import dataclasses
     from pathlib import Path
 
-    from orchestrator.authcallout import AuthCallout, CalloutCredentials, CredentialStore, StaticUser
-    from orchestrator.nkeys import KeyPair, NkeyError
+    from orchestrator.security.authcallout import AuthCallout, CalloutCredentials, CredentialStore, StaticUser
+    from orchestrator.security.nkeys import KeyPair, NkeyError
 
     c = settings.credentials
     problems, issuer, password = [], None, ""
@@ -361,10 +362,10 @@ async def _reap_periodically(d: Daemon) -> None:
 
 
 def _start_feeds(tg: Any, d: Daemon, js: Any) -> None:
-    """One price feed task per provider with a feed (providers.registry.feed_plan)."""
+    """One price feed task per provider with a feed (orchestrator.daemon.registry.feed_plan)."""
     try:
-        from providers.feeds import run_price_feed
-        from providers.registry import feed_plan
+        from orchestrator.daemon.feeds import run_price_feed
+        from orchestrator.daemon.registry import feed_plan
     except ImportError as e:  # the feeds are optional for embedders
         log.warning("price_feeds_unavailable", error=str(e))
         return
@@ -390,8 +391,8 @@ def _write_discovery(d: Daemon) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from orchestrator.logs import configure
-    from orchestrator.registry import ProviderConfigError, build_providers
+    from wire.logs import configure
+    from orchestrator.daemon.registry import build_providers
 
     p = argparse.ArgumentParser(prog="orchd", description="Control plane for training on spot GPUs")
     p.add_argument("--config", "-c", help="TOML settings file (ORCH_* env overrides apply)")
@@ -404,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     configure(settings.log.level, settings.log.format)
     try:
         providers = build_providers(settings)
-    except ProviderConfigError as e:
+    except SettingsError as e:
         print(f"orchd: {e}", file=sys.stderr)
         return 2
     try:
@@ -436,7 +437,3 @@ async def _serve_until_stopped(settings: Settings, providers: dict) -> int:
         d = await run_daemon(settings, providers, stop=stop, tune_gc=True)
         tg.cancel_scope.cancel()
     return d.exit_code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,7 @@ from typing import Any
 
 import anyio
 
-from orchestrator.events import LogLine, WireError, decode
+from wire import LogLine, WireError, decode
 
 LOGS_STREAM = "ORCH_LOGS"
 
@@ -87,7 +87,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from orchestrator.cli import EXIT_OK, EXIT_USAGE, resolve_server
+    from orchestrator.cli.main import EXIT_OK, EXIT_USAGE, resolve_server
     from orchestrator.settings import SettingsError
 
     try:

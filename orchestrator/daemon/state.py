@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from orchestrator import events as ev
+import wire as ev
 from orchestrator.settings import Settings
 
 _enc = msgspec.json.Encoder()

@@ -1,28 +1,18 @@
-"""Typed, frozen, versioned records for every message on the wire.
+"""Typed, frozen, versioned records for every message between agents, feeds and orchd.
 
 Role: the one place where the shape of a message is defined. The daemon, the agent, the simulator and
-the benchmarks all encode and decode through the codecs here; raw dicts never cross into the core.
-
+the benchmarks all encode and decode them through ``wire.codec``; raw dicts never cross into the core.
 Every wire record carries ``v`` (schema version) and most carry ``id`` (a message id used for
-JetStream de-duplication and for idempotent replay). ``decode_*`` functions raise ``WireError`` with a
-short machine-readable ``reason`` so callers can count rejections by cause.
+JetStream de-duplication and for idempotent replay). Subjects: ``wire.subjects``; admin requests and
+replies: ``wire.admin``.
 
-Subjects (see docs/wire.md):
-
-    orch.price.<cloud>.<region>        PriceTick                 JetStream ORCH_MARKET
-    orch.notice.<cloud>.<node>         PreemptionNotice          JetStream ORCH_EVENTS
-    orch.node.<node>.hb                Heartbeat                 core NATS
-    orch.node.<node>.event             NodeEvent (union)         JetStream ORCH_EVENTS
-    orch.cmd.<node>                    AgentCommand (union)      request/reply, CommandAck reply
-    orch.admin.v1.<resource>.<verb>    admin requests/replies    nats.micro service
-
-This module is pure data: no I/O, no clock. The decision core may import it.
+Pure data: no I/O, no clock. The decision core may import it.
 """
 
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Final, NewType, Union
+from typing import Final, NewType, Union
 
 import msgspec
 
@@ -33,7 +23,6 @@ MAX_MESSAGE_BYTES: Final = 256 * 1024
 NodeId = NewType("NodeId", str)
 JobId = NewType("JobId", str)
 InstanceId = NewType("InstanceId", str)
-
 
 class Cloud(StrEnum):
     AWS = "aws"
@@ -334,246 +323,3 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
     budget_usd: float | None = None
     checkpoint: CheckpointPolicy
     price: PricePolicy = PricePolicy()
-
-
-# ---------------------------------------------------------------------------------------------------
-# Codecs
-
-WIRE_TYPES: Final[tuple[type, ...]] = (
-    PriceTick,
-    PreemptionNotice,
-    Heartbeat,
-    NodeRegistered,
-    GenerationStarted,
-    CheckpointCommitted,
-    RanksExited,
-    NodeLeaving,
-    CheckpointCmd,
-    StartGenerationCmd,
-    StopCmd,
-    AbandonGenerationCmd,
-    DrainCmd,
-    CommandAck,
-)
-
-AnyWire = Union[WIRE_TYPES]  # type: ignore[valid-type]
-
-
-class WireError(ValueError):
-    """A message that cannot be accepted. ``reason`` is a short label used for rejection counters."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
-
-
-_encoder = msgspec.json.Encoder()
-_decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
-
-
-def encode(msg: msgspec.Struct) -> bytes:
-    return _encoder.encode(msg)
-
-
-def decode(data: bytes, kind: Any = AnyWire) -> Any:
-    """Decode ``data`` as ``kind`` (a wire type or a Union of them); raise WireError on any problem."""
-    if len(data) > MAX_MESSAGE_BYTES:
-        raise WireError("too_large", f"{len(data)} bytes > {MAX_MESSAGE_BYTES}")
-    dec = _decoders.get(kind)
-    if dec is None:
-        dec = _decoders[kind] = msgspec.json.Decoder(kind)
-    try:
-        msg = dec.decode(data)
-    except msgspec.DecodeError as e:
-        text = str(e)
-        if "Invalid value" in text and "type" in text:
-            reason = "unknown_type"
-        elif text.startswith("JSON is malformed") or "malformed" in text or "truncated" in text:
-            reason = "bad_json"
-        else:
-            reason = "bad_schema"
-        raise WireError(reason, text) from None
-    if msg.v not in SUPPORTED_VERSIONS:
-        raise WireError("bad_version", f"schema version {msg.v} not in {sorted(SUPPORTED_VERSIONS)}")
-    return msg
-
-
-def to_builtins(msg: msgspec.Struct) -> Any:
-    return msgspec.to_builtins(msg)
-
-
-# Subject helpers: tokens go from broad to narrow; values with dots (instance types) stay in payloads.
-
-def _token(value: str) -> str:
-    """A subject token from an id: dots, spaces and wildcards are not allowed in tokens."""
-    bad = set(". *>\t\r\n")
-    if not value or any(c in bad for c in value):
-        raise ValueError(f"not usable as a NATS subject token: {value!r}")
-    return value
-
-
-def subject_price(cloud: str, region: str) -> str:
-    return f"orch.price.{_token(cloud)}.{_token(region)}"
-
-
-def subject_notice(cloud: str, node: str) -> str:
-    return f"orch.notice.{_token(cloud)}.{_token(node)}"
-
-
-def subject_heartbeat(node: str) -> str:
-    return f"orch.node.{_token(node)}.hb"
-
-
-def subject_node_event(node: str) -> str:
-    return f"orch.node.{_token(node)}.event"
-
-
-def subject_command(node: str) -> str:
-    return f"orch.cmd.{_token(node)}"
-
-
-def subject_logs(job: str, node: str) -> str:
-    return f"orch.logs.{_token(job)}.{_token(node)}"
-
-
-SUBJECT_ADMIN_PREFIX: Final = "orch.admin.v1"
-
-
-# ---------------------------------------------------------------------------------------------------
-# Admin service (nats.micro service "orchd", subjects orch.admin.v1.<resource>.<verb>; see docs/admin.md).
-# Requests and replies are JSON objects with ``v``. Errors come back as the micro error headers
-# (Nats-Service-Error-Code: 400 bad request, 404 unknown job/node, 409 conflict, 500 internal) with an
-# AdminErrorBody payload. Job/node/pool documents inside replies are the core's records as JSON
-# objects (their fields are documented in docs/admin.md), typed at this level as dicts.
-
-ADMIN_SERVICE_NAME: Final = "orchd"
-ADMIN_SERVICE_VERSION: Final = "1.0.0"
-
-
-class _Admin(msgspec.Struct, frozen=True, kw_only=True):
-    v: int = SCHEMA_VERSION
-
-
-class EmptyRequest(_Admin, frozen=True, kw_only=True):
-    pass
-
-
-class SubmitJobRequest(_Admin, frozen=True, kw_only=True):
-    spec: JobSpec
-    job_id: str | None = None  # chosen by orchd when absent; giving one makes the submit idempotent
-
-
-class SubmitJobReply(_Admin, frozen=True, kw_only=True):
-    job_id: str
-    created: bool  # False: a job with this id already existed (idempotent resubmit)
-
-
-class JobRequest(_Admin, frozen=True, kw_only=True):
-    """jobs.show / jobs.cancel / jobs.explain."""
-
-    job_id: str
-    reason: str = "admin"  # cancel only
-    limit: int = 200  # explain only: the newest entries
-
-
-class ListJobsRequest(_Admin, frozen=True, kw_only=True):
-    include_finished: bool = True
-
-
-class ListNodesRequest(_Admin, frozen=True, kw_only=True):
-    job_id: str | None = None
-
-
-class DrainNodeRequest(_Admin, frozen=True, kw_only=True):
-    node_id: str
-    reason: str = "admin"
-
-
-class TailEventsRequest(_Admin, frozen=True, kw_only=True):
-    after_seq: int = 0  # only entries with seq > after_seq (for --watch)
-    limit: int = 100
-
-
-class ReapRequest(_Admin, frozen=True, kw_only=True):
-    dry_run: bool = True
-
-
-class StatusReply(_Admin, frozen=True, kw_only=True):
-    version: str
-    pid: int
-    started_ts: float
-    uptime_s: float
-    nats_url: str
-    nats_connected: bool
-    metrics_url: str
-    fencing_token: int
-    events_decided: int
-    batches: int
-    commands_in_flight: int
-    providers: list[str]
-    jobs: dict[str, int]  # by phase
-    nodes: dict[str, int]  # by phase
-    pools: int
-
-
-class JobsReply(_Admin, frozen=True, kw_only=True):
-    jobs: list[dict[str, Any]]
-
-
-class JobReply(_Admin, frozen=True, kw_only=True):
-    summary: dict[str, Any]
-    job: dict[str, Any]  # the core's full job record
-    nodes: list[dict[str, Any]]
-
-
-class NodesReply(_Admin, frozen=True, kw_only=True):
-    nodes: list[dict[str, Any]]
-
-
-class OkReply(_Admin, frozen=True, kw_only=True):
-    ok: bool = True
-    message: str = ""
-
-
-class PricesReply(_Admin, frozen=True, kw_only=True):
-    pools: list[dict[str, Any]]
-
-
-class EventsReply(_Admin, frozen=True, kw_only=True):
-    events: list[dict[str, Any]]  # decided commands: seq, ts, event, job, node, command, ...
-    last_seq: int
-
-
-class ExplainReply(_Admin, frozen=True, kw_only=True):
-    job_id: str
-    entries: list[dict[str, Any]]  # the core's AuditEntry records, oldest first
-
-
-class ReapReply(_Admin, frozen=True, kw_only=True):
-    report: dict[str, Any]  # providers.reaper.ReapReport.to_dict()
-
-
-class AdminErrorBody(_Admin, frozen=True, kw_only=True):
-    code: int
-    message: str
-
-
-def admin_subject(resource: str, verb: str) -> str:
-    return f"{SUBJECT_ADMIN_PREFIX}.{_token(resource)}.{_token(verb)}"
-
-
-ADMIN_ENDPOINTS: Final[dict[tuple[str, str], tuple[type, type]]] = {
-    ("status", "get"): (EmptyRequest, StatusReply),
-    ("jobs", "submit"): (SubmitJobRequest, SubmitJobReply),
-    ("jobs", "list"): (ListJobsRequest, JobsReply),
-    ("jobs", "show"): (JobRequest, JobReply),
-    ("jobs", "cancel"): (JobRequest, OkReply),
-    ("jobs", "explain"): (JobRequest, ExplainReply),
-    ("nodes", "list"): (ListNodesRequest, NodesReply),
-    ("nodes", "drain"): (DrainNodeRequest, OkReply),
-    ("prices", "list"): (EmptyRequest, PricesReply),
-    ("events", "tail"): (TailEventsRequest, EventsReply),
-    ("reap", "run"): (ReapRequest, ReapReply),
-}
-"""(resource, verb) -> (request type, reply type): the whole admin API."""

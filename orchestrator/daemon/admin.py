@@ -3,7 +3,7 @@
 Role: the only way operators (``orchctl``) and tools talk to orchd. Reads are answered from the
 daemon's current (immutable) state; intents (submit, cancel, drain) are fed to the decide loop as core
 events and answered only after their decision is persisted. Request/reply types are in
-``orchestrator.events`` (``ADMIN_ENDPOINTS``); docs/admin.md lists them.
+``wire`` (``ADMIN_ENDPOINTS``); docs/admin.md lists them.
 
 Errors: bad request 400, unknown job/node 404, internal 500 - sent with the micro error headers and an
 ``AdminErrorBody`` payload. No exception text other than ours leaves the daemon.
@@ -26,10 +26,10 @@ import nats.micro
 import structlog
 from nats.micro.request import Request
 
-from orchestrator import events as ev
+import wire as ev
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
 from orchestrator.jobspec import spec_problems
-from orchestrator.state import (
+from orchestrator.daemon.state import (
     counts,
     job_summary,
     known_nodes,

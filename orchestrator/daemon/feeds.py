@@ -1,7 +1,7 @@
 """Price feeds inside orchd: poll a provider's prices, publish ``PriceTick`` on JetStream.
 
 Role: every ``interval_s`` call ``provider.prices()`` in a worker thread and publish one ``PriceTick``
-per quote on ``orch.price.<cloud>.<region>`` (stream ORCH_MARKET), exactly as an external publisher
+per quote on ``orch.price.<cloud>.<region>`` (stream ORCH_MARKET, defined in orchestrator/bus.py), exactly as an external publisher
 would, so the core cannot tell (and need not care) where a price came from.
 
 De-duplication: each tick's id - and its ``Nats-Msg-Id`` - is derived from (pool, ts). A publish
@@ -25,14 +25,10 @@ from typing import Any
 import anyio
 import structlog
 
-from orchestrator.events import PoolKey, PriceTick, encode, subject_price
+from wire import PoolKey, PriceTick, encode, subject_price
 from providers.base import CloudProvider, PriceQuote, ProviderError
 
 log = structlog.get_logger("orch.feeds")
-
-MARKET_STREAM = "ORCH_MARKET"
-MARKET_SUBJECTS = ("orch.price.>",)
-
 
 def tick_id(pool: PoolKey, ts: float) -> str:
     """Stable id of the price of ``pool`` at ``ts``: the tick's ``id`` and its Nats-Msg-Id."""
@@ -60,18 +56,6 @@ class FeedRound:
     duplicates: int = 0
     failed: int = 0
     error: str | None = None
-
-
-async def ensure_market_stream(js: Any, *, replicas: int = 1, duplicate_window_s: float = 600.0) -> None:
-    """Create ORCH_MARKET if missing (the daemon's bus module may own this; harmless if it exists)."""
-    from nats.js.api import StreamConfig
-    from nats.js.errors import NotFoundError
-
-    try:
-        await js.stream_info(MARKET_STREAM)
-    except NotFoundError:
-        await js.add_stream(StreamConfig(name=MARKET_STREAM, subjects=list(MARKET_SUBJECTS), num_replicas=replicas,
-                                         duplicate_window=duplicate_window_s, max_age=7 * 86400.0))
 
 
 async def publish_quotes(js: Any, quotes: Sequence[PriceQuote], *, attempts: int = 3,

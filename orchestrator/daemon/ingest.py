@@ -26,7 +26,7 @@ import anyio
 import structlog
 from nats.aio.msg import Msg
 
-from orchestrator.metrics import Metrics
+from orchestrator.daemon.metrics import Metrics
 
 log = structlog.get_logger("orchd.ingest")
 
@@ -169,7 +169,7 @@ def screen(subject: str, msg: Any) -> str | None:
     cloud/region's pools) -> ``subject_mismatch``; numbers that no honest publisher sends (negative or
     non-finite prices, times, steps, generations; capacity hints outside 0..1; gpus_per_node < 1) and
     empty ids -> ``bad_value``. Pure and cheap: called once per message by the decide loop."""
-    from orchestrator import events as ev
+    import wire as ev
 
     parts = subject.split(".")
     if isinstance(msg, ev.PriceTick):

@@ -37,7 +37,7 @@ from typing import Any
 
 import bcrypt
 
-from orchestrator.events import NodeId
+from wire import NodeId
 
 ORCHCTL_INBOX = "_INBOX.orchctl"
 BCRYPT_ROUNDS = 10
@@ -162,7 +162,7 @@ def render_server_config(*, auth_include: str | None = "auth.conf", host: str = 
                          http_port: int | None = 8222) -> str:
     """A nats-server config: client listener, JetStream, TLS, users from ``auth_include``, optional
     cluster block (``{"name", "host", "port", "routes": [...], "tls": TlsFiles|None}``)."""
-    lines = ["# Rendered by orchestrator.nats_auth.render_server_config - see docs/operations.md.",
+    lines = ["# Rendered by orchestrator.security.nats_auth.render_server_config - see docs/operations.md.",
              f"listen: {_q(f'{host}:{port}')}"]
     if server_name:
         lines.append(f"server_name: {_q(server_name)}")
@@ -339,7 +339,7 @@ def connect_options(settings: Any, *, inbox_prefix: str = "_INBOX",
 
 
 # ---------------------------------------------------------------------------------------------------
-# The example configs shipped in config/nats (regenerate: python -m orchestrator.nats_auth)
+# The example configs shipped in config/nats (regenerate: python -m orchestrator.security.nats_auth)
 
 _ETC = "/etc/nats"
 

@@ -37,7 +37,7 @@ from typing import Any
 import anyio
 import structlog
 
-from orchestrator.nats_auth import (
+from orchestrator.security.nats_auth import (
     NodeCredentialIssuer, Permissions, User, agent_permissions, check_token, hash_password, node_user,
     render_authorization,
 )

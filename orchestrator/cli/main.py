@@ -32,7 +32,7 @@ import anyio
 import msgspec
 import yaml
 
-from orchestrator.client import AdminClient, AdminError, AdminUnreachable
+from orchestrator.cli.client import AdminClient, AdminError, AdminUnreachable
 from orchestrator.jobspec import JobSpecError, load_jobspec
 from orchestrator.settings import NatsSettings, SettingsError, load_settings
 
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--dry-run", action="store_true", help="plan and report only")
     g.add_argument("--yes", action="store_true", help="terminate orphans past their grace period")
-    from orchestrator import demo, logs_cmd  # subcommands that live in their own modules (args.run)
+    from orchestrator.cli.main import demo, logs as logs_cmd  # subcommands that live in their own modules (args.run)
 
     logs_cmd.add_parser(sub, common)
     demo.add_parser(sub, common)
@@ -288,5 +288,3 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] | None = N
         return EXIT_OK
 
 
-if __name__ == "__main__":
-    sys.exit(main())

@@ -44,8 +44,8 @@ import bcrypt
 import nats.js.errors
 import structlog
 
-from orchestrator.credentials import enrol_permissions, serve_enrol_endpoint
-from orchestrator.nats_auth import (
+from orchestrator.security.credentials import enrol_permissions, serve_enrol_endpoint
+from orchestrator.security.nats_auth import (
     AUTH_SUBJECT,
     Permissions,
     agent_permissions,
@@ -54,7 +54,7 @@ from orchestrator.nats_auth import (
     orchctl_permissions,
     orchd_permissions,
 )
-from orchestrator.nkeys import KeyPair, NkeyError, decode_jwt, encode_jwt
+from orchestrator.security.nkeys import KeyPair, NkeyError, decode_jwt, encode_jwt
 from providers.bootstrap import ENROL_TTL_S, EnrolmentError
 
 log = structlog.get_logger("orchd.authcallout")
@@ -243,7 +243,7 @@ class AuthCallout:
         return await nc.subscribe(AUTH_SUBJECT, queue=QUEUE, cb=handle)
 
 
-# --- the executor's interface (same as orchestrator.credentials.NodeCredentials) ----------------------
+# --- the executor's interface (same as orchestrator.security.credentials.NodeCredentials) ----------------------
 
 
 class CalloutCredentials:

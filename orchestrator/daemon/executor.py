@@ -33,11 +33,11 @@ import structlog
 from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 
-from orchestrator import events as ev
+import wire as ev
 from orchestrator.core.commands import CheckInstance, Command, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import CommandFailed, CoreEvent, LaunchFailed, NodeGone, NodeLaunched
-from orchestrator.credentials import NodeCredentials
-from orchestrator.metrics import Metrics
+from orchestrator.security.credentials import NodeCredentials
+from orchestrator.daemon.metrics import Metrics
 from orchestrator.settings import Settings
 from providers.base import CloudProvider, InstanceState, LaunchRequest, NodeBootstrap, ProviderError
 

@@ -20,7 +20,7 @@ import msgspec
 import nats
 import nats.errors
 
-from orchestrator import events as ev
+import wire as ev
 from orchestrator.settings import NatsSettings
 
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import start_http_server
 
-from orchestrator.metrics import Metrics
+from orchestrator.daemon.metrics import Metrics
 
 
 class MetricsServer:

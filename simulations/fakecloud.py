@@ -1,4 +1,10 @@
-"""In-memory fake cloud for tests, chaos drills and benchmarks.
+"""The fake cloud: an in-memory ``CloudProvider`` for tests, chaos drills and benchmarks.
+
+Not part of the production packages: orchd loads it as a provider plugin (``[providers] enabled =
+["fake"]``, see orchestrator/daemon/registry.py) through ``from_settings``. With ``[providers.fake]
+state_file = "..."`` it is a ``FileFakeCloud`` whose instances and idempotency tokens are kept in that
+JSON file, so they survive a restart of orchd (the kill -9 drills count duplicates on the cloud side,
+from the file with ``read_fake_file``). Optional ``prices = [{pool..., price_usd_h, on_demand_usd_h}]``.
 
 Role: a `CloudProvider` that behaves like a cloud at the API edge: it enforces idempotency tokens (the
 same token twice returns the first call's instances), fulfils launches partially when capacity is
@@ -11,10 +17,18 @@ Concurrency contract: thread-safe (one lock); calls are cheap and never block.
 from __future__ import annotations
 
 import itertools
+import json
+import os
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
-from orchestrator.events import FailureReason, InstanceId, Market, NodeId, PoolKey
+import msgspec
+
+from wire import FailureReason, InstanceId, Market, NodeId, PoolKey
+from wire.config import SettingsError
 from providers.base import (
     TAG_CLUSTER,
     CapacityError,
@@ -38,8 +52,6 @@ class FakeCloud:
         gpu_type: str = "A100",
         gpus_per_node: int = 1,
     ) -> None:
-        import time
-
         self.cloud = cloud
         self._clock = clock or time.time
         self._lock = threading.Lock()
@@ -166,3 +178,82 @@ def _with_state(inst: Instance, state: InstanceState) -> Instance:
 
 
 __all__ = ["FakeCloud", "TransientError"]
+
+
+class FileFakeCloud(FakeCloud):
+    """FakeCloud persisted to a JSON file after every change (and loaded at construction)."""
+
+    def __init__(self, state_file: str | os.PathLike[str], cloud: str = "fake", **kw: Any) -> None:
+        super().__init__(cloud, **kw)
+        self.state_file = Path(state_file)
+        self._file_lock = threading.Lock()
+        if self.state_file.exists():
+            data = json.loads(self.state_file.read_text())
+            for raw in data.get("instances", []):
+                inst = msgspec.convert(raw, Instance)
+                self._instances[inst.instance_id] = inst
+            self._by_token = {k: tuple(v) for k, v in data.get("tokens", {}).items()}
+            self.launch_calls = data.get("launch_calls", 0)
+            self._ids = itertools.count(len(self._instances) + 1)
+
+    def _save(self) -> None:
+        with self._file_lock:  # one writer at a time; the snapshot is taken under the cloud's lock
+            with self._lock:
+                data = {
+                    "instances": list(self._instances.values()),
+                    "tokens": {k: list(v) for k, v in self._by_token.items()},
+                    "launch_calls": self.launch_calls,
+                }
+            tmp = self.state_file.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+            tmp.write_bytes(msgspec.json.encode(data))
+            tmp.replace(self.state_file)
+
+    def launch(self, request: LaunchRequest) -> LaunchResult:
+        try:
+            return super().launch(request)
+        finally:
+            self._save()
+
+    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
+        super().terminate(instance_ids)
+        self._save()
+
+    def preempt(self, instance_id: InstanceId) -> Instance:
+        out = super().preempt(instance_id)
+        self._save()
+        return out
+
+
+def read_fake_file(path: str | os.PathLike[str]) -> list[Instance]:
+    """The instances a FileFakeCloud recorded (for tests counting launches on the cloud side)."""
+    p = Path(path)
+    if not p.exists():
+        return []
+    return [msgspec.convert(raw, Instance) for raw in json.loads(p.read_text()).get("instances", [])]
+
+
+_KNOWN = {"state_file": str, "prices": list, "gpu_type": str, "gpus_per_node": int}
+
+
+def from_settings(table: Mapping[str, Any]) -> FakeCloud:
+    """``[providers.fake]`` -> FakeCloud (FileFakeCloud with a ``state_file``); one SettingsError with
+    every problem."""
+    problems = []
+    for k, v in table.items():
+        if k not in _KNOWN:
+            problems.append(f"providers.fake.{k}: unknown key (known: {', '.join(sorted(_KNOWN))})")
+        elif not isinstance(v, _KNOWN[k]) or isinstance(v, bool):
+            problems.append(f"providers.fake.{k}: expected {_KNOWN[k].__name__}, got {v!r}")
+    kw = {k: table[k] for k in ("gpu_type", "gpus_per_node") if k in table}
+    if problems:
+        raise SettingsError(problems, "providers.fake")
+    cloud = FileFakeCloud(table["state_file"], **kw) if table.get("state_file") else FakeCloud(**kw)
+    for i, row in enumerate(table.get("prices", [])):
+        try:
+            pool = msgspec.convert(row["pool"], PoolKey)
+            cloud.set_price(pool, float(row["price_usd_h"]), row.get("on_demand_usd_h"))
+        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as e:
+            problems.append(f"providers.fake.prices[{i}]: {e}")
+    if problems:
+        raise SettingsError(problems, "providers.fake")
+    return cloud

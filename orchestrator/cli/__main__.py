@@ -1,0 +1,3 @@
+from orchestrator.cli.main import main
+
+raise SystemExit(main())

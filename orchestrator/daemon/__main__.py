@@ -1,0 +1,3 @@
+from orchestrator.daemon.run import main
+
+raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Build the enabled providers from Settings: the one place orchd turns ``[providers]`` into
+``CloudProvider`` objects, and ``feed_plan``, which price feeds to run and how often.
+
+Cloud SDK modules are imported only for enabled clouds: a control host installed without the
+``[aws]``/``[gcp]``/``[azure]`` extras works as long as those clouds are not enabled; an enabled cloud
+whose SDK is missing is a configuration error that names the extra to install. Every problem of every
+enabled provider is reported in one ``SettingsError``.
+
+A provider module (``providers.aws``, ``providers.gcp``, ``providers.azure``, ``providers.local``, and
+the plugin ``simulations.fakecloud`` behind the name ``fake``) has ``from_settings(table) ->
+CloudProvider``, which validates its own table and raises SettingsError. Plugins are imported by name,
+so no production package imports them. Embedders (tests, the demo) may skip this and pass their own
+registry to ``run_daemon``.
+
+Start-up code: no network calls (SDK clients are created on first use).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.settings import FeedSettings, Settings, SettingsError
+from providers.base import CloudProvider
+
+PROVIDERS: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "aws": ("providers.aws", ("boto3", "botocore"), "aws"),
+    "gcp": ("providers.gcp", ("google.cloud.compute_v1", "google.cloud.billing_v1"), "gcp"),
+    "azure": ("providers.azure", ("azure.mgmt.compute", "azure.identity", "requests"), "azure"),
+    "local": ("providers.local", (), ""),
+    "fake": ("simulations.fakecloud", (), ""),
+}
+"""name -> (module with ``from_settings``, modules that must be importable, pip extra)."""
+DEFAULT_FEED_INTERVAL_S = {"aws": 300.0, "gcp": 3600.0, "azure": 3600.0}
+"""AWS spot prices move hourly at most; GCP and Azure list prices change rarely (monthly)."""
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def build_providers(settings: Settings) -> dict[str, CloudProvider]:
+    """The enabled providers by name. Raises SettingsError listing every problem."""
+    out: dict[str, CloudProvider] = {}
+    problems: list[str] = []
+    for name in settings.providers.enabled:
+        provider = _build_one(name, getattr(settings.providers, name), problems)
+        if provider is not None:
+            out[name] = provider
+    if problems:
+        raise SettingsError(problems, "providers")
+    return out
+
+
+def _build_one(name: str, table: Mapping[str, Any], problems: list[str]) -> CloudProvider | None:
+    module_name, needs, extra = PROVIDERS[name]
+    missing = [m for m in needs if not _importable(m)]
+    if missing:
+        problems.append(f"providers.{name}: SDK not installed ({', '.join(missing)}): "
+                        f"pip install 'spot-orchestrator[{extra}]'")
+        return None
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        problems.append(f"providers.{name}: cannot import {module_name}: {e}")
+        return None
+    factory = getattr(module, "from_settings", None)
+    if factory is None:
+        problems.append(f"providers.{name}: {module_name} has no from_settings()")
+        return None
+    try:
+        provider = factory(table)
+    except SettingsError as e:
+        problems += e.problems
+        return None
+    if not isinstance(provider, CloudProvider):
+        problems.append(f"providers.{name}: {module_name}.from_settings did not return a CloudProvider")
+        return None
+    return provider
+
+
+@dataclass(frozen=True, slots=True)
+class FeedPlan:
+    cloud: str
+    provider: CloudProvider
+    interval_s: float
+
+
+def feed_plan(settings: Settings, providers: Mapping[str, CloudProvider]) -> list[FeedPlan]:
+    """One price feed per enabled cloud provider, unless ``[providers.feeds.<cloud>] enabled = false``."""
+    out = []
+    for name, provider in providers.items():
+        if name in ("local", "fake") and name not in settings.providers.feeds:
+            continue  # no market to watch unless asked
+        fs = settings.providers.feeds.get(name) or FeedSettings(interval_s=DEFAULT_FEED_INTERVAL_S.get(name, 300.0))
+        if fs.enabled:
+            out.append(FeedPlan(name, provider, fs.interval_s))
+    return out

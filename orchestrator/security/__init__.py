@@ -1,0 +1,1 @@
+"""Per-node NATS credentials: enrolment, the rendered server authorization, the auth callout, nkeys."""
