@@ -1,11 +1,15 @@
 """The agent's configuration: one frozen ``AgentConfig`` from a TOML file, ``ORCH_AGENT_*`` env and flags.
 
 Precedence: command-line flags > environment ``ORCH_AGENT_<KEY>`` > ``--config FILE`` (TOML, the same
-keys as the fields below) > defaults. Every bad key or value is reported in one ``ConfigError``.
+keys as the fields below) > defaults. Loading is ``wire.config``'s (the one loader of the product): each
+source becomes a raw table, environment strings and string flags are converted by their field's type,
+the tables are merged in that order and checked once; every bad key or value is reported in one
+``ConfigError``, each problem named by where its value came from (``--flag``, ``ORCH_AGENT_KEY`` or
+``FILE: key``).
 
 Names the bootstrap script writes (providers/bootstrap.py) are understood: ``ORCH_AGENT_NODE_ID``,
 ``ORCH_AGENT_NATS_URLS`` (comma separated), ``ORCH_AGENT_CLOUD`` (the metadata flavour to watch),
-``ORCH_AGENT_ENROL_TOKEN`` (redeemed for the node's NATS credential, see agent/main.py ``enrol``).
+``ORCH_AGENT_ENROL_TOKEN`` (redeemed for the node's NATS credential, see agent/connection.py).
 Secrets: ``nats_password`` / ``nats_token`` from the environment or the file, never needed on a command
 line; under systemd, ``$CREDENTIALS_DIRECTORY/nats.password`` (LoadCredential=) is used when no
 password is configured, and ``$CREDENTIALS_DIRECTORY/nats-ca.pem`` as the TLS CA when present.
@@ -17,23 +21,26 @@ import argparse
 import dataclasses
 import os
 import socket
-import tomllib
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
-
-import msgspec
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
 
 from agent.watchers import DEFAULT_ENDPOINT
 from wire import PoolKey
+from wire.config import SettingsError, env_value, from_env, load_dataclass, merge, read_toml
 
 ENV_PREFIX = "ORCH_AGENT_"
 
+MetadataFlavour = Literal["aws", "gcp", "azure", "none"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 
-class ConfigError(ValueError):
+
+class ConfigError(SettingsError):
+    """Every problem of the agent's configuration, each ``where: what is wrong``."""
+
     def __init__(self, problems: list[str]) -> None:
-        super().__init__("invalid orch-agent configuration:\n" + "\n".join(f"  - {p}" for p in problems))
-        self.problems = problems
+        super().__init__(problems, "orch-agent configuration")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,7 +55,7 @@ class AgentConfig:
     enrol_token: str = ""
     """Single-use enrolment token from the bootstrap (``ORCH_AGENT_ENROL_TOKEN``): exchanged once over
     NATS for this node's own credential, which is kept in ``<work_dir>/nats-credential.json`` (0600)."""
-    metadata: str = "none"
+    metadata: MetadataFlavour = "none"
     """Metadata flavour to watch: aws | gcp | azure | none."""
     metadata_endpoint: str = DEFAULT_ENDPOINT
     cloud_name: str = ""
@@ -56,50 +63,22 @@ class AgentConfig:
     work_dir: str = "./var/agent"
     instance_id: str = ""
     pool: PoolKey | None = None
-    heartbeat_s: float = 2.0
-    metadata_poll_s: float = 0.5
-    gcp_notice_s: float = 30.0
+    heartbeat_s: float = field(default=2.0, metadata={"gt": 0})
+    metadata_poll_s: float = field(default=0.5, metadata={"gt": 0})
+    gcp_notice_s: float = field(default=30.0, metadata={"gt": 0})
     checkpoint_on_notice: bool = True
-    sigterm_grace_s: float = 30.0
-    collective_timeout_s: float = 60.0
+    sigterm_grace_s: float = field(default=30.0, metadata={"ge": 0})
+    collective_timeout_s: float = field(default=60.0, metadata={"gt": 0})
     exit_with_parent: bool = False
     advertise_host: str = ""
     """Address other nodes reach this one at (the rendezvous host when it is rank 0); default: hostname."""
-    warm_ranks: int = 0
+    warm_ranks: int = field(default=0, metadata={"ge": 0})
     """Pre-started interpreters with torch imported, handed to the next generation's ranks (0 = off)."""
-    log_level: str = "info"
+    log_level: LogLevel = "info"
 
 
+# other names of a setting, in the TOML file and the environment (the bootstrap writes ORCH_AGENT_CLOUD)
 _ALIASES = {"cloud": "metadata", "nats_url": "nats_urls", "creds": "nats_creds_file", "nats_creds": "nats_creds_file"}
-_CHOICES = {"metadata": ("aws", "gcp", "azure", "none"), "log_level": ("debug", "info", "warning", "error")}
-
-
-def _convert(name: str, tp: Any, value: Any) -> Any:
-    if name == "pool":
-        if isinstance(value, str):
-            return msgspec.json.decode(value, type=PoolKey) if value else None
-        return msgspec.convert(value, PoolKey)
-    if name == "nats_urls":
-        items = value.split(",") if isinstance(value, str) else list(value)
-        return tuple(u.strip() for u in items if str(u).strip())
-    if tp in (float, "float"):
-        return float(value)
-    if tp in (int, "int"):
-        if isinstance(value, bool):
-            raise ValueError("expected an integer")
-        return int(value)
-    if tp in (bool, "bool"):
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in ("1", "true", "yes", "on"):
-            return True
-        if str(value).lower() in ("0", "false", "no", "off", ""):
-            return False
-        raise ValueError(f"expected true/false, got {value!r}")
-    value = str(value)
-    if name in _CHOICES and value not in _CHOICES[name]:
-        raise ValueError(f"{value!r} is not one of {', '.join(_CHOICES[name])}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--nats-token", help="prefer ORCH_AGENT_NATS_TOKEN")
     a("--nats-creds", dest="nats_creds_file", help="NATS .creds file")
     a("--nats-tls-ca", dest="nats_tls_ca_file", help="CA bundle for TLS to NATS")
-    a("--metadata", choices=_CHOICES["metadata"], help="metadata service to watch (env ORCH_AGENT_CLOUD)")
+    a("--metadata", choices=get_args(MetadataFlavour), help="metadata service to watch (env ORCH_AGENT_CLOUD)")
     a("--metadata-endpoint", help=f"default {DEFAULT_ENDPOINT}")
     a("--cloud-name", help="cloud in notice subjects (default: the metadata flavour)")
     a("--work-dir")
@@ -129,54 +108,97 @@ def build_parser() -> argparse.ArgumentParser:
     a("--advertise-host", help="address peers use to reach this node (default: hostname)")
     a("--warm-ranks", type=int, help="pre-start this many interpreters with torch imported")
     a("--exit-with-parent", action="store_const", const=True, help="leave when the parent process exits")
-    a("--log-level", choices=_CHOICES["log_level"])
+    a("--log-level", choices=get_args(LogLevel))
     return p
+
+
+class _Sources:
+    """The raw tables of the sources, lowest first, and where each key's winning value came from."""
+
+    def __init__(self) -> None:
+        self.raw: dict[str, Any] = {}
+        self.where: dict[str, str] = {}
+        self.problems: list[str] = []
+
+    def add(self, table: Mapping[str, Any], where: Mapping[str, str]) -> None:
+        self.raw = merge(self.raw, table)
+        self.where.update(where)
+
+    def named(self, problem: str) -> str:
+        """``key...: why`` -> ``<where the key's value came from>...: why``."""
+        for key, where in self.where.items():
+            if problem.startswith(key) and problem[len(key):len(key) + 1] in (":", "[", "."):
+                return where + problem[len(key):]
+        return problem
+
+
+def _toml_source(path: str) -> tuple[dict[str, Any], dict[str, str]]:
+    try:
+        table = read_toml(path)
+    except SettingsError as e:
+        raise ConfigError([f"{path}: {p}" for p in e.problems]) from None
+    table = {_ALIASES.get(k, k): v for k, v in table.items()}
+    return table, {k: f"{path}: {k}" for k in table}
+
+
+def _env_source(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str], list[str]]:
+    renamed: dict[str, str] = {}
+    where: dict[str, str] = {}
+    for key, text in env.items():
+        if key.startswith(ENV_PREFIX):
+            name = key[len(ENV_PREFIX):].lower()
+            name = _ALIASES.get(name, name)
+            renamed[ENV_PREFIX + name.upper()] = text
+            where[name] = key
+    table, problems = from_env(AgentConfig, renamed, ENV_PREFIX, nested=False)
+    for name in table:
+        if renamed[ENV_PREFIX + name.upper()] == "" and _optional(name):
+            table[name] = None  # ORCH_AGENT_POOL= : no value
+    return table, where, problems
+
+
+def _flag_source(args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, str]]:
+    hints = typing.get_type_hints(AgentConfig)
+    table: dict[str, Any] = {}
+    for name, value in vars(args).items():
+        if name == "config" or value is None:
+            continue
+        if isinstance(value, str):  # typed flags (floats, ints, lists) are converted by argparse already
+            value = None if value == "" and _optional(name) else env_value(hints[name], value)
+        table[name] = value
+    return table, {k: f"--{k.replace('_', '-')}" for k in table}
+
+
+def _optional(name: str) -> bool:
+    return type(None) in get_args(typing.get_type_hints(AgentConfig)[name])
+
+
+def _with_credentials_directory(cfg: AgentConfig, env: Mapping[str, str]) -> AgentConfig:
+    creds_dir = env.get("CREDENTIALS_DIRECTORY", "")
+    if not creds_dir:
+        return cfg
+    pw = os.path.join(creds_dir, "nats.password")
+    if not cfg.nats_password and os.path.exists(pw):
+        with open(pw) as f:
+            cfg = dataclasses.replace(cfg, nats_password=f.read().strip())
+    ca = os.path.join(creds_dir, "nats-ca.pem")
+    if not cfg.nats_tls_ca_file and os.path.exists(ca):
+        cfg = dataclasses.replace(cfg, nats_tls_ca_file=ca)
+    return cfg
 
 
 def load_config(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> AgentConfig:
     env = os.environ if env is None else env
     args = build_parser().parse_args(argv)
-    fields = {f.name: f for f in dataclasses.fields(AgentConfig)}
-    raw: dict[str, Any] = {}
-    problems: list[str] = []
+    sources = _Sources()
+    sources.add({"node_id": socket.gethostname().split(".")[0]}, {"node_id": "default node_id"})
     if args.config:
-        try:
-            with open(args.config, "rb") as f:
-                table = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError([f"{args.config}: {e}"]) from None
-        for k, v in table.items():
-            raw[_ALIASES.get(k, k)] = (f"{args.config}: {k}", v)
-    for k, v in env.items():
-        if k.startswith(ENV_PREFIX):
-            name = k[len(ENV_PREFIX):].lower()
-            name = _ALIASES.get(name, name)
-            if name in fields:
-                raw[name] = (k, v)
-            else:
-                problems.append(f"{k}: unknown setting")
-    for name, v in vars(args).items():
-        if name != "config" and v is not None:
-            raw[name] = (f"--{name.replace('_', '-')}", v)
-    kwargs: dict[str, Any] = {}
-    for name, (where, v) in raw.items():
-        if name not in fields:
-            problems.append(f"{where}: unknown setting (known: {', '.join(sorted(fields))})")
-            continue
-        try:
-            kwargs[name] = _convert(name, fields[name].type, v)
-        except (ValueError, TypeError, msgspec.ValidationError, msgspec.DecodeError) as e:
-            problems.append(f"{where}: {e}")
-    if problems:
+        sources.add(*_toml_source(args.config))
+    table, where, env_problems = _env_source(env)
+    sources.add(table, where)
+    sources.add(*_flag_source(args))
+    cfg, problems = load_dataclass(AgentConfig, sources.raw)
+    problems = env_problems + [sources.named(p) for p in problems]
+    if problems or cfg is None:
         raise ConfigError(problems)
-    kwargs.setdefault("node_id", socket.gethostname().split(".")[0])
-    creds_dir = env.get("CREDENTIALS_DIRECTORY", "")
-    if creds_dir:
-        pw = os.path.join(creds_dir, "nats.password")
-        if not kwargs.get("nats_password") and os.path.exists(pw):
-            with open(pw) as f:
-                kwargs["nats_password"] = f.read().strip()
-        ca = os.path.join(creds_dir, "nats-ca.pem")
-        if not kwargs.get("nats_tls_ca_file") and os.path.exists(ca):
-            kwargs["nats_tls_ca_file"] = ca
-    return AgentConfig(**kwargs)
+    return _with_credentials_directory(cfg, env)

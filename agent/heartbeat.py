@@ -1,19 +1,30 @@
-"""System figures for heartbeats: CPU/memory through psutil, GPUs through NVML when there are any.
+"""Heartbeats: the node's state and progress plus system figures, on ``orch.node.<node>.hb``.
 
-Role: sample what a heartbeat reports about the host. NVML (``pynvml``, from nvidia-ml-py) is used only
+Role: ``Heartbeats`` publishes one ``Heartbeat`` every ``heartbeat_s`` on core NATS while connected
+(the latest value matters, not history: nothing is buffered during an outage). ``SystemSampler``
+samples what a heartbeat reports about the host. NVML (``pynvml``, from nvidia-ml-py) is used only
 when importable and at least one GPU is present; otherwise ``gpus`` is empty and CPU/memory describe the
 node. Sampling is cheap (no blocking interval): ``psutil.cpu_percent(None)`` measures since the last call.
 
-Concurrency contract: one sampler per agent, called from the event loop every few seconds.
+Concurrency contract: one sampler per agent, called from the event loop every few seconds;
+``Heartbeats.run`` is one task in the agent's task group.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
+import anyio
+import nats
 import psutil
+import structlog
 
-from wire import GpuStats
+from agent.generations import GenerationRunner
+from wire import GpuStats, Heartbeat, JobId, NodeId, encode, subject_heartbeat
+
+log = structlog.get_logger("agent")
 
 
 class SystemSampler:
@@ -22,14 +33,14 @@ class SystemSampler:
         self._nvml: Any = None
         self._handles: list[Any] = []
         try:
-            import pynvml  # type: ignore[import-not-found]
+            import pynvml
 
             pynvml.nvmlInit()
             n = pynvml.nvmlDeviceGetCount()
             if n > 0:
                 self._nvml = pynvml
                 self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
-        except Exception:  # noqa: BLE001 - no NVML library, no driver, or no GPU: CPU-only node
+        except Exception:  # any failure: no NVML library, no driver, or no GPU: a CPU-only node
             self._nvml = None
 
     @property
@@ -61,3 +72,32 @@ class SystemSampler:
             except nv.NVMLError:
                 continue
         return tuple(out)
+
+
+class Heartbeats:
+    def __init__(self, node_id: NodeId, generations: GenerationRunner, fencing_token: Callable[[], int]) -> None:
+        self.node_id = node_id
+        self.generations = generations
+        self.fencing_token = fencing_token
+        self.sampler = SystemSampler()
+        self.seq = 0
+
+    def next(self) -> Heartbeat:
+        self.seq += 1
+        g = self.generations.group
+        cpu, mem = self.sampler.cpu_mem()
+        return Heartbeat(
+            node_id=self.node_id, seq=self.seq, ts=time.time(), state=self.generations.state,
+            job_id=JobId(g.job_id) if g else None, generation=g.generation if g else 0,
+            step=g.last_step if g else 0, loss=g.last_loss if g else None,
+            tokens_per_s=g.tokens_per_s if g else None, step_time_s=g.step_time_s if g else None,
+            cpu_pct=cpu, mem_pct=mem, gpus=self.sampler.gpus(), fencing_token=self.fencing_token())
+
+    async def run(self, nc: nats.NATS, period_s: float) -> None:
+        while True:
+            if nc.is_connected:
+                try:
+                    await nc.publish(subject_heartbeat(self.node_id), encode(self.next()))
+                except Exception as e:  # any failure: the next one goes out in a period
+                    log.debug("heartbeat_failed", error=repr(e))
+            await anyio.sleep(period_s)

@@ -22,6 +22,7 @@ class Response:
     status: int
     headers: dict[str, str]  # lower-case names
     body: bytes
+    url: str = ""  # what was asked for: a parser tells the documents of one service apart by it
 
     def text(self) -> str:
         return self.body.decode("utf-8", errors="replace")
@@ -70,7 +71,7 @@ async def request(
                     data = await reader.readexactly(int(length))
                 else:
                     data = await reader.read()
-                return Response(status, resp_headers, data)
+                return Response(status, resp_headers, data, url)
             finally:
                 writer.close()
     except TimeoutError:

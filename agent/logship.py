@@ -14,6 +14,7 @@ Concurrency contract: ``ship`` is synchronous and never blocks; one ``run`` task
 from __future__ import annotations
 
 import collections
+import math
 import time
 from pathlib import Path
 from typing import IO
@@ -44,7 +45,7 @@ async def ensure_logs_stream(nc: NATS, *, max_age_s: float = 7 * 86400, max_byte
     try:
         await js.add_stream(StreamConfig(name=LOGS_STREAM, subjects=LOGS_SUBJECTS, max_age=max_age_s,
                                          max_bytes=max_bytes))
-    except Exception as e:  # noqa: BLE001 - created concurrently by another agent, or no permission
+    except Exception as e:  # any failure: created concurrently by another agent, or no permission
         log.debug("logs_stream_not_created", error=repr(e))
 
 
@@ -101,7 +102,7 @@ class LogShipper:
                 self.shipped += 1
             except anyio.get_cancelled_exc_class():
                 raise
-            except Exception as e:  # noqa: BLE001 - best effort: put it back, wait for the connection
+            except Exception as e:  # any failure: best effort, put it back and wait for the connection
                 self._q.appendleft(rec)
                 log.debug("log_ship_failed", error=repr(e))
                 await anyio.sleep(0.2)
@@ -110,5 +111,5 @@ class LogShipper:
         with anyio.move_on_after(timeout_s):
             while self._q and self.nc.is_connected:
                 await anyio.sleep(0.05)
-            if self.nc.is_connected:
-                await self.nc.flush(timeout=max(0.1, timeout_s))
+            if self.nc.is_connected:  # whole seconds for nats-py; the scope above bounds the wait anyway
+                await self.nc.flush(timeout=max(1, math.ceil(timeout_s)))

@@ -9,16 +9,23 @@ Concurrency contract: ``put`` is synchronous and never blocks (callable from any
 agent's loop); one ``run`` task publishes, strictly one message at a time, retrying the head of the
 queue with capped backoff until it is acknowledged. Urgent messages (notices) jump the queue.
 Bounded: past ``max_items`` the oldest non-urgent message is dropped and counted.
+
+``NodePublisher`` is what the agent's parts publish through: a node's events and notices on their
+subjects, with their ids as ``Nats-Msg-Id``, into the outbox (set once connected).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 from dataclasses import dataclass
 
 import anyio
+import anyio.abc
 import structlog
 from nats.js import JetStreamContext
+
+from wire import NodeEvent, NodeId, PreemptionNotice, encode, subject_node_event, subject_notice
 
 log = structlog.get_logger("agent.outbox")
 
@@ -87,7 +94,7 @@ class Outbox:
                                             headers={"Nats-Msg-Id": item.msg_id})
             except anyio.get_cancelled_exc_class():
                 raise
-            except Exception as e:  # noqa: BLE001 - any publish failure: keep the item, retry later
+            except Exception as e:  # any publish failure: keep the item, retry later
                 self.failures += 1
                 log.debug("outbox_publish_failed", msg_id=item.msg_id, error=repr(e), pending=len(self._q))
                 await anyio.sleep(backoff)
@@ -97,10 +104,29 @@ class Outbox:
             if self._q and self._q[0] is item:
                 self._q.popleft()
             else:  # an urgent item was put in front while we published: remove ours where it is
-                try:
+                with contextlib.suppress(ValueError):
                     self._q.remove(item)
-                except ValueError:
-                    pass
             self.published += 1
             if getattr(ack, "duplicate", False):
                 self.duplicates += 1
+
+
+class NodePublisher:
+    """One node's JetStream messages, queued in ``outbox`` (None until the agent is connected)."""
+
+    def __init__(self, node_id: NodeId) -> None:
+        self.node_id = node_id
+        self.outbox: Outbox | None = None
+
+    def _queue(self) -> Outbox:
+        if self.outbox is None:
+            raise RuntimeError("not connected: no outbox yet")
+        return self.outbox
+
+    def event(self, ev: NodeEvent, *, urgent: bool = False) -> None:
+        """On ``orch.node.<node>.event``."""
+        self._queue().put(subject_node_event(self.node_id), encode(ev), ev.id, urgent=urgent)
+
+    def notice(self, ev: PreemptionNotice) -> None:
+        """On ``orch.notice.<cloud>.<node>``, ahead of everything queued."""
+        self._queue().put(subject_notice(ev.cloud, self.node_id), encode(ev), ev.id, urgent=True)

@@ -20,6 +20,7 @@ called from the reader tasks in the agent's event loop and must not block.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -35,8 +36,8 @@ import anyio.abc
 import structlog
 
 from agent.warm import WarmPool, module_of
-from wire import StartGenerationCmd
 from trainer import contract
+from wire import StartGenerationCmd
 
 log = structlog.get_logger("agent.ranks")
 
@@ -206,14 +207,13 @@ class RankGroup:
         argv, env = self._argv(), self._env(r)
         module = module_of(argv)
         proc = self.warm.take() if (self.warm is not None and module is not None) else None
-        if proc is not None:
-            assert module is not None
+        if proc is not None and module is not None and proc.stdin is not None:
             req = json.dumps({"env": env, "cwd": str(self.work_dir), "argv": [module, *argv[3:]], "module": module})
             try:
-                await proc.stdin.send(req.encode() + b"\n")  # type: ignore[attr-defined]
-                await proc.stdin.aclose()  # type: ignore[attr-defined]
+                await proc.stdin.send(req.encode() + b"\n")
+                await proc.stdin.aclose()
                 self.warm_used += 1
-                return proc  # type: ignore[return-value]
+                return proc
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 log.warning("warm_process_unusable", rank=r.rank)
         return await anyio.open_process(argv, env=env, cwd=str(self.work_dir), start_new_session=True,
@@ -280,9 +280,7 @@ class RankGroup:
         """SIGTERM (the trainer checkpoints within its grace) or, without a checkpoint, SIGKILL."""
         self.stopped = True
         for r in self.ranks:
-            if checkpoint_first and r.ready:
-                self._signal(r, signal.SIGTERM)
-            elif checkpoint_first:  # not ready: the default SIGTERM action would lose nothing anyway
+            if checkpoint_first:  # a rank not ready yet: the default SIGTERM action loses nothing either
                 self._signal(r, signal.SIGTERM)
             else:
                 self._killpg(r)
@@ -295,15 +293,11 @@ class RankGroup:
 
     def _signal(self, r: _Rank, sig: signal.Signals) -> None:
         if r.proc is not None and r.proc.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(r.proc.pid, sig)
-            except ProcessLookupError:
-                pass
         r.signal_pending = False
 
     def _killpg(self, r: _Rank) -> None:
         if r.proc is not None and r.proc.returncode is None:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(r.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass

@@ -23,10 +23,16 @@ agent's task group (``refill`` starts processes and returns at once; they import
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # run as a program (a warm process), this module imports nothing it does not need
+    import anyio.abc
 
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "trainer.gpt")
 
@@ -47,16 +53,17 @@ class WarmPool:
         self.cwd = cwd
         self.preload = preload
         self.env = env
-        self._procs: list[object] = []
+        self._procs: list[anyio.abc.Process] = []
         self.used = 0
         self.spawned = 0
 
     async def refill(self) -> None:
         import anyio
+        import structlog
 
-        self._procs = [p for p in self._procs if p.returncode is None]  # type: ignore[attr-defined]
-        from agent.ranks import rank_base_env
+        from agent.ranks import rank_base_env  # agent.ranks imports this module
 
+        self._procs = [p for p in self._procs if p.returncode is None]
         while len(self._procs) < self.size:
             proc = await anyio.open_process(
                 [sys.executable, "-m", "agent.warm", *self.preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -64,27 +71,21 @@ class WarmPool:
                 start_new_session=True)
             self._procs.append(proc)
             self.spawned += 1
-            import structlog
-
             structlog.get_logger("agent.warm").info("warm_process_started", pid=proc.pid)
 
-    def take(self) -> object | None:
+    def take(self) -> anyio.abc.Process | None:
         while self._procs:
             proc = self._procs.pop(0)
-            if proc.returncode is None:  # type: ignore[attr-defined]
+            if proc.returncode is None:
                 self.used += 1
                 return proc
         return None
 
     async def close(self) -> None:
-        import signal
-
         for proc in self._procs:
-            if proc.returncode is None:  # type: ignore[attr-defined]
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # type: ignore[attr-defined]
-                except (ProcessLookupError, PermissionError):
-                    pass
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         self._procs.clear()
 
 
@@ -102,19 +103,15 @@ def _serve(preload: list[str]) -> None:
         except OSError:
             nice = 0
     for name in preload:
-        try:
+        with contextlib.suppress(ImportError):  # the request's module will fail loudly if it really needs it
             importlib.import_module(name)
-        except ImportError:
-            pass  # the request's module will fail loudly if it really needs it
     line = sys.stdin.readline()
     if not line:
         sys.exit(0)  # the agent went away before using us
     req = json.loads(line)
     if nice:
-        try:
+        with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, 0)
-        except OSError:
-            pass
     os.environ.clear()
     os.environ.update(req["env"])
     if req.get("cwd"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import uuid
@@ -29,11 +30,9 @@ EVENTS_STREAM = "ORCH_EVENTS_TEST"
 
 async def ensure_events_stream(nc: nats.NATS) -> None:
     js = nc.jetstream()
-    try:
+    with contextlib.suppress(Exception):  # any failure: the stream exists already (module-scoped server)
         await js.add_stream(StreamConfig(name=EVENTS_STREAM, subjects=["orch.node.*.event", "orch.notice.>"],
                                          duplicate_window=120))
-    except Exception:  # noqa: BLE001 - exists already (module-scoped server)
-        pass
 
 
 async def stream_events(nc: nats.NATS, node: str) -> list:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import json
 
-from orchestrator.cli.demo_report import Injection, Rec, compute_report, load_step_logs, loss_by_step, sample_order_exact
+from orchestrator.cli.demo_report import (
+    Injection,
+    Rec,
+    compute_report,
+    load_step_logs,
+    loss_by_step,
+    sample_order_exact,
+)
 
 
 def _gen(g: int, steps: range, ws: int, t0: float, dt: float = 1.0) -> list[Rec]:

@@ -7,19 +7,21 @@ import time
 
 import anyio
 import nats
+import pytest
 
-from wire import Market, NodeId, NodeRegistered, PreemptionNotice
 from providers.base import InstanceState, LaunchRequest, NodeBootstrap
 from providers.local import LocalConfig, LocalProvider
 from providers.local.prices import BUNDLED_HISTORY, ReplayPrices, load_history
 from tests.agent.helpers import ensure_events_stream, stream_events, wait_for
+from wire import Market, NodeId, NodeRegistered, PreemptionNotice
+
+pytestmark = pytest.mark.anyio
 
 
-def test_launch_preempt_vanish(nats_url: str, tmp_path) -> None:
+async def test_launch_preempt_vanish(nats_url: str, tmp_path) -> None:
     lp = LocalProvider(LocalConfig(work_dir=str(tmp_path), metadata={"local-b": "gcp"},
                                    agent_args=("--heartbeat-s", "0.5")))
-
-    async def go() -> None:
+    try:
         nc = await nats.connect(nats_url)
         await ensure_events_stream(nc)
         req = LaunchRequest(pool=lp.pool("local-b"), node_ids=(NodeId("lp-1"), NodeId("lp-2")),
@@ -31,7 +33,8 @@ def test_launch_preempt_vanish(nats_url: str, tmp_path) -> None:
         assert {i.node_id for i in lp.list_instances("c1")} == {"lp-1", "lp-2"}
 
         async def registered() -> set[str]:
-            return {e.node_id for n in ("lp-1", "lp-2") for e in await stream_events(nc, n) if isinstance(e, NodeRegistered)}
+            return {e.node_id for n in ("lp-1", "lp-2") for e in await stream_events(nc, n)
+                    if isinstance(e, NodeRegistered)}
 
         with anyio.fail_after(30):
             while await registered() != {"lp-1", "lp-2"}:
@@ -48,9 +51,6 @@ def test_launch_preempt_vanish(nats_url: str, tmp_path) -> None:
         assert lp.describe([lp.instance_of("lp-2")])[0].state == InstanceState.TERMINATED
         assert lp.list_instances("c1") == []
         await nc.close()
-
-    try:
-        anyio.run(go)
     finally:
         lp.close()
 
@@ -84,8 +84,6 @@ def test_prices_fixed_override_and_replay(tmp_path) -> None:
 
 
 def test_from_settings_for_orchd_registry(tmp_path) -> None:
-    import pytest
-
     from providers.local import from_settings
 
     lp = from_settings({"work_dir": str(tmp_path), "zones": ["z1", "z2"], "prices": "replay",
