@@ -138,6 +138,8 @@ def _toml_source(path: str) -> tuple[dict[str, Any], dict[str, str]]:
     except SettingsError as e:
         raise ConfigError([f"{path}: {p}" for p in e.problems]) from None
     table = {_ALIASES.get(k, k): v for k, v in table.items()}
+    if isinstance(table.get("nats_urls"), str):  # files written for earlier agents give "url1,url2"
+        table["nats_urls"] = [u.strip() for u in table["nats_urls"].split(",") if u.strip()]
     return table, {k: f"{path}: {k}" for k in table}
 
 

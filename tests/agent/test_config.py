@@ -82,3 +82,10 @@ def test_bounds_and_sources_are_named(tmp_path) -> None:
     with pytest.raises(ConfigError) as missing:
         load_config(["--config", str(tmp_path / "none.toml")], {})
     assert "none.toml" in str(missing.value)
+
+
+def test_a_comma_separated_url_string_in_the_file_is_still_a_list(tmp_path) -> None:
+    """Agent files written for earlier releases give ``nats_urls = "a,b"``: still two servers."""
+    toml = tmp_path / "agent.toml"
+    toml.write_text('nats_urls = "nats://a:4222, nats://b:4222"\n')
+    assert load_config(["-c", str(toml)], {}).nats_urls == ("nats://a:4222", "nats://b:4222")
