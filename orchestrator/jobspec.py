@@ -1,17 +1,22 @@
-"""Job spec files (TOML or YAML) -> ``events.JobSpec``, with every problem reported at once.
+"""Job spec files (TOML or YAML) -> ``wire.JobSpec``, with every problem reported at once.
 
-Role: the edge between a user's file and the typed ``JobSpec`` the core receives. ``load_jobspec``
-parses the file (by suffix: .toml, .yaml/.yml), checks every key (unknown keys, wrong types, bad
-values, cross-field rules) and raises one ``JobSpecError`` listing all problems with their key paths.
-``spec_problems`` holds the cross-field rules, so orchd re-checks specs that arrive over the wire.
+Role: the edge between a user's file and the typed ``JobSpec`` the core receives. The file layout is
+described by the frozen dataclasses below (``JobFile`` and its tables) and converted by the one
+configuration loader, ``wire.config.load_dataclass``: unknown keys, missing required keys, wrong types,
+choices not offered and numbers out of bounds are all collected with their key paths. Once the layout is
+valid, the cross-field rules run (the file's own, then ``spec_problems`` on the built ``JobSpec``) and
+every one of them is collected too. ``JobSpecError`` lists them all.
+
+``spec_problems`` holds the rules a ``JobSpec`` must satisfy however it was made, so orchd re-checks
+specs that arrive over the wire (``jobs submit``). Defaults come from the wire structs themselves.
 
 File layout (see config/jobs/*.toml|yaml)::
 
     name, total_steps, gpu_type, gpus_per_node, nodes, nodes_min, nodes_max, step_time_s_estimate,
     clouds, regions, zones, instance_types, market (spot | on_demand | spot_with_fallback),
-    deadline (TOML/YAML datetime or ISO-8601 string) or deadline_ts (unix seconds), budget_usd
+    deadline (TOML/YAML date-time or ISO-8601 string; no zone = UTC) or deadline_ts (unix seconds), budget_usd
     [trainer]    command = [...] | config = "path" (passed as args.config), args = {...}, env = {...}
-    [checkpoint] url (file:// s3:// gs:// az://), interval_s, keep, save_s_estimate
+    [checkpoint] url (file:// s3:// gs:// az:// abfs://), interval_s, keep, save_s_estimate
     [price]      pause_above_ratio, resume_below_ratio, migrate_min_saving
 
 Pure apart from reading the file; no clock.
@@ -22,37 +27,139 @@ from __future__ import annotations
 import datetime as dt
 import os
 import tomllib
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import yaml
 
 from wire import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrainerSpec
+from wire.config import SettingsError, load_dataclass, merge, problem_path, without_problems
 
-KNOWN_CLOUDS = ("aws", "gcp", "azure", "local", "fake")
+__all__ = ["JobSpecError", "JobFile", "build_jobspec", "load_jobspec", "parse_jobspec", "spec_problems"]
+
+Cloud = Literal["aws", "gcp", "azure", "local", "fake"]
+KNOWN_CLOUDS: tuple[str, ...] = typing.get_args(Cloud)
 CHECKPOINT_SCHEMES = ("file://", "s3://", "gs://", "az://", "abfs://")
 
 
-class JobSpecError(ValueError):
+class JobSpecError(SettingsError):
+    """Every problem of one job spec, each ``key.path: what is wrong``."""
+
     def __init__(self, problems: list[str], source: str = "job spec") -> None:
-        self.problems = problems
-        lines = "\n".join(f"  - {p}" for p in problems)
-        super().__init__(f"invalid {source} ({len(problems)} problem{'s' * (len(problems) != 1)}):\n{lines}")
+        super().__init__(problems, source)
 
 
-_TOP = {
-    "name": str, "total_steps": int, "gpu_type": str, "gpus_per_node": int, "nodes": int, "nodes_min": int,
-    "nodes_max": int, "step_time_s_estimate": float, "clouds": tuple[str, ...], "regions": tuple[str, ...],
-    "zones": tuple[str, ...], "instance_types": tuple[str, ...], "market": MarketPolicy,
-    "deadline": Any, "deadline_ts": float, "budget_usd": float,
-    "trainer": dict, "checkpoint": dict, "price": dict,
-}
-_REQUIRED = ("name", "total_steps", "gpu_type", "checkpoint")
-_TRAINER = {"command": tuple[str, ...], "config": str, "args": dict[str, str | int | float | bool],
-            "env": dict[str, str]}
-_CHECKPOINT = {"url": str, "interval_s": float, "keep": int, "save_s_estimate": float}
-_PRICE = {"pause_above_ratio": float, "resume_below_ratio": float, "migrate_min_saving": float}
+def _wire_default(struct: type[msgspec.Struct], name: str) -> Any:
+    """The default of ``struct.name``: the file's defaults are the wire's, never a second copy."""
+    (info,) = (f for f in msgspec.structs.fields(struct) if f.name == name)
+    return info.default
+
+
+def _job_default(name: str, **bounds: float) -> Any:
+    return field(default=_wire_default(JobSpec, name), metadata=bounds)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerTable:
+    """``[trainer]``: ``command`` (your own program) or ``config`` (the built-in trainer's), not both."""
+
+    command: tuple[str, ...] | None = None
+    config: str | None = None
+    """Passed to the built-in trainer as ``args.config``."""
+    args: Mapping[str, str | int | float | bool] = field(default_factory=dict)
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CheckpointTable:
+    """``[checkpoint]`` -> ``wire.CheckpointPolicy``."""
+
+    url: str
+    interval_s: float | None = field(default=_wire_default(CheckpointPolicy, "interval_s"), metadata={"gt": 0})
+    """Omitted: orchd derives it from the pool's preemption rate (Young/Daly)."""
+    keep: int = field(default=_wire_default(CheckpointPolicy, "keep"), metadata={"ge": 1})
+    save_s_estimate: float = _wire_default(CheckpointPolicy, "save_s_estimate")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PriceTable:
+    """``[price]`` -> ``wire.PricePolicy``."""
+
+    pause_above_ratio: float = _wire_default(PricePolicy, "pause_above_ratio")
+    resume_below_ratio: float = _wire_default(PricePolicy, "resume_below_ratio")
+    migrate_min_saving: float = _wire_default(PricePolicy, "migrate_min_saving")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class JobFile:
+    """A job spec file's top level. The one-field bounds here are ``spec_problems``' too, so a file reports
+    them with its type errors; the cross-field rules need a valid layout first."""
+
+    name: str
+    total_steps: int = field(metadata={"gt": 0})
+    gpu_type: str
+    gpus_per_node: int = _job_default("gpus_per_node", ge=1)
+    nodes: int = _job_default("nodes")
+    nodes_min: int | None = field(default=None, metadata={"ge": 1})
+    """Default: ``min(nodes, nodes_max)``."""
+    nodes_max: int | None = None
+    """Default: ``max(nodes, nodes_min)``."""
+    step_time_s_estimate: float = _job_default("step_time_s_estimate", gt=0)
+    clouds: tuple[Cloud, ...] = ()
+    """Empty: any cloud."""
+    regions: tuple[str, ...] = ()
+    zones: tuple[str, ...] = ()
+    instance_types: tuple[str, ...] = ()
+    market: MarketPolicy = _wire_default(JobSpec, "market")
+    deadline: dt.datetime | None = None
+    deadline_ts: float | None = None
+    budget_usd: float | None = field(default=None, metadata={"gt": 0})
+    trainer: TrainerTable = TrainerTable()
+    checkpoint: CheckpointTable
+    price: PriceTable = PriceTable()
+
+    def check(self) -> list[str]:
+        """The file's own cross-field rules (the JobSpec's are ``spec_problems``)."""
+        out = []
+        if self.trainer.command is not None and self.trainer.config is not None:
+            out.append("trainer: give either command or config, not both")
+        if self.deadline is not None and self.deadline_ts is not None:
+            out.append("deadline: give either deadline or deadline_ts, not both")
+        return out
+
+    def to_spec(self) -> JobSpec:
+        nodes_min = self.nodes_min
+        if nodes_min is None:
+            nodes_min = min(self.nodes, self.nodes if self.nodes_max is None else self.nodes_max)
+        nodes_max = self.nodes_max if self.nodes_max is not None else max(self.nodes, nodes_min)
+        t = self.trainer
+        args = dict(t.args)
+        if t.config is not None:
+            args["config"] = t.config
+        c, p = self.checkpoint, self.price
+        return JobSpec(
+            name=self.name, total_steps=self.total_steps, gpu_type=self.gpu_type, gpus_per_node=self.gpus_per_node,
+            nodes=self.nodes, nodes_min=nodes_min, nodes_max=nodes_max,
+            step_time_s_estimate=self.step_time_s_estimate, clouds=self.clouds, regions=self.regions,
+            zones=self.zones, instance_types=self.instance_types, market=self.market,
+            deadline_ts=_timestamp(self.deadline) if self.deadline is not None else self.deadline_ts,
+            budget_usd=self.budget_usd,
+            trainer=TrainerSpec(command=t.command or (), args=args, env=dict(t.env)),
+            checkpoint=CheckpointPolicy(url=c.url, interval_s=c.interval_s, keep=c.keep,
+                                        save_s_estimate=c.save_s_estimate),
+            price=PricePolicy(pause_above_ratio=p.pause_above_ratio, resume_below_ratio=p.resume_below_ratio,
+                              migrate_min_saving=p.migrate_min_saving),
+        )
+
+
+def _timestamp(when: dt.datetime) -> float:
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.UTC)  # a deadline without a zone is UTC, never local time
+    return when.timestamp()
 
 
 def load_jobspec(path: str | os.PathLike[str]) -> JobSpec:
@@ -77,108 +184,49 @@ def parse_jobspec(text: str, fmt: str = "toml", source: str = "job spec") -> Job
     return spec
 
 
-def _check_table(raw: Any, fields: dict[str, Any], path: str, problems: list[str]) -> dict[str, Any]:
-    if not isinstance(raw, dict):
-        problems.append(f"{path}: expected a table, got {type(raw).__name__}")
-        return {}
-    out: dict[str, Any] = {}
-    for key, value in raw.items():
-        where = f"{path}.{key}" if path else str(key)
-        if key not in fields:
-            problems.append(f"{where}: unknown key (known: {', '.join(sorted(fields))})")
-            continue
-        tp = fields[key]
-        if tp is Any:
-            out[key] = value
-            continue
-        if tp is float and isinstance(value, bool):
-            problems.append(f"{where}: expected a number, got {value!r}")
-            continue
-        try:
-            out[key] = msgspec.convert(value, tp, strict=False) if tp is not dict else _need_dict(value)
-        except (msgspec.ValidationError, TypeError) as e:
-            problems.append(f"{where}: {_short(e, value)}")
-    return out
+_PLACEHOLDERS: dict[str, Any] = {"name": "job", "total_steps": 1, "gpu_type": "gpu",
+                                 "checkpoint": {"url": "file:///placeholder"}}
+"""Valid stand-ins for required keys that are missing or bad, so the cross-field rules still run."""
+_RULE_INPUTS = {"nodes": ("nodes", "nodes_min", "nodes_max"), "deadline": ("deadline", "deadline_ts"),
+                "trainer": ("trainer.command", "trainer.config"),
+                "price": ("price.pause_above_ratio", "price.resume_below_ratio")}
+"""The keys a cross-field rule reads, by the key its problem names (itself where not listed)."""
 
 
-def _need_dict(value: Any) -> dict:
-    if not isinstance(value, dict):
-        raise TypeError(f"expected a table, got {type(value).__name__}")
-    return value
-
-
-def _short(e: Exception, value: Any) -> str:
-    text = str(e)
-    return f"{text} (got {value!r})" if "Expected" in text else text
-
-
-def _deadline(value: Any, problems: list[str]) -> float | None:
-    if isinstance(value, dt.datetime):
-        when = value
-    elif isinstance(value, dt.date):
-        when = dt.datetime(value.year, value.month, value.day)
-    elif isinstance(value, str):
-        try:
-            when = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            problems.append(f"deadline: not an ISO-8601 date-time: {value!r}")
-            return None
-    else:
-        problems.append(f"deadline: expected a date-time, got {value!r}")
-        return None
-    if when.tzinfo is None:
-        when = when.replace(tzinfo=dt.UTC)  # a deadline without a zone is UTC, never local time
-    return when.timestamp()
-
-
-def build_jobspec(raw: dict[str, Any]) -> tuple[JobSpec | None, list[str]]:
-    problems: list[str] = []
-    top = _check_table(raw, _TOP, "", problems)
-    for key in _REQUIRED:
-        if key not in raw:
-            problems.append(f"{key}: required")
-    trainer = _check_table(top.get("trainer", {}), _TRAINER, "trainer", problems)
-    ckpt = _check_table(top.get("checkpoint", {}), _CHECKPOINT, "checkpoint", problems)
-    price = _check_table(top.get("price", {}), _PRICE, "price", problems)
-    if "checkpoint" in raw and "url" not in ckpt and isinstance(raw.get("checkpoint"), dict):
-        if "url" not in raw["checkpoint"]:
-            problems.append("checkpoint.url: required")
-    if "command" in trainer and "config" in trainer:
-        problems.append("trainer: give either command or config, not both")
-    deadline_ts = top.get("deadline_ts")
-    if "deadline" in top:
-        if deadline_ts is not None:
-            problems.append("deadline: give either deadline or deadline_ts, not both")
-        deadline_ts = _deadline(top["deadline"], problems)
-    # Fill what is missing or failed with valid placeholders, so the value and cross-field rules
-    # below still report every other problem in the same error (never about a placeholder).
-    failed = {p.split(":")[0] for p in problems}
-    for key, placeholder in (("name", "job"), ("total_steps", 1), ("gpu_type", "gpu")):
-        top.setdefault(key, placeholder)
-    ckpt.setdefault("url", "file:///placeholder")
-    args = dict(trainer.get("args", {}))
-    if "config" in trainer:
-        args["config"] = trainer["config"]
-    fields = {k: v for k, v in top.items() if k not in ("trainer", "checkpoint", "price", "deadline", "deadline_ts")}
-    nodes = fields.get("nodes", 1)
-    fields.setdefault("nodes_min", min(nodes, fields.get("nodes_max", nodes)))
-    fields.setdefault("nodes_max", max(nodes, fields["nodes_min"]))
-    try:
-        spec = JobSpec(
-            **fields,
-            trainer=TrainerSpec(command=trainer.get("command", ()), args=args, env=trainer.get("env", {})),
-            checkpoint=CheckpointPolicy(**ckpt),
-            price=PricePolicy(**price),
-            deadline_ts=deadline_ts,
-        )
-    except (TypeError, msgspec.ValidationError) as e:
-        return None, problems + [str(e)]
-    problems += [p for p in spec_problems(spec) if p.split(":")[0] not in failed]
+def build_jobspec(raw: Mapping[str, Any]) -> tuple[JobSpec | None, list[str]]:
+    """(spec, []) or (None, every problem): the layout's (every key of every table) and the cross-field
+    rules'. Where the layout has problems, the rules run on its valid part (bad or missing keys replaced
+    by defaults and placeholders) and only rules whose inputs were all valid are reported."""
+    problems = _layout_problems(raw)
+    job, more = load_dataclass(JobFile, raw)
+    problems += more
+    if job is None or problems:
+        job, _ = load_dataclass(JobFile, merge(_PLACEHOLDERS, without_problems(raw, problems)))
+    if job is None:  # the valid part still does not load (a key path the problems cannot name)
+        return None, problems
+    failed = [problem_path(p) for p in problems]
+    spec = job.to_spec()
+    rules = job.check() + spec_problems(spec)
+    problems += [r for r in rules if not _touches(problem_path(r), failed)]
     return (None if problems else spec), problems
 
 
+def _layout_problems(raw: Mapping[str, Any]) -> list[str]:
+    """What the loader would take but a job spec must not: a command line as one string (argv is a list)."""
+    trainer = raw.get("trainer")
+    if isinstance(trainer, Mapping) and isinstance(trainer.get("command"), str):
+        return [f"trainer.command: expected a list of arguments, got {trainer['command']!r}"]
+    return []
+
+
+def _touches(rule: str, failed: list[str]) -> bool:
+    """Whether a rule about ``rule`` reads a key that failed (then the rule ran on a stand-in)."""
+    return any(i == f or f.startswith(i + ".") or i.startswith(f + ".") or not f
+               for i in _RULE_INPUTS.get(rule, (rule,)) for f in failed)
+
+
 def spec_problems(spec: JobSpec) -> list[str]:
-    """Cross-field rules of a JobSpec (also applied by orchd to specs that arrive over the wire)."""
+    """Rules of a JobSpec (also applied by orchd to specs that arrive over the wire)."""
     p: list[str] = []
     if not spec.name.strip():
         p.append("name: must not be empty")
@@ -189,9 +237,10 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if spec.nodes_min < 1:
         p.append(f"nodes_min: must be >= 1, got {spec.nodes_min}")
     if not spec.nodes_min <= spec.nodes <= spec.nodes_max:
-        p.append(f"nodes: need nodes_min <= nodes <= nodes_max, got {spec.nodes_min} <= {spec.nodes} <= {spec.nodes_max}")
+        p.append("nodes: need nodes_min <= nodes <= nodes_max, "
+                 f"got {spec.nodes_min} <= {spec.nodes} <= {spec.nodes_max}")
     if spec.step_time_s_estimate <= 0:
-        p.append("step_time_s_estimate: must be > 0")
+        p.append(f"step_time_s_estimate: must be > 0, got {spec.step_time_s_estimate}")
     for i, c in enumerate(spec.clouds):
         if c not in KNOWN_CLOUDS:
             p.append(f"clouds[{i}]: {c!r} is not one of {', '.join(KNOWN_CLOUDS)}")
@@ -201,9 +250,9 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if not ck.url.startswith(CHECKPOINT_SCHEMES):
         p.append(f"checkpoint.url: must start with one of {', '.join(CHECKPOINT_SCHEMES)}, got {ck.url!r}")
     if ck.interval_s is not None and ck.interval_s <= 0:
-        p.append("checkpoint.interval_s: must be > 0")
+        p.append(f"checkpoint.interval_s: must be > 0, got {ck.interval_s}")
     if ck.keep < 1:
-        p.append("checkpoint.keep: must be >= 1")
+        p.append(f"checkpoint.keep: must be >= 1, got {ck.keep}")
     pr = spec.price
     if not 0 < pr.resume_below_ratio <= pr.pause_above_ratio:
         p.append("price: need 0 < resume_below_ratio <= pause_above_ratio")

@@ -27,13 +27,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import structlog
 
-from wire import InstanceId, Market, NodeId, PoolKey
-from wire.config import load_checked
 from providers import catalog
 from providers.base import (
     TAG_CLUSTER,
@@ -53,6 +51,8 @@ from providers.base import (
     launch_each,
 )
 from providers.bootstrap import render_user_data
+from wire import InstanceId, Market, NodeId, PoolKey
+from wire.config import load_checked
 
 log = structlog.get_logger("orch.providers.aws")
 
@@ -111,7 +111,7 @@ class Config:
         if self.max_attempts < 1:
             out.append(f"{path}.max_attempts: must be >= 1")
         if self.zones and self.instance_types:
-            for r in sorted({self.region_of(z) for z in self.zones} - {None}):
+            for r in sorted({r for z in self.zones if (r := self.region_of(z)) is not None}):
                 if r not in self.images:
                     out.append(f"{path}.images: no AMI for region {r!r} (a zone of it is configured)")
         return out
@@ -151,6 +151,7 @@ _ALREADY_LAUNCHED = {"IdempotentParameterMismatch"}
 def map_error(e: Exception, pool: PoolKey | None = None) -> ProviderError:
     """A botocore exception as a typed provider error (with its retry classification)."""
     from botocore import exceptions as bx
+    from botocore.parsers import ResponseParserError  # not in botocore.exceptions
 
     if isinstance(e, ProviderError):
         return e
@@ -173,7 +174,7 @@ def map_error(e: Exception, pool: PoolKey | None = None) -> ProviderError:
     if isinstance(e, bx.NoCredentialsError | bx.PartialCredentialsError | bx.NoAuthTokenError
                   | bx.TokenRetrievalError | bx.UnauthorizedSSOTokenError | bx.ProfileNotFound):
         return AuthError(f"{type(e).__name__}: {e}", pool=pool)
-    if isinstance(e, bx.ConnectionError | bx.HTTPClientError | bx.ResponseParserError):
+    if isinstance(e, bx.ConnectionError | bx.HTTPClientError | ResponseParserError):
         return TransientError(f"{type(e).__name__}: {e}", pool=pool)
     return ProviderError(f"{type(e).__name__}: {e}", pool=pool)
 
@@ -232,14 +233,14 @@ class AwsProvider:
     def _call(self, region: str, op: str, pool: PoolKey | None = None, **kw: Any) -> Any:
         try:
             return getattr(self.client(region), op)(**kw)
-        except Exception as e:  # noqa: BLE001 - every SDK failure leaves as a typed error
+        except Exception as e:  # every SDK failure leaves as a typed error
             raise map_error(e, pool) from e
 
     def _pages(self, region: str, op: str, key: str, **kw: Any) -> Iterator[dict[str, Any]]:
         try:
             for page in self.client(region).get_paginator(op).paginate(**kw):
                 yield from page.get(key, [])
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise map_error(e) from e
 
     # --- launch ------------------------------------------------------------------------------------
@@ -318,8 +319,8 @@ class AwsProvider:
             return
         for region in self.config.regions:
             # Filter first: terminate_instances fails the whole call on one unknown id.
-            found = [i["InstanceId"] for i in self._describe(region, [{"Name": "instance-id", "Values": list(instance_ids)}])
-                     if i["State"]["Name"] != "terminated"]
+            by_id = [{"Name": "instance-id", "Values": list(instance_ids)}]
+            found = [i["InstanceId"] for i in self._describe(region, by_id) if i["State"]["Name"] != "terminated"]
             if found:
                 self._call(region, "terminate_instances", InstanceIds=found)
                 log.info("instances_terminated", region=region, instances=found)
@@ -392,8 +393,8 @@ class AwsProvider:
                     price = spot.get((p.zone, p.instance_type))
                     if price is None:
                         continue  # no spot offer in this zone for this type: no quote, not a zero price
-                    out.append(PriceQuote(pool=p, gpu_type=gpu, gpus_per_node=n, price_usd_h=price,
-                                          on_demand_usd_h=od, capacity_hint=scores.get((p.zone, p.instance_type)), ts=now))
+                    out.append(PriceQuote(pool=p, gpu_type=gpu, gpus_per_node=n, price_usd_h=price, on_demand_usd_h=od,
+                                          capacity_hint=scores.get((p.zone, p.instance_type)), ts=now))
                 elif od is not None:
                     out.append(PriceQuote(pool=p, gpu_type=gpu, gpus_per_node=n, price_usd_h=od,
                                           on_demand_usd_h=od, ts=now))
@@ -401,7 +402,7 @@ class AwsProvider:
 
     def spot_prices(self, region: str, instance_types: Sequence[str], now: float) -> dict[tuple[str, str], float]:
         """Newest Linux spot price per (zone, instance type), across every page of the history."""
-        start = datetime.fromtimestamp(now, tz=timezone.utc) - timedelta(seconds=self.config.price_lookback_s)
+        start = datetime.fromtimestamp(now, tz=UTC) - timedelta(seconds=self.config.price_lookback_s)
         newest: dict[tuple[str, str], tuple[datetime, float]] = {}
         for row in self._pages(region, "describe_spot_price_history", "SpotPriceHistory",
                                InstanceTypes=list(instance_types), ProductDescriptions=list(_LINUX),

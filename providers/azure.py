@@ -34,8 +34,6 @@ from typing import Any
 
 import structlog
 
-from wire import InstanceId, Market, NodeId, PoolKey
-from wire.config import load_checked
 from providers import catalog
 from providers.base import (
     TAG_CLUSTER,
@@ -54,6 +52,8 @@ from providers.base import (
     launch_each,
 )
 from providers.bootstrap import render_user_data
+from wire import InstanceId, Market, NodeId, PoolKey
+from wire.config import load_checked
 
 log = structlog.get_logger("orch.providers.azure")
 
@@ -243,7 +243,7 @@ class AzureProvider:
             return existing
         try:
             vm = self._vms().begin_create_or_update(rg, name, self._vm_body(request, node_id, name)).result()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             err = map_error(e, pool)
             if isinstance(err, CapacityError):
                 self._delete_failed(name)  # an async allocation failure leaves a Failed VM behind
@@ -255,11 +255,16 @@ class AzureProvider:
     def _delete_failed(self, name: str) -> None:
         try:
             self._vms().begin_delete(self.config.resource_group, name).result()
-        except Exception as e:  # noqa: BLE001 - best effort; the reaper lists and deletes leftovers
+        except Exception as e:  # best effort; the reaper lists and deletes leftovers
             log.warning("failed_vm_delete_failed", instance=name, error=str(map_error(e)))
 
     def _vm_body(self, request: LaunchRequest, node_id: NodeId, name: str) -> Any:
-        from azure.mgmt.compute import models as m
+        from azure.mgmt.compute import models
+
+        # The flattened keywords (hardware_profile=, priority=, delete_option=) are what every supported SDK
+        # takes: msrest models before 39, a compatibility layer since. 39's typed overloads list only
+        # ``properties=``, so the models are used untyped here rather than in the 39-only nested form.
+        m: Any = models
 
         pool, cfg = request.pool, self.config
         region, zone = split_zone(pool.zone)
@@ -308,8 +313,8 @@ class AzureProvider:
         if zone:
             vm.zones = [zone]
         if cfg.identity_id:
-            vm.identity = m.VirtualMachineIdentity(type="UserAssigned",
-                                                   user_assigned_identities={cfg.identity_id: m.UserAssignedIdentitiesValue()})
+            vm.identity = m.VirtualMachineIdentity(
+                type="UserAssigned", user_assigned_identities={cfg.identity_id: m.UserAssignedIdentitiesValue()})
         return vm
 
     def _get(self, name: str, pool: PoolKey | None = None) -> Instance | None:
@@ -319,7 +324,7 @@ class AzureProvider:
             return self._to_instance(self._vms().get(self.config.resource_group, name))
         except ResourceNotFoundError:
             return None
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise map_error(e, pool) from e
 
     # --- terminate / list / describe ----------------------------------------------------------------
@@ -333,14 +338,14 @@ class AzureProvider:
                 pollers.append(self._vms().begin_delete(self.config.resource_group, name))
             except ResourceNotFoundError:
                 continue
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise map_error(e) from e
         for p in pollers:  # deletes run in parallel on Azure's side
             try:
                 p.result()
             except ResourceNotFoundError:
                 continue
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise map_error(e) from e
         if pollers:
             log.info("instances_terminated", instances=list(instance_ids))
@@ -348,7 +353,7 @@ class AzureProvider:
     def list_instances(self, cluster_id: str) -> list[Instance]:
         try:
             vms = list(self._vms().list(self.config.resource_group))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise map_error(e) from e
         return [i for i in map(self._to_instance, vms) if i.tags.get(TAG_CLUSTER) == cluster_id]
 
@@ -389,7 +394,8 @@ class AzureProvider:
             table |= self.retail_prices(region, sorted(sizes))
         for p in wanted:
             gpu, n = catalog.gpu_of(CLOUD, p.instance_type)
-            od = self.config.on_demand_usd_h.get(p.instance_type, table.get((p.region, p.instance_type, Market.ON_DEMAND)))
+            listed_od = table.get((p.region, p.instance_type, Market.ON_DEMAND))
+            od = self.config.on_demand_usd_h.get(p.instance_type, listed_od)
             if od is None:
                 od = catalog.on_demand_usd_h(CLOUD, p.instance_type)
             price = table.get((p.region, p.instance_type, Market.SPOT)) if p.market is Market.SPOT else od

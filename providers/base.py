@@ -106,7 +106,7 @@ class PriceQuote(msgspec.Struct, frozen=True, kw_only=True):
 def launch_each(
     request: LaunchRequest,
     launch_one: Callable[[NodeId], Instance],
-    already: Mapping[str, Instance] | None = None,
+    already: Mapping[NodeId, Instance] | None = None,
 ) -> LaunchResult:
     """Launch one instance per node id in order, stopping at the first error: capacity, quota and auth
     will not change for the next node of the same pool now. Nodes in ``already`` (found by the
@@ -126,12 +126,12 @@ def launch_each(
     missing = request.count - len(got)
     if failure is not None and not got:
         raise failure
-    partial = failure is not None and missing > 0
+    short = failure if missing > 0 else None  # the error that left nodes without an instance
     return LaunchResult(
         instances=tuple(got),
         missing=missing,
-        failure=failure.reason if partial else None,  # type: ignore[union-attr]
-        message=str(failure) if partial else "",
+        failure=short.reason if short is not None else None,
+        message=str(short) if short is not None else "",
     )
 
 

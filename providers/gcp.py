@@ -16,6 +16,8 @@ item and are read back from there.
 Operations: ``insert_unary`` + our own ``ZoneOperationsClient.wait`` (``insert().result()`` would poll
 through a client built without our endpoint override - the real Google endpoint).
 
+Errors: ``providers.gcp_errors`` maps API call and operation errors to the typed provider errors.
+
 Prices: Cloud Billing Catalog SKUs of Compute Engine (``services/6F81-5844-456A``), paged; a VM's price is
 GPU + vCPU + RAM SKUs of its family (spot = usage type "Preemptible"); or a JSON ``price_file``.
 
@@ -26,6 +28,7 @@ gcloud ADC, workload identity, the metadata server); ``anonymous = true`` only f
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -38,14 +41,10 @@ from typing import Any
 
 import structlog
 
-from wire import InstanceId, Market, NodeId, PoolKey
-from wire.config import load_checked
 from providers import catalog, gcp_prices
 from providers.base import (
     TAG_CLUSTER,
     TAG_NODE,
-    AuthError,
-    CapacityError,
     Instance,
     InstanceState,
     LaunchRequest,
@@ -53,11 +52,13 @@ from providers.base import (
     NotFound,
     PriceQuote,
     ProviderError,
-    QuotaError,
     TransientError,
     launch_each,
 )
 from providers.bootstrap import render_user_data
+from providers.gcp_errors import map_error, operation_error, reasons
+from wire import InstanceId, Market, NodeId, PoolKey
+from wire.config import load_checked
 
 log = structlog.get_logger("orch.providers.gcp")
 
@@ -72,7 +73,8 @@ class Config:
     machine_types: tuple[str, ...] = ()
     markets: tuple[str, ...] = ("spot", "on_demand")
     accelerators: Mapping[str, str] = field(default_factory=dict)
-    """machine type -> "accelerator-type:count" for types without built-in GPUs (n1-standard-8 = "nvidia-tesla-t4:1")."""
+    """machine type -> "accelerator-type:count" for types without built-in GPUs
+    (n1-standard-8 = "nvidia-tesla-t4:1")."""
     image: str = "projects/deeplearning-platform-release/global/images/family/common-cu124-debian-11-py310"
     disk_gb: int = 200
     disk_type: str = "pd-balanced"
@@ -148,76 +150,6 @@ def vm_name(launch_token: str, node_id: str) -> str:
     return f"orch-{slug}-{h}"
 
 
-# --- error mapping ---------------------------------------------------------------------------------
-
-_CAPACITY_CODES = {"ZONE_RESOURCE_POOL_EXHAUSTED", "ZONE_RESOURCE_POOL_EXHAUSTED_WITH_DETAILS",
-                   "RESOURCE_POOL_EXHAUSTED", "STOCKOUT", "RESOURCE_NOT_AVAILABLE"}
-_QUOTA_CODES = {"QUOTA_EXCEEDED", "quotaExceeded", "QUOTA_LIMIT"}
-_RATE_CODES = {"rateLimitExceeded", "userRateLimitExceeded", "RATE_LIMIT_EXCEEDED"}
-
-
-def _reasons(e: Any) -> set[str]:
-    out = set()
-    for err in getattr(e, "errors", None) or []:
-        if isinstance(err, Mapping):
-            out |= {str(err.get("reason", "")), str(err.get("code", ""))}
-    reason = getattr(e, "reason", None)
-    if reason:
-        out.add(str(reason))
-    return out - {""}
-
-
-def map_error(e: Exception, pool: PoolKey | None = None) -> ProviderError:
-    from google.api_core import exceptions as gx
-    from google.auth import exceptions as ax
-
-    if isinstance(e, ProviderError):
-        return e
-    msg = f"{type(e).__name__}: {e}"
-    if isinstance(e, ax.DefaultCredentialsError | ax.RefreshError):
-        return AuthError(msg, pool=pool)
-    if isinstance(e, gx.GoogleAPICallError):
-        reasons = _reasons(e)
-        if reasons & _CAPACITY_CODES:
-            return CapacityError(msg, pool=pool)
-        if reasons & _QUOTA_CODES:
-            return QuotaError(msg, pool=pool)
-        if reasons & _RATE_CODES or isinstance(e, gx.TooManyRequests):
-            return TransientError(msg, pool=pool)
-        if isinstance(e, gx.Unauthenticated | gx.PermissionDenied):
-            return AuthError(msg, pool=pool)
-        if isinstance(e, gx.NotFound):
-            return NotFound(msg, pool=pool)
-        if isinstance(e, gx.ServerError | gx.DeadlineExceeded):
-            return TransientError(msg, pool=pool)
-        return ProviderError(msg, pool=pool)
-    if isinstance(e, gx.RetryError | ConnectionError | TimeoutError):
-        return TransientError(msg, pool=pool)
-    try:
-        import requests
-
-        if isinstance(e, requests.ConnectionError | requests.Timeout):
-            return TransientError(msg, pool=pool)
-    except ImportError:  # pragma: no cover
-        pass
-    return ProviderError(msg, pool=pool)
-
-
-def _operation_error(op: Any, pool: PoolKey) -> ProviderError | None:
-    errors = list(op.error.errors) if op.error else []
-    if not errors:
-        return None
-    codes = {e.code for e in errors}
-    text = "; ".join(f"{e.code}: {e.message}" for e in errors)
-    if codes & _CAPACITY_CODES:
-        return CapacityError(text, pool=pool)
-    if codes & _QUOTA_CODES:
-        return QuotaError(text, pool=pool)
-    if codes & _RATE_CODES:
-        return TransientError(text, pool=pool)
-    return ProviderError(text, pool=pool)
-
-
 # --- provider --------------------------------------------------------------------------------------
 
 
@@ -263,7 +195,7 @@ class GcpProvider:
                     kw = self._client_kwargs(self.config.compute_endpoint)
                     self._instances_client = compute_v1.InstancesClient(**kw)
                     self._ops_client = compute_v1.ZoneOperationsClient(**kw)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     raise map_error(e) from e
             return self._instances_client, self._ops_client
 
@@ -275,7 +207,7 @@ class GcpProvider:
                 try:
                     self._catalog_client = billing_v1.CloudCatalogClient(
                         **self._client_kwargs(self.config.billing_endpoint))
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     raise map_error(e) from e
             return self._catalog_client
 
@@ -299,11 +231,11 @@ class GcpProvider:
             # that failed for capacity could never be retried under its token. The name is the key.
             op = instances.insert_unary(project=self.config.project, zone=pool.zone, instance_resource=body)
         except gx.Conflict as e:
-            if "alreadyExists" not in _reasons(e) and "already exists" not in str(e):
+            if "alreadyExists" not in reasons(e) and "already exists" not in str(e):
                 raise map_error(e, pool) from e
             log.info("launch_replayed", pool=pool.name, node=node_id, instance=name)
             return self._get(pool.zone, name, pool)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise map_error(e, pool) from e
         self._wait(op, pool)
         inst = self._get(pool.zone, name, pool)
@@ -337,7 +269,8 @@ class GcpProvider:
             labels={k: label_value(v) for k, v in tags.items()},
             scheduling=scheduling,
             disks=[c.AttachedDisk(boot=True, auto_delete=True, initialize_params=c.AttachedDiskInitializeParams(
-                source_image=cfg.image, disk_size_gb=cfg.disk_gb, disk_type=f"zones/{pool.zone}/diskTypes/{cfg.disk_type}"))],
+                source_image=cfg.image, disk_size_gb=cfg.disk_gb,
+                disk_type=f"zones/{pool.zone}/diskTypes/{cfg.disk_type}"))],
             network_interfaces=[nic],
             metadata=c.Metadata(items=items),
         )
@@ -355,12 +288,13 @@ class GcpProvider:
         deadline = time.monotonic() + self.config.operation_timeout_s
         while op.status != op.Status.DONE:
             if time.monotonic() > deadline:
-                raise TransientError(f"operation {op.name} not done after {self.config.operation_timeout_s}s", pool=pool)
+                raise TransientError(f"operation {op.name} not done after {self.config.operation_timeout_s}s",
+                                     pool=pool)
             try:
                 op = ops.wait(project=self.config.project, zone=pool.zone, operation=op.name)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise map_error(e, pool) from e
-        err = _operation_error(op, pool)
+        err = operation_error(op, pool)
         if err is not None:
             raise err
 
@@ -368,7 +302,7 @@ class GcpProvider:
         instances, _ = self._clients()
         try:
             d = instances.get(project=self.config.project, zone=zone, instance=name)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise map_error(e, pool) from e
         return self._to_instance(d)
 
@@ -385,11 +319,12 @@ class GcpProvider:
                 op = instances.delete_unary(project=self.config.project, zone=zone, instance=name)
             except gx.NotFound:
                 continue
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise map_error(e) from e
             pending.append((op, zone))
         for op, zone in pending:  # deletes run in parallel on GCE's side; wait for all
-            self._wait(op, PoolKey(cloud=CLOUD, region=region_of(zone), zone=zone, instance_type="", market=Market.SPOT))
+            where = PoolKey(cloud=CLOUD, region=region_of(zone), zone=zone, instance_type="", market=Market.SPOT)
+            self._wait(op, where)
         if pending:
             log.info("instances_terminated", instances=list(instance_ids))
 
@@ -405,7 +340,7 @@ class GcpProvider:
                 # A filter the API refuses must not hide the fleet: list everything, filter here.
                 log.warning("label_filter_refused", filter=flt, error=str(e))
                 pages = list(instances.aggregated_list(request={"project": self.config.project}))
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise map_error(e) from e
         out = []
         for _zone, scoped in pages:
@@ -430,10 +365,8 @@ class GcpProvider:
         tags: dict[str, str] = dict(d.labels)
         for item in d.metadata.items if d.metadata else []:
             if item.key == "orch-tags":
-                try:
+                with contextlib.suppress(ValueError):  # a hand-edited item: the labels still hold the tags
                     tags.update(json.loads(item.value))
-                except ValueError:
-                    pass
         state = {
             "PROVISIONING": InstanceState.PENDING,
             "STAGING": InstanceState.PENDING,
@@ -489,7 +422,7 @@ class GcpProvider:
         """(region, machine type) -> {"spot": $/h, "on_demand": $/h} from GPU + core + RAM SKUs (paged)."""
         try:
             unit = gcp_prices.unit_prices(self._catalog().list_skus(parent=gcp_prices.COMPUTE_SERVICE), regions)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise map_error(e) from e
 
         def missing(region: str, mt: str, market: str) -> None:

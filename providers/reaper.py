@@ -23,10 +23,15 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
 
 import structlog
 
 from providers.base import TAG_CLUSTER, CloudProvider, Instance, InstanceState, ProviderError
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskStatus
 
 log = structlog.get_logger("orch.reaper")
 
@@ -185,7 +190,11 @@ class Reaper:
     ) -> ReapReport:
         """One pass over every provider. Blocking: run it in a worker thread."""
         with self._lock:
-            adopted, terminated, waiting, refused, errors = {}, {}, {}, {}, {}
+            adopted: dict[str, tuple[str, ...]] = {}
+            terminated: dict[str, tuple[str, ...]] = {}
+            waiting: dict[str, tuple[str, ...]] = {}
+            refused: dict[str, str] = {}
+            errors: dict[str, str] = {}
             orphans: list[Orphan] = []
             for cloud, provider in self.providers.items():
                 try:
@@ -231,7 +240,7 @@ class Reaper:
         interval_s: float,
         dry_run: bool = False,
         on_report: Callable[[ReapReport], Awaitable[None]] | None = None,
-        task_status: object = None,
+        task_status: TaskStatus[None] | None = None,
     ) -> None:
         """Reconcile at once, then every ``interval_s``, until cancelled. Use with ``await tg.start(...)``.
 
@@ -242,14 +251,14 @@ class Reaper:
         while True:
             try:
                 known, ok = await read_state()
-            except Exception as e:  # noqa: BLE001 - any failure to read state means: do not act
+            except Exception as e:  # any failure to read state means: do not act
                 log.error("reaper_state_unreadable", error=repr(e))
                 known, ok = {}, False
-            report = await anyio.to_thread.run_sync(lambda: self.reconcile(known, state_ok=ok, dry_run=dry_run))
+            report = await anyio.to_thread.run_sync(partial(self.reconcile, known, state_ok=ok, dry_run=dry_run))
             if on_report is not None:
                 await on_report(report)
             if not started:
                 started = True
                 if task_status is not None:
-                    task_status.started()  # type: ignore[attr-defined]
+                    task_status.started()
             await anyio.sleep(interval_s)

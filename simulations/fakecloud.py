@@ -22,13 +22,12 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from wire import FailureReason, InstanceId, Market, NodeId, PoolKey
-from wire.config import SettingsError
 from providers.base import (
     TAG_CLUSTER,
     CapacityError,
@@ -37,8 +36,13 @@ from providers.base import (
     LaunchRequest,
     LaunchResult,
     PriceQuote,
+    ProviderError,
     TransientError,
 )
+from wire import FailureReason, InstanceId, Market, NodeId, PoolKey
+from wire.config import load_checked
+
+__all__ = ["FakeCloud", "FakeConfig", "FileFakeCloud", "TransientError", "from_settings", "read_fake_file"]
 
 
 class FakeCloud:
@@ -63,13 +67,14 @@ class FakeCloud:
         self.on_demand_usd_h: dict[tuple[str, str], float] = {}  # (region, instance_type) -> price
         self.gpu_type = gpu_type
         self.gpus_per_node = gpus_per_node
-        self._fail_next: dict[PoolKey, list[type[Exception]]] = {}
+        self._fail_next: dict[PoolKey, list[type[ProviderError]]] = {}
         self.launch_calls = 0
         self.terminate_calls = 0
 
     # --- fault injection -------------------------------------------------------------------------
 
-    def fail_next(self, pool: PoolKey, error: type[Exception] = CapacityError, times: int = 1) -> None:
+    def fail_next(self, pool: PoolKey, error: type[ProviderError] = CapacityError, times: int = 1) -> None:
+        """The next ``times`` launches in ``pool`` raise ``error`` (then launches work again)."""
         with self._lock:
             self._fail_next.setdefault(pool, []).extend([error] * times)
 
@@ -98,7 +103,7 @@ class FakeCloud:
             queued = self._fail_next.get(request.pool)
             if queued:
                 err = queued.pop(0)
-                raise err(f"injected {err.__name__} in {request.pool.name}", pool=request.pool)  # type: ignore[call-arg]
+                raise err(f"injected {err.__name__} in {request.pool.name}", pool=request.pool)
             cap = self.capacity.get(request.pool)
             live = sum(1 for i in self._instances.values() if i.pool == request.pool and i.alive)
             room = request.count if cap is None else max(0, min(request.count, cap - live))
@@ -157,7 +162,8 @@ class FakeCloud:
                         pool=pool,
                         gpu_type=self.gpu_type,
                         gpus_per_node=self.gpus_per_node,
-                        price_usd_h=self.prices_usd_h[pool] if pool.market is Market.SPOT else (od or self.prices_usd_h[pool]),
+                        price_usd_h=(self.prices_usd_h[pool] if pool.market is Market.SPOT
+                                     else (od or self.prices_usd_h[pool])),
                         on_demand_usd_h=od,
                         ts=now,
                     )
@@ -172,12 +178,7 @@ class FakeCloud:
 
 
 def _with_state(inst: Instance, state: InstanceState) -> Instance:
-    import msgspec
-
     return msgspec.structs.replace(inst, state=state)
-
-
-__all__ = ["FakeCloud", "TransientError"]
 
 
 class FileFakeCloud(FakeCloud):
@@ -232,28 +233,32 @@ def read_fake_file(path: str | os.PathLike[str]) -> list[Instance]:
     return [msgspec.convert(raw, Instance) for raw in json.loads(p.read_text()).get("instances", [])]
 
 
-_KNOWN = {"state_file": str, "prices": list, "gpu_type": str, "gpus_per_node": int}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FakePrice:
+    """One row of ``[providers.fake] prices``."""
+
+    pool: PoolKey
+    price_usd_h: float
+    on_demand_usd_h: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FakeConfig:
+    """``[providers.fake]``."""
+
+    state_file: str = ""
+    """Keep instances and idempotency tokens in this JSON file (a FileFakeCloud): they survive a restart."""
+    prices: tuple[FakePrice, ...] = ()
+    gpu_type: str = "A100"
+    gpus_per_node: int = 1
 
 
 def from_settings(table: Mapping[str, Any]) -> FakeCloud:
     """``[providers.fake]`` -> FakeCloud (FileFakeCloud with a ``state_file``); one SettingsError with
-    every problem."""
-    problems = []
-    for k, v in table.items():
-        if k not in _KNOWN:
-            problems.append(f"providers.fake.{k}: unknown key (known: {', '.join(sorted(_KNOWN))})")
-        elif not isinstance(v, _KNOWN[k]) or isinstance(v, bool):
-            problems.append(f"providers.fake.{k}: expected {_KNOWN[k].__name__}, got {v!r}")
-    kw = {k: table[k] for k in ("gpu_type", "gpus_per_node") if k in table}
-    if problems:
-        raise SettingsError(problems, "providers.fake")
-    cloud = FileFakeCloud(table["state_file"], **kw) if table.get("state_file") else FakeCloud(**kw)
-    for i, row in enumerate(table.get("prices", [])):
-        try:
-            pool = msgspec.convert(row["pool"], PoolKey)
-            cloud.set_price(pool, float(row["price_usd_h"]), row.get("on_demand_usd_h"))
-        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as e:
-            problems.append(f"providers.fake.prices[{i}]: {e}")
-    if problems:
-        raise SettingsError(problems, "providers.fake")
+    every problem (``wire.config.load_checked``)."""
+    cfg = load_checked(FakeConfig, table, "providers.fake")
+    cloud = (FileFakeCloud(cfg.state_file, gpu_type=cfg.gpu_type, gpus_per_node=cfg.gpus_per_node) if cfg.state_file
+             else FakeCloud(gpu_type=cfg.gpu_type, gpus_per_node=cfg.gpus_per_node))
+    for row in cfg.prices:
+        cloud.set_price(row.pool, row.price_usd_h, row.on_demand_usd_h)
     return cloud

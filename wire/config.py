@@ -5,16 +5,21 @@ configuration - is a frozen dataclass built by ``load_dataclass``. Every problem
 types, values out of range, choices not offered) is collected with its key path, and one ``SettingsError``
 lists them all, so an operator fixes everything in one go.
 
-Field types drive the conversion: ``bool``, ``int``, ``float``, ``str``, ``Literal[...]`` (the choices),
-``tuple[T, ...]``, ``Mapping[str, T]``, nested dataclasses, ``X | None`` and msgspec Structs. A field's
-``metadata={"gt": 0}`` (or ``"ge"``) bounds a number. Environment values are strings: ``from_env`` turns
-each into the field's type (``"2024"`` stays a string for a ``str`` field; a comma splits a tuple).
+Field types drive the conversion: ``bool``, ``int``, ``float`` (never NaN), ``str``, ``Literal[...]`` and
+``Enum`` subclasses (the choices), ``datetime`` (a TOML/YAML date-time or date, or an ISO-8601 string),
+``tuple[T, ...]``, ``Mapping[str, T]``, nested dataclasses, ``X | None``, ``A | B`` and msgspec Structs. A
+field without a default is required. A field's ``metadata={"gt": 0}`` (or ``"ge"``) bounds a number.
+Environment values are strings: ``from_env`` turns each into the field's type (``"2024"`` stays a string
+for a ``str`` field; a comma splits only a tuple; ``yes``/``no`` only for a bool).
 Pure: no I/O except reading the file ``read_toml`` is given.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
+import enum
+import math
 import os
 import tomllib
 import types
@@ -55,9 +60,11 @@ def load_dataclass(cls: type[T], raw: Any, path: str = "") -> tuple[T | None, li
     where = path or "<root>"
     if not isinstance(raw, Mapping):
         return None, [f"{where}: expected a table, got {type(raw).__name__}"]
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
     problems: list[str] = []
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # cls is a dataclass type
+    fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in raw:
         if key not in fields:
             known = ", ".join(sorted(fields))
@@ -65,6 +72,8 @@ def load_dataclass(cls: type[T], raw: Any, path: str = "") -> tuple[T | None, li
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                problems.append(f"{_join(path, name)}: required")
             continue
         value, more = convert(hints[name], raw[name], _join(path, name))
         if not more:
@@ -94,10 +103,15 @@ def from_env(cls: type, env: Mapping[str, str], prefix: str, nested: bool = True
 
     ``nested``: ``<PREFIX><SECTION>__<KEY>`` addresses ``section.key`` (orchd's ``ORCH_DAEMON__TICK_S``);
     otherwise ``<PREFIX><KEY>`` addresses a top-level field (the agent's ``ORCH_AGENT_HEARTBEAT_S``).
-    Names that match no field are problems, not silently ignored."""
+    Names that match no field are problems, not silently ignored. Inside a ``Mapping[str, T]`` field the
+    next part is an entry's key and the rest is typed by ``T`` (``ORCH_PROVIDERS__FEEDS__AWS__ENABLED``);
+    below ``Any`` (a provider's own table) a value is read as JSON or a TOML value, else kept as text, so
+    a list there is written ``["a", "b"]``. A whole table and one of its keys may both be given (the key
+    wins, whatever the order of the environment); a key that cannot be a table is a problem."""
     raw: dict[str, Any] = {}
     problems: list[str] = []
-    for key, text in env.items():
+    origin: dict[tuple[str, ...], str] = {}
+    for key in sorted(env):  # a table's own name sorts before its keys: the more specific one wins
         if not key.startswith(prefix) or (nested and "__" not in key):
             continue
         parts = [p.lower() for p in key[len(prefix):].split("__")] if nested else [key[len(prefix):].lower()]
@@ -108,11 +122,26 @@ def from_env(cls: type, env: Mapping[str, str], prefix: str, nested: bool = True
         if err:
             problems.append(f"{key}: {err}")
             continue
-        node = raw
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-        node[parts[-1]] = env_value(tp, text)
+        err = _put(raw, parts, env_value(tp, env[key]), origin, key)
+        if err:
+            problems.append(f"{key}: {err}")
     return raw, problems
+
+
+def _put(raw: dict[str, Any], parts: list[str], value: Any, origin: dict[tuple[str, ...], str], key: str) -> str:
+    """Set ``raw[parts[0]]...[parts[-1]] = value``; an error text when another variable is in the way."""
+    node = raw
+    for i, p in enumerate(parts[:-1]):
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            return f"{origin[tuple(parts[: i + 1])]} already sets {'.'.join(parts[: i + 1])} to a non-table value"
+        node = child
+    where = tuple(parts)
+    if where in origin:
+        return f"{origin[where]} already sets {'.'.join(parts)}"
+    origin[where] = key
+    node[parts[-1]] = value
+    return ""
 
 
 def env_value(tp: Any, text: str) -> Any:
@@ -131,8 +160,8 @@ def env_value(tp: Any, text: str) -> Any:
     if origin is tuple:
         item = (typing.get_args(base) or (str,))[0]
         return [env_value(item, part.strip()) for part in text.split(",") if part.strip()]
-    if base is str or origin is Literal:
-        return text
+    if base in (str, dt.datetime) or origin is Literal or (isinstance(base, type) and issubclass(base, enum.Enum)):
+        return text  # the converter checks the choice or parses the ISO-8601 text
     try:  # tables, structs: JSON or TOML inline values
         return msgspec.json.decode(text)
     except msgspec.DecodeError:
@@ -140,6 +169,30 @@ def env_value(tp: Any, text: str) -> Any:
             return tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
             return text
+
+
+def problem_path(problem: str) -> str:
+    """The key path a problem is about (``"a.b[2]: wrong"`` -> ``"a.b"``); "" for the root."""
+    path = problem.split(": ", 1)[0]
+    return "" if path == "<root>" else path.split("[", 1)[0]
+
+
+def without_problems(raw: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+    """``raw`` less every key a problem names, table by table: what loads cleanly in a second pass once
+    the required keys are filled in, so cross-field rules can still run on the valid part (job specs)."""
+    out = _deep_copy(raw)
+    for problem in problems:
+        parts = problem_path(problem).split(".")
+        node: Any = out
+        for part in parts[:-1]:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(parts[-1], None)
+    return out
+
+
+def _deep_copy(raw: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
 
 
 def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -154,18 +207,22 @@ def merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _field_type(cls: Any, parts: list[str]) -> tuple[Any, str]:
+    """The type a value at ``parts`` below ``cls`` must have; (None, why) where no field is there."""
     tp: Any = cls
     for i, part in enumerate(parts):
         tp = _strip_optional(tp)
-        if not dataclasses.is_dataclass(tp):
-            if typing.get_origin(tp) in (Mapping, dict) or tp in (Mapping, dict):
-                args = typing.get_args(tp)
-                return (args[1] if len(args) == 2 else Any), ""  # a table's entries: typed by its values
+        if tp is Any:
+            return Any, ""  # an untyped table (a provider's own): its owner checks the keys
+        if dataclasses.is_dataclass(tp):
+            names = {f.name for f in dataclasses.fields(tp)}
+            if part not in names:
+                return None, f"unknown setting {'.'.join(parts[: i + 1])}"
+            tp = typing.get_type_hints(tp)[part]
+        elif typing.get_origin(tp) in (Mapping, dict) or tp in (Mapping, dict):
+            args = typing.get_args(tp)
+            tp = args[1] if len(args) == 2 else Any  # ``part`` is an entry's key: typed by the values
+        else:
             return None, f"{'.'.join(parts[:i])} is not a table"
-        hints = typing.get_type_hints(tp)
-        if part not in hints:
-            return None, f"unknown setting {'.'.join(parts[: i + 1])}"
-        tp = hints[part]
     return tp, ""
 
 
@@ -183,6 +240,8 @@ def _join(path: str, key: str) -> str:
 
 def _bounds(f: dataclasses.Field[Any], value: Any, path: str) -> list[str]:
     gt, ge = f.metadata.get("gt"), f.metadata.get("ge")
+    if value is None:  # an optional field left unset: nothing to bound
+        return []
     if gt is not None and value <= gt:
         return [f"{path}: must be > {gt}, got {value!r}"]
     if ge is not None and value < ge:
@@ -203,6 +262,13 @@ def convert(tp: Any, value: Any, path: str) -> tuple[Any, list[str]]:
             return None, [f"{path}: {e}"]
     if origin in (typing.Union, types.UnionType):
         return _convert_union(args, value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        for member in tp:
+            if member.value == value and type(member.value) is type(value):
+                return member, []
+        return None, [f"{path}: {value!r} is not one of {', '.join(str(m.value) for m in tp)}"]
+    if tp is dt.datetime:
+        return _convert_datetime(value, path)
     if origin is Literal:
         if value in args and isinstance(value, str):
             return value, []
@@ -215,17 +281,34 @@ def convert(tp: Any, value: Any, path: str) -> tuple[Any, list[str]]:
 
 
 def _convert_union(args: tuple[Any, ...], value: Any, path: str) -> tuple[Any, list[str]]:
+    """The first member that takes ``value``. ``X | None``: X's own problems; ``str | int | ...``: one line."""
     errors: list[str] = []
-    for arg in args:
-        if arg is type(None):
-            if value is None:
-                return None, []
-            continue
+    members = [a for a in args if a is not type(None)]
+    if value is None and len(members) < len(args):
+        return None, []
+    for arg in members:
         v, errs = convert(arg, value, path)
         if not errs:
             return v, []
         errors = errs
+    if len(members) > 1:
+        names = " | ".join(getattr(a, "__name__", str(a)) for a in members)
+        return None, [f"{path}: expected {names}, got {value!r}"]
     return None, errors
+
+
+def _convert_datetime(value: Any, path: str) -> tuple[Any, list[str]]:
+    """A TOML/YAML date-time or date (midnight), or an ISO-8601 string; the zone, if any, is kept."""
+    if isinstance(value, dt.datetime):
+        return value, []
+    if isinstance(value, dt.date):
+        return dt.datetime(value.year, value.month, value.day), []
+    if isinstance(value, str):
+        try:
+            return dt.datetime.fromisoformat(value.replace("Z", "+00:00")), []
+        except ValueError:
+            return None, [f"{path}: not an ISO-8601 date-time: {value!r}"]
+    return None, [f"{path}: expected a date-time, got {value!r}"]
 
 
 def _convert_tuple(args: tuple[Any, ...], value: Any, path: str) -> tuple[Any, list[str]]:
@@ -251,6 +334,9 @@ def _convert_mapping(args: tuple[Any, ...], value: Any, path: str) -> tuple[Any,
     out: dict[str, Any] = {}
     problems: list[str] = []
     for k, item in value.items():
+        if not isinstance(k, str):  # TOML keys are always strings; YAML's may not be
+            problems.append(f"{path}: key {k!r} is not a string")
+            continue
         v, errs = convert(val_tp, item, f"{path}.{k}")
         out[k] = v
         problems += errs
@@ -265,8 +351,8 @@ def _convert_scalar(tp: Any, value: Any, path: str) -> tuple[Any, list[str]]:
             return value, []
         return None, [f"{path}: expected true/false, got {value!r}"]
     if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value), []
+        if isinstance(value, int | float) and not isinstance(value, bool) and not math.isnan(value):
+            return float(value), []  # NaN passes every bound (each comparison is false): never a setting
         return None, [f"{path}: expected a number, got {value!r}"]
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):

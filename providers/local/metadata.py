@@ -30,6 +30,7 @@ import time
 import uuid
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 AWS_TOKEN_PATH = "/latest/api/token"
@@ -59,14 +60,14 @@ class MetadataServer:
         self.acks: list[str] = []  # Azure EventIds acknowledged by POST
         self.requests: list[tuple[str, str]] = []  # (method, path) for tests
         self._stopped = False
+        self._host = host
         self._httpd = ThreadingHTTPServer((host, 0), self._handler_class())
         self._httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{self._host}:{self._httpd.server_address[1]}"
 
     def start(self) -> MetadataServer:
         self._thread = threading.Thread(target=self._httpd.serve_forever, name="fake-metadata", daemon=True)
@@ -117,7 +118,7 @@ class MetadataServer:
     def _gcp_value(self) -> tuple[str, str]:
         return ("TRUE" if self.deadline_ts is not None else "FALSE"), f"{self.etag_n:016x}"
 
-    def _azure_doc(self) -> dict:
+    def _azure_doc(self) -> dict[str, Any]:
         events = []
         if self.deadline_ts is not None and self.azure_event_id is not None:
             events.append({
@@ -134,119 +135,131 @@ class MetadataServer:
         return {"DocumentIncarnation": self.incarnation, "Events": events}
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        server = self
+        return type("Handler", (_Handler,), {"meta": self})
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
 
-            def log_message(self, format: str, *args: object) -> None:  # quiet
-                pass
+class _Handler(BaseHTTPRequestHandler):
+    """One request to a ``MetadataServer`` (``meta``, set on the subclass each server makes)."""
 
-            def _send(self, code: int, body: bytes | str, ctype: str = "text/plain", extra: dict | None = None) -> None:
-                data = body.encode() if isinstance(body, str) else body
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(data)))
-                for k, v in (extra or {}).items():
-                    self.send_header(k, v)
-                try:
-                    self.end_headers()
-                    self.wfile.write(data)
-                except (BrokenPipeError, ConnectionResetError):
-                    # The client went away mid long-poll: its node was killed (a preemption). Normal here.
-                    self.close_connection = True
+    protocol_version = "HTTP/1.1"
+    meta: MetadataServer
 
-            def _aws_ok(self) -> bool:
-                token = self.headers.get("X-aws-ec2-metadata-token", "")
-                with server._cond:
-                    exp = server._tokens.get(token)
-                if exp is None or exp < time.monotonic():
-                    self._send(401, "")
-                    return False
-                return True
+    def log_message(self, format: str, *args: object) -> None:  # quiet
+        pass
 
-            def do_PUT(self) -> None:  # noqa: N802
-                path = urlsplit(self.path).path
-                server.requests.append(("PUT", path))
-                if path != AWS_TOKEN_PATH:
-                    self._send(404, "")
-                    return
-                ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
-                if ttl is None or not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
-                    self._send(400, "")
-                    return
-                token = secrets.token_urlsafe(32)
-                with server._cond:
-                    server._tokens[token] = time.monotonic() + int(ttl)
-                self._send(200, token, extra={"X-aws-ec2-metadata-token-ttl-seconds": ttl})
+    def _send(self, code: int, body: bytes | str, ctype: str = "text/plain",
+              extra: dict[str, str] | None = None) -> None:
+        data = body.encode() if isinstance(body, str) else body
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(data)))
+        for k, v in (extra or {}).items():
+            self.send_header(k, v)
+        try:
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            # The client went away mid long-poll: its node was killed (a preemption). Normal here.
+            self.close_connection = True
 
-            def do_GET(self) -> None:  # noqa: N802
-                parts = urlsplit(self.path)
-                path, query = parts.path, parse_qs(parts.query)
-                server.requests.append(("GET", path))
-                if path == AWS_ACTION_PATH:
-                    if not self._aws_ok():
-                        return
-                    with server._cond:
-                        d = server.deadline_ts
-                    if d is None:
-                        self._send(404, "")
-                    else:
-                        self._send(200, json.dumps({"action": "terminate", "time": iso_z(d)}), "text/plain")
-                elif path == AWS_REBALANCE_PATH:
-                    if not self._aws_ok():
-                        return
-                    with server._cond:
-                        r = server.rebalance_ts
-                    if r is None:
-                        self._send(404, "")
-                    else:
-                        self._send(200, json.dumps({"noticeTime": iso_z(r)}), "text/plain")
-                elif path == GCP_PREEMPTED_PATH:
-                    if self.headers.get("Metadata-Flavor") != "Google":
-                        self._send(403, "Missing Metadata-Flavor:Google header.")
-                        return
-                    wait = query.get("wait_for_change", ["false"])[0].lower() == "true"
-                    timeout = float(query.get("timeout_sec", ["300"])[0])
-                    with server._cond:
-                        value, etag = server._gcp_value()
-                        if wait:
-                            last = query.get("last_etag", [None])[0] or etag
-                            end = time.monotonic() + timeout
-                            while etag == last and time.monotonic() < end and not server._stopped:
-                                server._cond.wait(min(0.5, max(0.0, end - time.monotonic())))
-                                value, etag = server._gcp_value()
-                    self._send(200, value, "application/text", {"ETag": etag, "Metadata-Flavor": "Google"})
-                elif path == AZURE_EVENTS_PATH:
-                    if self.headers.get("Metadata", "").lower() != "true" or "api-version" not in query:
-                        self._send(400, json.dumps({"error": "Bad request. Required metadata header not specified"}),
-                                   "application/json")
-                        return
-                    with server._cond:
-                        doc = server._azure_doc()
-                    self._send(200, json.dumps(doc), "application/json")
-                else:
-                    self._send(404, "")
+    def _aws_ok(self) -> bool:
+        token = self.headers.get("X-aws-ec2-metadata-token", "")
+        with self.meta._cond:
+            exp = self.meta._tokens.get(token)
+        if exp is None or exp < time.monotonic():
+            self._send(401, "")
+            return False
+        return True
 
-            def do_POST(self) -> None:  # noqa: N802
-                parts = urlsplit(self.path)
-                server.requests.append(("POST", parts.path))
-                if parts.path != AZURE_EVENTS_PATH or self.headers.get("Metadata", "").lower() != "true":
-                    self._send(400, "")
-                    return
-                n = int(self.headers.get("Content-Length", "0"))
-                try:
-                    body = json.loads(self.rfile.read(n) or b"{}")
-                    ids = [r["EventId"] for r in body["StartRequests"]]
-                except (ValueError, KeyError, TypeError):
-                    self._send(400, "")
-                    return
-                with server._cond:
-                    for eid in ids:
-                        server.acks.append(eid)
-                        if eid == server.azure_event_id:
-                            server.azure_status = "Started"
-                            server.incarnation += 1
-                self._send(200, "")
+    def do_PUT(self) -> None:
+        path = urlsplit(self.path).path
+        self.meta.requests.append(("PUT", path))
+        if path != AWS_TOKEN_PATH:
+            self._send(404, "")
+            return
+        ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
+        if ttl is None or not ttl.isdigit() or not 1 <= int(ttl) <= 21600:
+            self._send(400, "")
+            return
+        token = secrets.token_urlsafe(32)
+        with self.meta._cond:
+            self.meta._tokens[token] = time.monotonic() + int(ttl)
+        self._send(200, token, extra={"X-aws-ec2-metadata-token-ttl-seconds": ttl})
 
-        return Handler
+    def do_GET(self) -> None:
+        parts = urlsplit(self.path)
+        self.meta.requests.append(("GET", parts.path))
+        route = {AWS_ACTION_PATH: self._aws_action, AWS_REBALANCE_PATH: self._aws_rebalance,
+                 GCP_PREEMPTED_PATH: self._gcp_preempted, AZURE_EVENTS_PATH: self._azure_events}.get(parts.path)
+        if route is None:
+            self._send(404, "")
+        else:
+            route(parse_qs(parts.query))
+
+    def _aws_action(self, query: dict[str, list[str]]) -> None:
+        if not self._aws_ok():
+            return
+        with self.meta._cond:
+            d = self.meta.deadline_ts
+        if d is None:
+            self._send(404, "")
+        else:
+            self._send(200, json.dumps({"action": "terminate", "time": iso_z(d)}), "text/plain")
+
+    def _aws_rebalance(self, query: dict[str, list[str]]) -> None:
+        if not self._aws_ok():
+            return
+        with self.meta._cond:
+            r = self.meta.rebalance_ts
+        if r is None:
+            self._send(404, "")
+        else:
+            self._send(200, json.dumps({"noticeTime": iso_z(r)}), "text/plain")
+
+    def _gcp_preempted(self, query: dict[str, list[str]]) -> None:
+        if self.headers.get("Metadata-Flavor") != "Google":
+            self._send(403, "Missing Metadata-Flavor:Google header.")
+            return
+        wait = query.get("wait_for_change", ["false"])[0].lower() == "true"
+        timeout = float(query.get("timeout_sec", ["300"])[0])
+        meta = self.meta
+        with meta._cond:
+            value, etag = meta._gcp_value()
+            if wait:
+                last = query.get("last_etag", [""])[0] or etag
+                end = time.monotonic() + timeout
+                while etag == last and time.monotonic() < end and not meta._stopped:
+                    meta._cond.wait(min(0.5, max(0.0, end - time.monotonic())))
+                    value, etag = meta._gcp_value()
+        self._send(200, value, "application/text", {"ETag": etag, "Metadata-Flavor": "Google"})
+
+    def _azure_events(self, query: dict[str, list[str]]) -> None:
+        if self.headers.get("Metadata", "").lower() != "true" or "api-version" not in query:
+            self._send(400, json.dumps({"error": "Bad request. Required metadata header not specified"}),
+                       "application/json")
+            return
+        with self.meta._cond:
+            doc = self.meta._azure_doc()
+        self._send(200, json.dumps(doc), "application/json")
+
+    def do_POST(self) -> None:
+        parts = urlsplit(self.path)
+        self.meta.requests.append(("POST", parts.path))
+        if parts.path != AZURE_EVENTS_PATH or self.headers.get("Metadata", "").lower() != "true":
+            self._send(400, "")
+            return
+        n = int(self.headers.get("Content-Length", "0"))
+        try:
+            body = json.loads(self.rfile.read(n) or b"{}")
+            ids = [r["EventId"] for r in body["StartRequests"]]
+        except (ValueError, KeyError, TypeError):
+            self._send(400, "")
+            return
+        meta = self.meta
+        with meta._cond:
+            for eid in ids:
+                meta.acks.append(eid)
+                if eid == meta.azure_event_id:
+                    meta.azure_status = "Started"
+                    meta.incarnation += 1
+        self._send(200, "")

@@ -22,6 +22,7 @@ happen outside it where they can block). Kill timers are daemon threads. ``close
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -38,8 +39,6 @@ import msgspec
 import psutil
 import structlog
 
-from wire import FailureReason, InstanceId, Market, NodeId, PoolKey
-from wire.config import load_checked
 from providers.base import (
     TAG_CLUSTER,
     CapacityError,
@@ -51,6 +50,8 @@ from providers.base import (
 )
 from providers.local.metadata import MetadataServer
 from providers.local.prices import BUNDLED_HISTORY, P3_2XLARGE_ON_DEMAND_USD_H, FixedPrices, PriceSource, ReplayPrices
+from wire import FailureReason, InstanceId, Market, NodeId, PoolKey
+from wire.config import load_checked
 
 log = structlog.get_logger("providers.local")
 
@@ -113,8 +114,9 @@ class LocalProvider:
         self.work_dir.mkdir(parents=True, exist_ok=True)
         if prices is None:
             if cfg.prices == "replay":
-                prices = ReplayPrices(cfg.history_csv or BUNDLED_HISTORY, cfg.zones, on_demand_usd_h=cfg.on_demand_usd_h,
-                                      instance_type=cfg.history_instance_type, speedup=cfg.replay_speedup)
+                prices = ReplayPrices(cfg.history_csv or BUNDLED_HISTORY, cfg.zones,
+                                      on_demand_usd_h=cfg.on_demand_usd_h, instance_type=cfg.history_instance_type,
+                                      speedup=cfg.replay_speedup)
             elif cfg.prices == "fixed":
                 table = {z: float(cfg.spot_usd_h.get(z, 0.30 * cfg.on_demand_usd_h)) for z in cfg.zones}
                 prices = FixedPrices(table, cfg.on_demand_usd_h)
@@ -156,7 +158,8 @@ class LocalProvider:
                 raise CapacityError(f"no capacity in {pool.name}", pool=pool)
             planned = [(InstanceId(f"local-{next(self._ids):05d}"), request.node_ids[i]) for i in range(room)]
             self._by_token[request.idempotency_token] = tuple(i for i, _ in planned)
-        urls = request.bootstrap.nats_urls if request.bootstrap is not None and request.bootstrap.nats_urls else c.nats_urls
+        boot = request.bootstrap
+        urls = boot.nats_urls if boot is not None and boot.nats_urls else c.nats_urls
         created = []
         for iid, node_id in planned:
             created.append(self._spawn(iid, NodeId(node_id), request, urls))
@@ -315,7 +318,8 @@ class LocalProvider:
                 if n.instance.pool.market is Market.ON_DEMAND:
                     cost += od * max(0.0, end - start) / 3600.0
                     continue
-                series = self._price_log.get(n.instance.pool.zone) or [(start, self.price_source.price(n.instance.pool.zone))]
+                zone = n.instance.pool.zone
+                series = self._price_log.get(zone) or [(start, self.price_source.price(zone))]
                 for i, (ts, price) in enumerate(series):
                     seg_end = series[i + 1][0] if i + 1 < len(series) else float("inf")
                     lo, hi = max(start, ts if i else float("-inf")), min(end, seg_end)
@@ -332,7 +336,8 @@ class LocalProvider:
     def node_pools(self) -> dict[str, str]:
         """node id -> the short name of its pool (zone/market), for reports."""
         with self._lock:
-            return {str(n.instance.node_id): f"{n.instance.pool.zone}/{n.instance.pool.market}" for n in self._nodes.values()}
+            return {str(n.instance.node_id): f"{n.instance.pool.zone}/{n.instance.pool.market}"
+                    for n in self._nodes.values()}
 
     def alive_nodes(self) -> list[str]:
         self._refresh()
@@ -348,10 +353,8 @@ def kill_tree(pid: int) -> None:
     except psutil.NoSuchProcess:
         return
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):  # it ended by itself meanwhile
             p.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(procs, timeout=5)
 
 

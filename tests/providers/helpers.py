@@ -5,8 +5,8 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from wire import Market, NodeId, PoolKey
 from providers.base import LaunchRequest, NodeBootstrap
+from wire import Market, NodeId, PoolKey
 
 
 def request(pool: PoolKey, n: int, *, cluster: str, job: str = "job-1", token: str | None = None,

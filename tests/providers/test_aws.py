@@ -10,15 +10,16 @@ import base64
 import threading
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import Any
 
 import boto3
 import pytest
-from botocore.exceptions import NoCredentialsError
+from botocore.exceptions import EndpointConnectionError, NoCredentialsError
+from botocore.parsers import ResponseParserError
 from botocore.stub import ANY, Stubber
 from moto.server import ThreadedMotoServer
 
-from wire import Market
 from orchestrator.settings import SettingsError
 from providers.aws import AwsProvider, Config, client_token, map_error
 from providers.base import (
@@ -27,14 +28,15 @@ from providers.base import (
     TAG_TOKEN,
     AuthError,
     CapacityError,
-    CloudProvider,
     InstanceState,
     ProviderError,
     QuotaError,
     TransientError,
 )
 from providers.reaper import Reaper
+from tests.providers.contract import check_cloud_provider_contract
 from tests.providers.helpers import AwsErrorInjector, pool, request
+from wire import Market
 
 REGION = "us-east-1"
 
@@ -68,7 +70,7 @@ def provider(moto_url: str) -> AwsProvider:
 _VIEW_CLIENTS: dict[str, object] = {}
 
 
-def _ec2(url: str):  # type: ignore[no-untyped-def]
+def _ec2(url: str) -> Any:
     """A separate plain boto3 client: the fake cloud's own view, not the provider's."""
     if url not in _VIEW_CLIENTS:
         _VIEW_CLIENTS[url] = boto3.client("ec2", region_name=REGION, endpoint_url=url)
@@ -97,8 +99,11 @@ def _cloud_view(url: str, cluster: str) -> list[dict]:
     return out
 
 
-def test_is_a_cloud_provider(provider: AwsProvider) -> None:
-    assert isinstance(provider, CloudProvider)
+def test_satisfies_the_cloud_provider_contract(moto_url: str, cluster: str) -> None:
+    p = AwsProvider(_config(moto_url, placement_scores=False))  # moto has no placement scores
+    on_demand = [x for x in p.config.pools() if x.market is Market.ON_DEMAND]  # priced from the bundled catalog
+    check_cloud_provider_contract(p, pool("aws", REGION, "us-east-1a", "g5.xlarge"), cluster,
+                                  unknown_id="i-0000000000000dead", configured=p.config.pools(), priced=on_demand)
 
 
 def test_config_lists_every_bad_key() -> None:
@@ -136,7 +141,8 @@ def test_spot_launch_tags_user_data_and_imds(provider: AwsProvider, moto_url: st
 
 
 def test_on_demand_launch(provider: AwsProvider, moto_url: str, cluster: str) -> None:
-    res = provider.launch(request(pool("aws", REGION, "us-east-1b", "p3.2xlarge", Market.ON_DEMAND), 1, cluster=cluster))
+    on_demand = pool("aws", REGION, "us-east-1b", "p3.2xlarge", Market.ON_DEMAND)
+    res = provider.launch(request(on_demand, 1, cluster=cluster))
     (inst,) = _cloud_view(moto_url, cluster)
     assert "InstanceLifecycle" not in inst
     assert res.instances[0].pool.market is Market.ON_DEMAND
@@ -149,7 +155,8 @@ def test_moto_ignores_client_token(moto_url: str) -> None:
     for _ in range(2):
         ec2.run_instances(ImageId="ami-12345678", MinCount=1, MaxCount=1, ClientToken="same-token",
                           TagSpecifications=[{"ResourceType": "instance", "Tags": [{"Key": "t", "Value": tag}]}])
-    n = sum(len(r["Instances"]) for r in ec2.describe_instances(Filters=[{"Name": "tag:t", "Values": [tag]}])["Reservations"])
+    found = ec2.describe_instances(Filters=[{"Name": "tag:t", "Values": [tag]}])["Reservations"]
+    n = sum(len(r["Instances"]) for r in found)
     assert n == 2
 
 
@@ -229,6 +236,8 @@ def test_throttled_list_is_transient(provider: AwsProvider, cluster: str) -> Non
 
 def test_no_credentials_is_auth_error(moto_url: str) -> None:
     assert isinstance(map_error(NoCredentialsError()), AuthError)
+    assert isinstance(map_error(EndpointConnectionError(endpoint_url="http://x")), TransientError)
+    assert isinstance(map_error(ResponseParserError("invalid XML")), TransientError)
     p = AwsProvider(_config(moto_url, profile="orch-no-such-profile"))
     with pytest.raises(AuthError, match="ProfileNotFound"):
         p.list_instances("c")
@@ -254,7 +263,7 @@ def test_reaper_against_moto(provider: AwsProvider, moto_url: str, cluster: str)
     stray = provider.launch(request(pool("aws", REGION, "us-east-1a", "g5.xlarge"), 1, cluster=cluster, job="stray"))
     known = {i.node_id: ("running", i.instance_id) for i in live.instances}
     known |= {i.node_id: ("completed", i.instance_id) for i in done.instances}
-    now = [datetime.now(timezone.utc).timestamp() - 3600]  # before moto's launch times: all are fresh
+    now = [datetime.now(UTC).timestamp() - 3600]  # before moto's launch times: all are fresh
     reaper = Reaper({"aws": provider}, cluster_id=cluster, grace_s=600, clock=lambda: now[0])
     assert reaper.reconcile({}, state_ok=True).refused == {"aws": "state_empty_with_4_instances"}
     assert reaper.reconcile(known, state_ok=False).refused == {"aws": "state_unreadable"}
@@ -282,20 +291,20 @@ def _stubbed_provider() -> tuple[AwsProvider, Stubber]:
     p = AwsProvider(Config.from_raw({"regions": [REGION], "zones": ["us-east-1a", "us-east-1b", "us-east-1c"],
                                      "instance_types": ["g5.xlarge", "p3.2xlarge"], "images": {REGION: "ami-1"},
                                      "on_demand_usd_h": {"p3.2xlarge": 3.5}}),
-                    clock=lambda: datetime(2026, 11, 21, 12, tzinfo=timezone.utc).timestamp())
+                    clock=lambda: datetime(2026, 11, 21, 12, tzinfo=UTC).timestamp())
     _STUBBED.append(p)
     return p, Stubber(p.client(REGION))
 
 
 def _row(zone: str, itype: str, price: str, hour: int) -> dict:
     return {"AvailabilityZone": zone, "InstanceType": itype, "ProductDescription": "Linux/UNIX",
-            "SpotPrice": price, "Timestamp": datetime(2026, 11, 21, hour, tzinfo=timezone.utc)}
+            "SpotPrice": price, "Timestamp": datetime(2026, 11, 21, hour, tzinfo=UTC)}
 
 
 def test_spot_prices_follow_pages_and_keep_newest() -> None:
     p, stub = _stubbed_provider()
-    params = {"InstanceTypes": ["g5.xlarge", "p3.2xlarge"], "ProductDescriptions": ["Linux/UNIX", "Linux/UNIX (Amazon VPC)"],
-              "StartTime": ANY}
+    params = {"InstanceTypes": ["g5.xlarge", "p3.2xlarge"],
+              "ProductDescriptions": ["Linux/UNIX", "Linux/UNIX (Amazon VPC)"], "StartTime": ANY}
     stub.add_response("describe_spot_price_history", {
         "SpotPriceHistory": [_row("us-east-1a", "g5.xlarge", "0.40", 11), _row("us-east-1a", "p3.2xlarge", "0.95", 9)],
         "NextToken": "page2"}, params)

@@ -9,13 +9,14 @@ from collections.abc import Iterator
 
 import pytest
 
-from wire import Market
 from orchestrator.settings import SettingsError
 from providers.azure import AzureProvider, Config, vm_name
-from providers.base import AuthError, CapacityError, CloudProvider, InstanceState, QuotaError, TransientError
+from providers.base import AuthError, CapacityError, InstanceState, QuotaError, TransientError
 from providers.reaper import Reaper
-from tests.providers.helpers import pool, request
+from tests.providers.contract import check_cloud_provider_contract
 from tests.providers.fakes.azure import FakeAzure, price_row
+from tests.providers.helpers import pool, request
+from wire import Market
 
 A100 = "Standard_NC24ads_A100_v4"
 T4 = "Standard_NC4as_T4_v3"
@@ -46,8 +47,12 @@ def provider(fake: FakeAzure) -> AzureProvider:
     return _provider(fake.url)
 
 
-def test_is_a_cloud_provider(provider: AzureProvider) -> None:
-    assert isinstance(provider, CloudProvider)
+def test_satisfies_the_cloud_provider_contract(provider: AzureProvider, fake: FakeAzure, cluster: str) -> None:
+    fake.price_rows = _price_rows()
+    configured = provider.config.pools()
+    priced = [p for p in configured if p.region == "eastus"] + [pool("azure", "westus2", "westus2", T4)]
+    check_cloud_provider_contract(provider, pool("azure", "eastus", "eastus-1", A100), cluster,
+                                  unknown_id="orch-never-existed", configured=configured, priced=priced)
 
 
 def test_config_problems_listed() -> None:
@@ -112,7 +117,7 @@ def test_same_token_concurrently_yields_one_vm(provider: AzureProvider, fake: Fa
 def test_async_allocation_failure_is_capacity_and_leaves_nothing(provider: AzureProvider, fake: FakeAzure,
                                                                  cluster: str) -> None:
     req = request(pool("azure", "eastus", "eastus-1", A100), 3, cluster=cluster)
-    fake.async_failures[:] = [None, "AllocationFailed"]  # type: ignore[list-item]
+    fake.async_failures[:] = [None, "AllocationFailed"]
     res = provider.launch(req)
     assert len(res.instances) == 1 and res.missing == 2 and res.failure == CapacityError.reason
     assert "AllocationFailed" in res.message
@@ -152,7 +157,8 @@ def test_list_pages_describe_terminate(provider: AzureProvider, fake: FakeAzure,
     victim = res.instances[0].instance_id
     provider.terminate([victim, "orch-never-existed"])
     assert len(fake.live(cluster)) == 2
-    assert [i.instance_id for i in provider.describe([victim, res.instances[1].instance_id])] == [res.instances[1].instance_id]
+    survivor = res.instances[1].instance_id
+    assert [i.instance_id for i in provider.describe([victim, survivor])] == [survivor]
 
 
 def test_reaper_refuses_empty_state_then_reaps(provider: AzureProvider, fake: FakeAzure, cluster: str) -> None:
@@ -168,8 +174,8 @@ def test_reaper_refuses_empty_state_then_reaps(provider: AzureProvider, fake: Fa
     assert fake.live(cluster) == []
 
 
-def test_retail_prices_paged(provider: AzureProvider, fake: FakeAzure) -> None:
-    fake.price_rows = [
+def _price_rows() -> list[dict]:
+    return [
         price_row("eastus", A100, "NC24ads A100 v4", 3.673),
         price_row("eastus", A100, "NC24ads A100 v4 Spot", 0.7346),
         price_row("eastus", A100, "NC24ads A100 v4 Low Priority", 0.7346),
@@ -179,9 +185,14 @@ def test_retail_prices_paged(provider: AzureProvider, fake: FakeAzure) -> None:
         price_row("westus2", T4, "NC4as T4 v3 Spot", 0.2),
         price_row("eastus", "Standard_D2s_v5", "D2s v5 Spot", 0.01),
     ]
+
+
+def test_retail_prices_paged(provider: AzureProvider, fake: FakeAzure) -> None:
+    fake.price_rows = _price_rows()
     before = len([r for r in fake.server.requests if r[1] == "/api/retail/prices"])
     quotes = provider.prices()
-    assert len([r for r in fake.server.requests if r[1] == "/api/retail/prices"]) - before == 3 + 1  # eastus 3 pages, westus2 1
+    pages = len([r for r in fake.server.requests if r[1] == "/api/retail/prices"]) - before
+    assert pages == 3 + 1  # eastus 3 pages, westus2 1
     q = {(x.pool.zone, x.pool.instance_type, x.pool.market): x for x in quotes}
     a = q[("eastus-1", A100, Market.SPOT)]
     assert (a.price_usd_h, a.on_demand_usd_h, a.gpu_type, a.gpus_per_node) == (0.7346, 3.673, "A100-80GB", 1)

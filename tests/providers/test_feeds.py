@@ -2,28 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Sequence
+
 import anyio
 import nats
 import nats.js.errors
 import pytest
+from nats.js import JetStreamContext
 
-from wire import Market, PriceTick, decode
+from orchestrator import bus
+from orchestrator.daemon.feeds import FeedRound, feed_once, run_price_feed, tick_id
 from providers.base import PriceQuote, TransientError
 from simulations.fakecloud import FakeCloud
-from orchestrator import bus
-from orchestrator.daemon.feeds import feed_once, run_price_feed, tick_id
 from tests.providers.helpers import pool
+from wire import Market, PoolKey, PriceTick, decode
 
 pytestmark = pytest.mark.anyio
 
 P1 = pool("aws", "us-east-1", "us-east-1a", "g5.xlarge")
 P2 = pool("aws", "us-west-2", "us-west-2b", "g5.xlarge")
 P3 = pool("aws", "us-west-2", "us-west-2b", "g5.xlarge", Market.ON_DEMAND)
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
 
 
 def _cloud(now: list[float]) -> FakeCloud:
@@ -35,11 +34,11 @@ def _cloud(now: list[float]) -> FakeCloud:
 
 
 class Failing(FakeCloud):
-    def prices(self, pools=None):  # type: ignore[no-untyped-def]
+    def prices(self, pools: Sequence[PoolKey] | None = None) -> list[PriceQuote]:
         raise TransientError("RequestLimitExceeded: injected")
 
 
-async def _stream_ticks(js, subject: str = "orch.price.>") -> list[PriceTick]:  # type: ignore[no-untyped-def]
+async def _stream_ticks(js: JetStreamContext, subject: str = "orch.price.>") -> list[PriceTick]:
     sub = await js.pull_subscribe(subject, stream=bus.STREAM_MARKET)
     out = []
     try:
@@ -88,7 +87,7 @@ async def test_feed_task_rounds_and_survives_provider_errors(nats_url: str) -> N
         cloud = _cloud(now)
         rounds = []
 
-        def on_round(r):  # type: ignore[no-untyped-def]
+        def on_round(r: FeedRound) -> None:
             rounds.append(r)
             now[0] += 60  # the next round sees new prices
 
@@ -123,12 +122,14 @@ async def test_real_provider_prices_reach_the_stream(nats_url: str) -> None:
     fake = FakeGcp().start()
     nc = await nats.connect(nats_url, error_cb=_ignore)
     try:
-        fake.skus = [sku("Spot Preemptible Nvidia L4 GPU running in Americas", "GPU", "Preemptible", 0.22, ["us-central1"]),
-                     sku("Spot Preemptible G2 Instance Core running in Americas", "CPU", "Preemptible", 0.009, ["us-central1"]),
-                     sku("Spot Preemptible G2 Instance Ram running in Americas", "RAM", "Preemptible", 0.001, ["us-central1"],
+        where = ["us-central1"]
+        fake.skus = [sku("Spot Preemptible Nvidia L4 GPU running in Americas", "GPU", "Preemptible", 0.22, where),
+                     sku("Spot Preemptible G2 Instance Core running in Americas", "CPU", "Preemptible", 0.009, where),
+                     sku("Spot Preemptible G2 Instance Ram running in Americas", "RAM", "Preemptible", 0.001, where,
                          "GiBy.h")]
-        provider = GcpProvider(Config.from_raw({"project": "p", "zones": ["us-central1-a"], "machine_types": ["g2-standard-4"],
-                                                "markets": ["spot"], "billing_endpoint": fake.url, "anonymous": True}))
+        provider = GcpProvider(Config.from_raw({"project": "p", "zones": ["us-central1-a"],
+                                                "machine_types": ["g2-standard-4"], "markets": ["spot"],
+                                                "billing_endpoint": fake.url, "anonymous": True}))
         js = nc.jetstream()
         await bus.ensure_topology(nc)
         r = await feed_once(js, provider, limiter=anyio.CapacityLimiter(1))
@@ -146,10 +147,8 @@ async def test_no_stream_counts_failures_without_crashing(nats_url: str) -> None
     nc = await nats.connect(nats_url, error_cb=_ignore)
     try:
         js = nc.jetstream()
-        try:
+        with contextlib.suppress(nats.js.errors.NotFoundError):  # already gone: what this test needs
             await js.delete_stream(bus.STREAM_MARKET)
-        except nats.js.errors.NotFoundError:
-            pass
         now = [1_800_000_000.0]
         cloud = FakeCloud("nowhere", clock=lambda: now[0])
         cloud.set_price(pool("nowhere", "r1", "r1-a", "t"), 1.0)

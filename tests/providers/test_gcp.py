@@ -7,16 +7,25 @@ import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from wire import Market
 from orchestrator.settings import SettingsError
-from providers.base import TAG_CLUSTER, CapacityError, CloudProvider, InstanceState, QuotaError, TransientError, AuthError
+from providers.base import (
+    TAG_CLUSTER,
+    AuthError,
+    CapacityError,
+    InstanceState,
+    QuotaError,
+    TransientError,
+)
 from providers.gcp import Config, GcpProvider, label_value, vm_name
 from providers.reaper import Reaper
-from tests.providers.helpers import pool, request
+from tests.providers.contract import check_cloud_provider_contract
 from tests.providers.fakes.gcp import FakeGcp, sku
+from tests.providers.helpers import pool, request
+from wire import Market
 
 ZONE = "us-central1-a"
 REGION = "us-central1"
@@ -45,8 +54,12 @@ def provider(fake: FakeGcp) -> GcpProvider:
     return _provider(fake.url)
 
 
-def test_is_a_cloud_provider(provider: GcpProvider) -> None:
-    assert isinstance(provider, CloudProvider)
+def test_satisfies_the_cloud_provider_contract(provider: GcpProvider, fake: FakeGcp, cluster: str) -> None:
+    fake.skus = _skus()  # no spot N1 core/RAM SKU: n1-standard-8 has no spot price
+    configured = provider.config.pools()
+    priced = [p for p in configured if not (p.instance_type == "n1-standard-8" and p.market is Market.SPOT)]
+    check_cloud_provider_contract(provider, pool("gcp", REGION, ZONE, "a2-highgpu-1g"), cluster,
+                                  unknown_id=f"{ZONE}/orch-gone-000", configured=configured, priced=priced)
 
 
 def test_config_problems_listed() -> None:
@@ -74,7 +87,8 @@ def test_spot_launch_body(provider: GcpProvider, fake: FakeGcp, cluster: str) ->
         assert f"ORCH_AGENT_ENROL_TOKEN=enrol-{tags['orch-node']}" in items["startup-script"]
     assert {i.node_id for i in res.instances} == set(req.node_ids)
     assert all(i.state is InstanceState.RUNNING and i.pool.market is Market.SPOT for i in res.instances)
-    assert {i.instance_id for i in res.instances} == {f"{ZONE}/{vm_name(req.idempotency_token, n)}" for n in req.node_ids}
+    names = {f"{ZONE}/{vm_name(req.idempotency_token, n)}" for n in req.node_ids}
+    assert {i.instance_id for i in res.instances} == names
 
 
 def test_on_demand_a2_has_builtin_gpu(provider: GcpProvider, fake: FakeGcp, cluster: str) -> None:
@@ -127,7 +141,7 @@ def test_partial_fulfilment(provider: GcpProvider, fake: FakeGcp, cluster: str) 
     calls = {"n": 0}
     real = fake._insert
 
-    def one_then_stockout(project, zone, **kw):  # type: ignore[no-untyped-def]
+    def one_then_stockout(project: str, zone: str, **kw: Any) -> Any:
         calls["n"] += 1
         if calls["n"] == 2:
             fake.stockout[zone] = 5
@@ -177,7 +191,8 @@ def test_list_pages_describe_terminate(provider: GcpProvider, fake: FakeGcp, clu
     victim = res.instances[0].instance_id
     provider.terminate([victim, f"{ZONE}/orch-gone-000"])
     assert len(fake.live(label_value(cluster))) == 4
-    assert [i.instance_id for i in provider.describe([victim, res.instances[1].instance_id])] == [res.instances[1].instance_id]
+    survivor = res.instances[1].instance_id
+    assert [i.instance_id for i in provider.describe([victim, survivor])] == [survivor]
 
 
 def test_list_survives_a_refused_filter(provider: GcpProvider, fake: FakeGcp, cluster: str) -> None:
@@ -250,6 +265,6 @@ def test_price_file(fake: FakeGcp, tmp_path: Path) -> None:
     f = tmp_path / "gcp-prices.json"
     f.write_text(json.dumps({REGION: {"a2-highgpu-1g": {"spot": 1.2, "on_demand": 3.67}}}))
     p = _provider(fake.url, price_file=str(f))
-    q = {(x.pool.zone, x.pool.market): x.price_usd_h for x in p.prices([pool("gcp", REGION, ZONE, "a2-highgpu-1g"),
-                                                                          pool("gcp", REGION, ZONE, "a2-highgpu-1g", Market.ON_DEMAND)])}
+    pools = [pool("gcp", REGION, ZONE, "a2-highgpu-1g"), pool("gcp", REGION, ZONE, "a2-highgpu-1g", Market.ON_DEMAND)]
+    q = {(x.pool.zone, x.pool.market): x.price_usd_h for x in p.prices(pools)}
     assert q == {(ZONE, Market.SPOT): 1.2, (ZONE, Market.ON_DEMAND): 3.67}

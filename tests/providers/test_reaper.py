@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import anyio
 import pytest
 
-from wire import InstanceId, Market, NodeId, PoolKey
 from providers.base import TAG_CLUSTER, TAG_NODE, Instance, InstanceState, TransientError
+from providers.reaper import KnownNode, Reaper, ReapReport, plan
 from simulations.fakecloud import FakeCloud
-from providers.reaper import KnownNode, Reaper, plan
 from tests.providers.helpers import request
+from wire import InstanceId, Market, NodeId, PoolKey
+
+pytestmark = pytest.mark.anyio  # the async tests; the sync ones ignore it
 
 P = PoolKey(cloud="fake", region="r", zone="r-a", instance_type="t", market=Market.SPOT)
 
@@ -58,7 +61,8 @@ def test_grace_period_runs_from_first_seen() -> None:
 def test_old_launch_time_skips_the_wait() -> None:
     p = plan([inst("i1", "ghost", launched=0.0)], {"n": ("running", "x")}, {}, now=1000.0, grace_s=600.0, state_ok=True)
     assert [o.instance.instance_id for o in p.terminate] == ["i1"]
-    p = plan([inst("i1", "ghost", launched=900.0)], {"n": ("running", "x")}, {}, now=1000.0, grace_s=600.0, state_ok=True)
+    p = plan([inst("i1", "ghost", launched=900.0)], {"n": ("running", "x")}, {}, now=1000.0, grace_s=600.0,
+             state_ok=True)
     assert p.waiting and p.first_seen == {"i1": 900.0}
 
 
@@ -113,23 +117,20 @@ def test_reaper_refuses_and_survives_list_errors() -> None:
     assert len(cloud.list_instances("c")) == 4
 
 
-@pytest.mark.anyio
 async def test_run_periodic_treats_read_errors_as_unreadable() -> None:
-    import anyio
-
     cloud = FakeCloud("fake", clock=lambda: 0.0)
     known = _fleet(cloud, "c")
     reaper = Reaper({"fake": cloud}, cluster_id="c", grace_s=0, clock=lambda: 10_000.0)
-    reports = []
+    reports: list[ReapReport] = []
     calls = {"n": 0}
 
-    async def read_state():  # type: ignore[no-untyped-def]
+    async def read_state() -> tuple[dict[str, tuple[str, str]], bool]:
         calls["n"] += 1
         if calls["n"] == 1:
             raise OSError("KV bucket unavailable")
         return known, True
 
-    async def on_report(r):  # type: ignore[no-untyped-def]
+    async def on_report(r: ReapReport) -> None:
         reports.append(r)
 
     async with anyio.create_task_group() as tg:
@@ -141,8 +142,3 @@ async def test_run_periodic_treats_read_errors_as_unreadable() -> None:
         tg.cancel_scope.cancel()
     assert reports[0].refused == {"fake": "state_unreadable"}
     assert len(reports[1].terminated["fake"]) == 2 and len(cloud.list_instances("c")) == 2
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"

@@ -9,17 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.settings import SettingsError, load_settings
+from orchestrator.daemon.registry import build_providers, feed_plan
+from orchestrator.settings import Settings, SettingsError, load_settings
 from providers.aws import AwsProvider
 from providers.azure import AzureProvider
-from simulations.fakecloud import FakeCloud
 from providers.gcp import GcpProvider
-from orchestrator.daemon.registry import build_providers, feed_plan
+from simulations.fakecloud import FakeCloud
 
 CONFIG = Path(__file__).resolve().parents[2] / "config" / "clouds"
 
 
-def _settings(tmp_path: Path, text: str):  # type: ignore[no-untyped-def]
+def _settings(tmp_path: Path, text: str) -> Settings:
     f = tmp_path / "orchd.toml"
     f.write_text(textwrap.dedent(text))
     return load_settings(f, env={})
@@ -78,8 +78,8 @@ def test_every_problem_in_one_error(tmp_path: Path) -> None:
     with pytest.raises(SettingsError) as e:
         build_providers(s)
     text = str(e.value)
-    for needle in ("providers.aws.bogus", "providers.gcp.project", "providers.gcp.zones", "providers.azure.subscription_id",
-                   "providers.azure.eviction_policy", "providers.fake.colour"):
+    for needle in ("providers.aws.bogus", "providers.gcp.project", "providers.gcp.zones",
+                   "providers.azure.subscription_id", "providers.azure.eviction_policy", "providers.fake.colour"):
         assert needle in text
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -28,7 +28,7 @@ class FakeAzure:
         self.vms: dict[tuple[str, str], dict[str, Any]] = {}  # (rg, name) -> vm json
         self.ops: dict[str, dict[str, Any]] = {}
         self.sync_failures: list[tuple[int, str]] = []
-        self.async_failures: list[str] = []
+        self.async_failures: list[str | None] = []  # None: that operation succeeds
         self.price_rows: list[dict[str, Any]] = []
         self.page_size = page_size
         self.puts = 0
@@ -38,7 +38,8 @@ class FakeAzure:
         s.route("GET", VM + r"/([^/]+)", self._get)
         s.route("DELETE", VM + r"/([^/]+)", self._delete)
         s.route("GET", VM, self._list)
-        s.route("GET", r"/subscriptions/([^/]+)/providers/Microsoft\.Compute/locations/([^/]+)/operations/([^/]+)", self._op)
+        s.route("GET", r"/subscriptions/([^/]+)/providers/Microsoft\.Compute/locations/([^/]+)/operations/([^/]+)",
+                self._op)
         s.route("GET", r"/api/retail/prices", self._prices)
 
     @property
@@ -73,13 +74,14 @@ class FakeAzure:
             self.vms[(rg, name)] = vm
             return 200, vm
         props.update({"provisioningState": "Creating", "vmId": f"vm-{next(self._ids):04d}",
-                      "timeCreated": datetime.now(timezone.utc).isoformat()})
+                      "timeCreated": datetime.now(UTC).isoformat()})
         vm["properties"] = props
         self.vms[(rg, name)] = vm
         op_id = f"op-{next(self._ids)}"
         self.ops[op_id] = {"rg": rg, "name": name, "fail": self.async_failures.pop(0) if self.async_failures else None}
         loc = vm.get("location", "eastus")
-        header = f"{{base}}/subscriptions/{sub}/providers/Microsoft.Compute/locations/{loc}/operations/{op_id}?api-version=2024-07-01"
+        header = (f"{{base}}/subscriptions/{sub}/providers/Microsoft.Compute/locations/{loc}/operations/{op_id}"
+                  "?api-version=2024-07-01")
         return 201, vm, {"Azure-AsyncOperation": header}
 
     def _op(self, sub: str, loc: str, op_id: str, **_: Any) -> Any:
@@ -97,7 +99,8 @@ class FakeAzure:
     def _get(self, sub: str, rg: str, name: str, **_: Any) -> Any:
         vm = self.vms.get((rg, name))
         if vm is None:
-            return self._err(404, "ResourceNotFound", f"The Resource 'Microsoft.Compute/virtualMachines/{name}' was not found.")
+            return self._err(404, "ResourceNotFound",
+                             f"The Resource 'Microsoft.Compute/virtualMachines/{name}' was not found.")
         return 200, vm
 
     def _delete(self, sub: str, rg: str, name: str, **_: Any) -> Any:
@@ -134,7 +137,8 @@ class FakeAzure:
             return [v for v in self.vms.values() if v.get("tags", {}).get("orch-cluster") == cluster]
 
 
-def price_row(region: str, sku: str, sku_name: str, price: float, product: str = "Virtual Machines NCADS A100 v4 Series") -> dict[str, Any]:
+def price_row(region: str, sku: str, sku_name: str, price: float,
+              product: str = "Virtual Machines NCADS A100 v4 Series") -> dict[str, Any]:
     return {"currencyCode": "USD", "retailPrice": price, "unitPrice": price, "armRegionName": region,
             "location": "US East", "effectiveStartDate": "2025-01-01T00:00:00Z", "meterName": sku_name,
             "productName": product, "skuName": sku_name, "serviceName": "Virtual Machines",

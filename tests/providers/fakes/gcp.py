@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from tests.providers.fakes.http import FakeHttpServer
@@ -59,7 +59,8 @@ class FakeGcp:
         return status, {"error": {"code": status, "message": message,
                                   "errors": [{"reason": reason, "message": message, "domain": "global"}]}}
 
-    def _op(self, project: str, zone: str, kind: str, target: str, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _op(self, project: str, zone: str, kind: str, target: str,
+            error: dict[str, Any] | None = None) -> dict[str, Any]:
         name = f"operation-{next(self._ids)}"
         op = {"kind": "compute#operation", "id": str(next(self._ids)), "name": name, "operationType": kind,
               "status": "RUNNING", "zone": f"{self.url}/compute/v1/projects/{project}/zones/{zone}",
@@ -100,15 +101,17 @@ class FakeGcp:
             return self._err(status, reason, f"injected {reason}")
         name = body["name"]
         if (zone, name) in self.instances:
-            return self._err(409, "alreadyExists", f"The resource 'projects/{project}/zones/{zone}/instances/{name}' already exists")
+            return self._err(409, "alreadyExists",
+                             f"The resource 'projects/{project}/zones/{zone}/instances/{name}' already exists")
         error = None
         if self.stockout.get(zone, 0) > 0:
             self.stockout[zone] -= 1
             error = {"errors": [{"code": "ZONE_RESOURCE_POOL_EXHAUSTED",
                                  "message": f"The zone '{zone}' does not have enough resources available"}]}
         inst = dict(body)
-        inst.update({"id": str(next(self._ids)), "status": "PROVISIONING", "zone": f"{self.url}/compute/v1/projects/{project}/zones/{zone}",
-                     "creationTimestamp": datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        inst.update({"id": str(next(self._ids)), "status": "PROVISIONING",
+                     "zone": f"{self.url}/compute/v1/projects/{project}/zones/{zone}",
+                     "creationTimestamp": datetime.now(UTC).isoformat(timespec="milliseconds"),
                      "selfLink": f"{self.url}/compute/v1/projects/{project}/zones/{zone}/instances/{name}"})
         for i, nic in enumerate(inst.get("networkInterfaces", [])):
             nic["networkIP"] = f"10.128.0.{len(self.instances) + 2}"
@@ -122,7 +125,8 @@ class FakeGcp:
     def _get(self, project: str, zone: str, name: str, **_: Any) -> Any:
         inst = self.instances.get((zone, name))
         if inst is None:
-            return self._err(404, "notFound", f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found")
+            return self._err(404, "notFound",
+                             f"The resource 'projects/{project}/zones/{zone}/instances/{name}' was not found")
         return 200, inst
 
     def _delete(self, project: str, zone: str, name: str, *, query: dict, **_: Any) -> Any:

@@ -46,8 +46,8 @@ class FakeHttpServer:
                         with outer.lock:
                             reply = handler(*m.groups(), query=query, body=body, headers=self.headers)
                         break
-                status, payload = reply[0], reply[1]
-                extra = reply[2] if len(reply) > 2 else {}  # type: ignore[misc]
+                status, payload, *rest = reply
+                extra: dict[str, str] = rest[0] if rest else {}
                 data = b"" if payload is None else json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
