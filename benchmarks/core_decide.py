@@ -20,16 +20,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.core import State, decide  # noqa: E402
-from orchestrator.core.commands import Launch  # noqa: E402
-from orchestrator.core.inputs import JobSubmitted, NodeLaunched, Tick  # noqa: E402
-from wire import (  # noqa: E402
+from orchestrator.core import CoreEvent, State, decide
+from orchestrator.core.commands import Launch
+from orchestrator.core.inputs import JobSubmitted, NodeLaunched, Tick
+from wire import (
     AgentState,
     CheckpointPolicy,
     GenerationStarted,
     Heartbeat,
+    InstanceId,
+    JobId,
     JobSpec,
     Market,
+    NodeId,
     NodeRegistered,
     PoolKey,
     PreemptionNotice,
@@ -57,13 +60,13 @@ def build(n_nodes: int, per_job: int) -> tuple[State, float]:
                    nodes_min=per_job // 2, nodes_max=per_job,
                    checkpoint=CheckpointPolicy(url="s3://b/ckpt"))
     for j in range(n_nodes // per_job):
-        jid = f"job{j}"
+        jid = JobId(f"job{j}")
         d = decide(state, JobSubmitted(job_id=jid, spec=spec), now)
         state = d.state
         for c in d.commands:
             if isinstance(c, Launch):
                 for nid in c.node_ids:
-                    state = decide(state, NodeLaunched(node_id=nid, job_id=jid, instance_id=f"i-{nid}",
+                    state = decide(state, NodeLaunched(node_id=nid, job_id=jid, instance_id=InstanceId(f"i-{nid}"),
                                                        pool=c.pool, token=c.token), now).state
                 for k, nid in enumerate(c.node_ids):
                     state = decide(state, NodeRegistered(id=f"r{nid}", node_id=nid, host=f"10.{j % 250}.0.{k}",
@@ -73,9 +76,11 @@ def build(n_nodes: int, per_job: int) -> tuple[State, float]:
     return state, now
 
 
-def workload(state: State, now: float, seconds: int, prices_per_s: int, notices_per_s: float) -> list[tuple]:
-    events: list[tuple] = []
-    nodes = sorted(state.nodes.keys())
+def workload(
+    state: State, now: float, seconds: int, prices_per_s: int, notices_per_s: float
+) -> list[tuple[CoreEvent, float]]:
+    events: list[tuple[CoreEvent, float]] = []
+    nodes = [NodeId(nid) for nid in sorted(state.nodes.keys())]
     pks = pools()
     notice_every = int(1 / notices_per_s) if notices_per_s > 0 else 0
     for s in range(seconds):
@@ -116,7 +121,7 @@ def run(n_nodes: int, seconds: int, prices_per_s: int, notices_per_s: float) -> 
     total, cpu = time.perf_counter() - t0, clock() - c0
     # heartbeat-only timing on the final state
     hbs = [
-        Heartbeat(node_id=nid, seq=10**9 + k, ts=now, state=AgentState.TRAINING, generation=1, step=10**6 + k,
+        Heartbeat(node_id=NodeId(nid), seq=10**9 + k, ts=now, state=AgentState.TRAINING, generation=1, step=10**6 + k,
                   loss=1.5, step_time_s=1.0)
         for k, nid in enumerate(sorted(state.nodes.keys())[:20000])
         if state.nodes[nid].generation == 1

@@ -127,7 +127,7 @@ class AdminErrorBody(_Admin, frozen=True, kw_only=True):
     message: str
 
 
-ADMIN_ENDPOINTS: Final[dict[tuple[str, str], tuple[type, type]]] = {
+ADMIN_ENDPOINTS: Final[dict[tuple[str, str], tuple[type[_Admin], type[_Admin]]]] = {
     ("status", "get"): (EmptyRequest, StatusReply),
     ("jobs", "submit"): (SubmitJobRequest, SubmitJobReply),
     ("jobs", "list"): (ListJobsRequest, JobsReply),

@@ -7,17 +7,20 @@ a NATS callback (nats-py runs one subscription's callbacks in one task: the bind
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from typing import TextIO, cast
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 _SECRET_KEYS = frozenset({"password", "token", "credential", "creds", "secret", "seed", "authorization"})
 _NOT_SECRET = frozenset({"fencing_token", "idempotency_token"})  # identifiers, not credentials
 
 
-def _redact(_logger: object, _name: str, event: dict) -> dict:
+def _redact(_logger: WrappedLogger, _name: str, event: EventDict) -> EventDict:
     """No secret reaches a log line: values of secret-looking keys are replaced."""
     for key in list(event):
         if key not in _NOT_SECRET and any(s in key.lower() for s in _SECRET_KEYS):
@@ -30,23 +33,22 @@ class _Stream:
     (closed by whoever owned it, e.g. an embedding program or a test harness), lines go to the
     process's original stderr instead. ``None`` means "sys.stderr as it is at write time"."""
 
-    def __init__(self, stream=None) -> None:
+    def __init__(self, stream: TextIO | None = None) -> None:
         self._stream = stream
 
-    def _target(self):
+    def _target(self) -> TextIO:
         return self._stream if self._stream is not None else sys.stderr
 
     def write(self, text: str) -> None:
         try:
             self._target().write(text)
         except (ValueError, OSError):
-            sys.__stderr__.write(text)
+            if sys.__stderr__ is not None:  # None only in a process started without any stderr
+                sys.__stderr__.write(text)
 
     def flush(self) -> None:
-        try:
+        with contextlib.suppress(ValueError, OSError):
             self._target().flush()
-        except (ValueError, OSError):
-            pass
 
     def isatty(self) -> bool:
         try:
@@ -55,9 +57,9 @@ class _Stream:
             return False
 
 
-def configure(level: str = "info", fmt: str = "auto", stream=None) -> None:
-    stream = _Stream(stream)
-    console = fmt == "console" or (fmt == "auto" and stream.isatty())
+def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+    sink = _Stream(stream)
+    console = fmt == "console" or (fmt == "auto" and sink.isatty())
     renderer = structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()
     structlog.configure(
         processors=[
@@ -69,6 +71,7 @@ def configure(level: str = "info", fmt: str = "auto", stream=None) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS.get(level, logging.INFO)),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # PrintLogger only calls write/flush (and isatty): _Stream is all the file it needs
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, sink)),
         cache_logger_on_first_use=False,
     )

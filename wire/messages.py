@@ -12,7 +12,7 @@ Pure data: no I/O, no clock. The decision core may import it.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Final, NewType, Union
+from typing import Final, NewType, TypeAlias
 
 import msgspec
 
@@ -23,6 +23,7 @@ MAX_MESSAGE_BYTES: Final = 256 * 1024
 NodeId = NewType("NodeId", str)
 JobId = NewType("JobId", str)
 InstanceId = NewType("InstanceId", str)
+
 
 class Cloud(StrEnum):
     AWS = "aws"
@@ -200,7 +201,7 @@ class NodeLeaving(_Wire, frozen=True, kw_only=True, tag="node_leaving"):
     ts: float
 
 
-NodeEvent = Union[NodeRegistered, GenerationStarted, CheckpointCommitted, RanksExited, NodeLeaving]
+NodeEvent: TypeAlias = NodeRegistered | GenerationStarted | CheckpointCommitted | RanksExited | NodeLeaving
 
 
 class LogLine(_Wire, frozen=True, kw_only=True, tag="log_line"):
@@ -276,7 +277,7 @@ class DrainCmd(_Command, frozen=True, kw_only=True, tag="drain"):
     reason: str = "admin"
 
 
-AgentCommand = Union[CheckpointCmd, StartGenerationCmd, StopCmd, AbandonGenerationCmd, DrainCmd]
+AgentCommand: TypeAlias = CheckpointCmd | StartGenerationCmd | StopCmd | AbandonGenerationCmd | DrainCmd
 
 
 class CommandAck(_Wire, frozen=True, kw_only=True, tag="command_ack"):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Final
 
+
 def _token(value: str) -> str:
     """A subject token from an id: dots, spaces and wildcards are not allowed in tokens."""
     bad = set(". *>\t\r\n")

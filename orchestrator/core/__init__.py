@@ -1,10 +1,14 @@
 """The pure decision core: ``decide(state, event, now) -> Decision``.
 
 No I/O, no clock, no logging, no randomness (an import-linter contract in pyproject.toml keeps it so).
+``CoreEvent`` is the union of the events ``decide`` accepts, ``Command`` the union of the commands a
+``Decision`` carries (the shell's side of the contract: ``Callable[[State, CoreEvent, float], Decision]``).
 See docs/core.md for the state machines, the policies and the persistence contract.
 """
 
+from orchestrator.core.commands import Command
 from orchestrator.core.decide import decide
+from orchestrator.core.inputs import CoreEvent
 from orchestrator.core.model import (
     AuditEntry,
     CoreConfig,
@@ -24,7 +28,9 @@ from orchestrator.core.views import job_burn_usd_h, job_cost_usd, job_step
 
 __all__ = [
     "AuditEntry",
+    "Command",
     "CoreConfig",
+    "CoreEvent",
     "Decision",
     "IllegalTransition",
     "Intent",

@@ -7,7 +7,7 @@ instead of a new one).
 
 from __future__ import annotations
 
-from typing import Union
+from typing import TypeAlias
 
 import msgspec
 
@@ -48,4 +48,5 @@ class CheckInstance(_Cmd, frozen=True, kw_only=True, tag="check_instance"):
     pool: PoolKey
 
 
-Command = Union[Launch, Terminate, SendToAgent, CheckInstance]
+Command: TypeAlias = Launch | Terminate | SendToAgent | CheckInstance
+"""Everything ``decide`` can ask the shell to do (``Decision.commands``)."""

@@ -40,8 +40,8 @@ def live_step_time(tx: Tx, job: Job) -> float | None:
     return total / count if count else job.step_time_s
 
 
-def _billed_pools(tx: Tx, job: Job) -> Iterator[PoolStats]:
-    """The pool of each launched (billed) node of the job that has a known price."""
+def _billed_prices(tx: Tx, job: Job) -> Iterator[tuple[float, PoolStats]]:
+    """(price, pool) of each launched (billed) node of the job whose pool has a known price."""
     nodes, pools = tx.nodes, tx.pools
     for nid in job.nodes:
         n = nodes.get(nid)
@@ -49,17 +49,17 @@ def _billed_pools(tx: Tx, job: Job) -> Iterator[PoolStats]:
             continue
         ps = pools.get(n.pool_name)
         if ps is not None and ps.price_usd_h is not None:
-            yield ps
+            yield ps.price_usd_h, ps
 
 
 def burn_usd_h(tx: Tx, job: Job) -> float:
     """$ per hour the job's launched nodes cost now."""
-    return sum((ps.price_usd_h for ps in _billed_pools(tx, job)), 0.0)  # type: ignore[misc]
+    return sum((price for price, _ in _billed_prices(tx, job)), 0.0)
 
 
 def worst_burn_usd_h(tx: Tx, job: Job) -> float:
     """$ per hour the launched nodes could cost before the next check: spot at most at on-demand."""
-    return sum((max(ps.price_usd_h, ps.on_demand_usd_h or 0.0) for ps in _billed_pools(tx, job)), 0.0)  # type: ignore[type-var]
+    return sum((max(price, ps.on_demand_usd_h or 0.0) for price, ps in _billed_prices(tx, job)), 0.0)
 
 
 def node_cost_usd(tx: Tx, node: Node) -> float:
@@ -81,7 +81,7 @@ def cost_now(tx: Tx, job: Job) -> float:
     return total
 
 
-def billing_start(tx: Tx, node: Node) -> dict:
+def billing_start(tx: Tx, node: Node) -> dict[str, float]:
     """Billing starts now: the pool counts one more live node; returns the node's field changes."""
     ps = tx.pools.get(node.pool_name)
     if ps is None:

@@ -23,6 +23,7 @@ from orchestrator.core import lifecycle as lc
 from orchestrator.core import node_events as ne
 from orchestrator.core import policy
 from orchestrator.core.commands import Terminate
+from orchestrator.core.costs import billing_start
 from orchestrator.core.inputs import (
     AgentDisconnected,
     BusState,
@@ -55,6 +56,8 @@ from wire.messages import (
     CommandAck,
     GenerationStarted,
     Heartbeat,
+    InstanceId,
+    NodeId,
     NodeLeaving,
     NodeRegistered,
     PoolKey,
@@ -158,7 +161,7 @@ def _heartbeat_slow(tx: Tx, hb: Heartbeat) -> None:
     node = tx.nodes.get(hb.node_id)
     if node is None:
         return
-    changes: dict = {"last_seen": tx.now, "hb_seq": max(hb.seq, node.hb_seq)}
+    changes: dict[str, object] = {"last_seen": tx.now, "hb_seq": max(hb.seq, node.hb_seq)}
     if hb.generation == node.generation and hb.step > node.step:
         changes["step"] = hb.step
     if fin(hb.step_time_s):
@@ -222,7 +225,7 @@ def _job_cancelled(tx: Tx, ev: JobCancelled) -> None:
 
 
 def _terminate_unowned(
-    tx: Tx, node_id: str, instance_id: str | None, pool: PoolKey | None, job_id: str | None, why: str
+    tx: Tx, node_id: NodeId, instance_id: InstanceId | None, pool: PoolKey | None, job_id: str | None, why: str
 ) -> None:
     """An instance the state does not own (unknown node, a node already terminated/gone - its record
     is deleted -, another launch's token, a second instance for one node): terminate it, never adopt
@@ -244,7 +247,7 @@ def _node_launched(tx: Tx, ev: NodeLaunched) -> None:
     job = tx.jobs.get(node.job_id)
     phase = N.BOOTING if node.phase == N.REQUESTED else node.phase
     launched = node.launched_ts if node.launched_ts is not None else tx.now
-    billing = lc.billing_start(tx, node) if node.phase == N.REQUESTED else {}
+    billing = billing_start(tx, node) if node.phase == N.REQUESTED else {}
     node = tx.node_phase(node, phase, instance_id=ev.instance_id, launched_ts=launched, **billing)
     ps = tx.pools.get(node.pool_name)
     if ps is not None and ps.failures:
@@ -303,12 +306,12 @@ def _node_registered(tx: Tx, ev: NodeRegistered) -> None:
         return  # redelivered (or re-registration of an agent that restarted)
     job = tx.jobs.get(node.job_id)
     billed_now = node.phase == N.REQUESTED  # registration before NodeLaunched: billing starts here
-    changes: dict = {"host": ev.host or node.host, "last_seen": tx.now}
+    changes: dict[str, object] = {"host": ev.host or node.host, "last_seen": tx.now}
     if ev.instance_id and node.instance_id is None:
         changes["instance_id"] = ev.instance_id
     if billed_now:
         changes["launched_ts"] = tx.now
-        changes.update(lc.billing_start(tx, node))
+        changes.update(billing_start(tx, node))
     node = tx.node_phase(node, N.REGISTERED, **changes)
     if job is None or job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED:
         lc.remove_node(tx, job, node, reason="job_not_active", lost=False, terminate=True)

@@ -4,7 +4,7 @@ admin intents). Frozen, typed; time is always a parameter of ``decide``, never r
 
 from __future__ import annotations
 
-from typing import Union
+from typing import TypeAlias
 
 import msgspec
 
@@ -106,25 +106,26 @@ class LeaseChanged(_Internal, frozen=True, kw_only=True, tag="lease_changed"):
     revision: int
 
 
-CoreEvent = Union[
-    LeaseChanged,
-    Tick,
-    JobSubmitted,
-    JobCancelled,
-    NodeDrainRequested,
-    NodeLaunched,
-    LaunchFailed,
-    NodeGone,
-    AgentDisconnected,
-    CommandFailed,
-    BusState,
-    PriceTick,
-    PreemptionNotice,
-    Heartbeat,
-    NodeRegistered,
-    GenerationStarted,
-    CheckpointCommitted,
-    RanksExited,
-    NodeLeaving,
-    CommandAck,
-]
+CoreEvent: TypeAlias = (
+    LeaseChanged
+    | Tick
+    | JobSubmitted
+    | JobCancelled
+    | NodeDrainRequested
+    | NodeLaunched
+    | LaunchFailed
+    | NodeGone
+    | AgentDisconnected
+    | CommandFailed
+    | BusState
+    | PriceTick
+    | PreemptionNotice
+    | Heartbeat
+    | NodeRegistered
+    | GenerationStarted
+    | CheckpointCommitted
+    | RanksExited
+    | NodeLeaving
+    | CommandAck
+)
+"""Every event ``decide`` accepts: the wire events plus the shell's own (above)."""

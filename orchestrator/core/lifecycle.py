@@ -13,18 +13,12 @@ members keep training until the next checkpoint, then are terminated.
 
 from __future__ import annotations
 
+from typing import overload
+
 import msgspec
 
 from orchestrator.core.commands import Launch, Terminate
-from orchestrator.core.costs import (  # noqa: F401  (re-exported: policy/views use lc.burn_usd_h etc.)
-    billing_start,
-    burn_usd_h,
-    cost_now,
-    live_step_time,
-    node_cost_usd,
-    progress_step,
-    worst_burn_usd_h,
-)
+from orchestrator.core.costs import burn_usd_h, cost_now, node_cost_usd, progress_step, worst_burn_usd_h
 from orchestrator.core.model import (
     GEN_PHASES,
     TERMINAL_JOB_PHASES,
@@ -35,10 +29,10 @@ from orchestrator.core.model import (
     NodePhase,
     PoolStats,
 )
-from orchestrator.core.placement import alternatives, markets_for, ranked, zone_of
+from orchestrator.core.placement import Alternative, alternatives, markets_for, ranked, zone_of
 from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds, transfer_cost_usd
 from orchestrator.core.tx import Tx
-from wire.messages import AbandonGenerationCmd, CheckpointCmd, StartGenerationCmd
+from wire.messages import AbandonGenerationCmd, CheckpointCmd, NodeId, StartGenerationCmd
 
 J = JobPhase
 N = NodePhase
@@ -96,7 +90,7 @@ def affordable(tx: Tx, job: Job, ps: PoolStats, count: int) -> int:
     return 0
 
 
-def budget_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, alts: tuple = ()) -> Job:
+def budget_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, alts: tuple[Alternative, ...] = ()) -> Job:
     """A launch the budget cannot carry. A job that cannot run without it stops (stopped, budget)
     instead of waiting forever; a running job goes on with what it has."""
     if job.reason != "launch_refused_budget":
@@ -110,7 +104,7 @@ def budget_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, alts: tuple = ()
     return job
 
 
-def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple = ()) -> Job:
+def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple[Alternative, ...] = ()) -> Job:
     if count <= 0:
         return job
     n = affordable(tx, job, ps, count)
@@ -118,7 +112,7 @@ def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple
         return budget_blocked(tx, job, ps, count, alts)
     count = n
     token = tx.new_launch_token(job.job_id)
-    ids: list[str] = []
+    ids: list[NodeId] = []
     for _ in range(count):
         nid = tx.new_node_id(job.job_id)
         tx.put_node(
@@ -141,6 +135,14 @@ def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple
     return tx.update_job(job, nodes=job.nodes + tuple(ids), reason=reason)
 
 
+@overload
+def remove_node(
+    tx: Tx, job: Job, node: Node, *, reason: str, lost: bool, terminate: bool, preempted: bool = False
+) -> Job: ...
+@overload
+def remove_node(
+    tx: Tx, job: Job | None, node: Node, *, reason: str, lost: bool, terminate: bool, preempted: bool = False
+) -> Job | None: ...
 def remove_node(
     tx: Tx, job: Job | None, node: Node, *, reason: str, lost: bool, terminate: bool, preempted: bool = False
 ) -> Job | None:
@@ -159,19 +161,21 @@ def remove_node(
     tx.drop_node(node, N.GONE if lost else N.TERMINATED)
     if job is None:
         return None
-    changes: dict = {"nodes": tuple(n for n in job.nodes if n != node.node_id), "cost_usd": job.cost_usd + spent}
+    cost_usd = job.cost_usd + spent
+    gen_exited = job.gen_exited
     if node.node_id in job.gen_nodes and node.node_id not in job.gen_exited:
-        changes["gen_exited"] = job.gen_exited + (node.node_id,)
+        gen_exited += (node.node_id,)
     if terminate and node.phase != N.REQUESTED and ps is not None and ps.price_usd_h:
         # Billing continues until the cloud has really stopped the instance.
-        changes["cost_usd"] += ps.price_usd_h * cfg.terminate_s / 3600.0
+        cost_usd += ps.price_usd_h * cfg.terminate_s / 3600.0
     tx.record(job.job_id, "remove_node", reason, node_id=node.node_id, lost=lost, terminate=terminate)
-    return tx.update_job(job, **changes)
+    nodes = tuple(n for n in job.nodes if n != node.node_id)
+    return tx.update_job(job, nodes=nodes, cost_usd=cost_usd, gen_exited=gen_exited)
 
 
 def terminate_all(tx: Tx, job: Job, reason: str) -> Job:
     for node in job_nodes(tx, job):
-        job = remove_node(tx, job, node, reason=reason, lost=False, terminate=True)  # type: ignore[assignment]
+        job = remove_node(tx, job, node, reason=reason, lost=False, terminate=True)
     return job
 
 
@@ -191,19 +195,21 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
         node = tx.node_phase(node, N.RUNNING, generation=gen, rank=rank)
         tx.send(
             node,
-            StartGenerationCmd,
-            generation=gen,
-            node_rank=rank,
-            nnodes=nn,
-            gpus_per_node=gpn,
-            world_size=nn * gpn,
-            master_addr=master,
-            master_port=port,
-            resume_from=job.committed_url,
-            checkpoint_url=job.spec.checkpoint.url,
-            total_steps=job.spec.total_steps,
-            checkpoint_interval_s=interval,
-            trainer=job.spec.trainer,
+            StartGenerationCmd(
+                **tx.header(node),
+                generation=gen,
+                node_rank=rank,
+                nnodes=nn,
+                gpus_per_node=gpn,
+                world_size=nn * gpn,
+                master_addr=master,
+                master_port=port,
+                resume_from=job.committed_url,
+                checkpoint_url=job.spec.checkpoint.url,
+                total_steps=job.spec.total_steps,
+                checkpoint_interval_s=interval,
+                trainer=job.spec.trainer,
+            ),
         )
         ids.append(node.node_id)
     tx.record(
@@ -219,7 +225,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
 def checkpoint_job(tx: Tx, job: Job, intent: Intent, reason: str, deadline: float | None = None) -> Job:
     """CheckpointCmd to every live member; the generation ends when all ranks exited."""
     for node in members_alive(tx, job):
-        tx.send(node, CheckpointCmd, generation=job.generation, reason=reason, deadline_ts=deadline)
+        tx.send(node, CheckpointCmd(**tx.header(node), generation=job.generation, reason=reason, deadline_ts=deadline))
     tx.record(job.job_id, "checkpoint", reason, generation=job.generation, deadline_ts=deadline)
     return tx.job_phase(job, J.CHECKPOINTING, reason=reason, intent=intent)
 
@@ -228,7 +234,7 @@ def abandon_generation(tx: Tx, job: Job, reason: str) -> Job:
     """AbandonGenerationCmd to the live members; resume later from the last committed checkpoint."""
     for node in members_alive(tx, job):
         if node.phase in (N.RUNNING, N.DRAINING, N.NOTICED) and node.suspect_since is None:
-            tx.send(node, AbandonGenerationCmd, generation=job.generation, reason=reason)
+            tx.send(node, AbandonGenerationCmd(**tx.header(node), generation=job.generation, reason=reason))
     tx.record(job.job_id, "abandon_generation", reason, generation=job.generation, resume_from=job.committed_url)
     intent = job.intent if job.intent in _STOP_PHASE else Intent.RECOVER
     return tx.job_phase(job, J.RECOVERING, reason=reason, intent=intent)
@@ -270,7 +276,7 @@ def end_generation(tx: Tx, job: Job) -> Job:
         return tx.job_phase(job, _STOP_PHASE[intent], reason=str(intent), intent=Intent.NONE, zone=zone)
     for n in job_nodes(tx, job):
         if n.phase in (N.NOTICED, N.DRAINING):
-            job = remove_node(tx, job, n, reason=f"leaving_after_{intent or 'generation'}", lost=False, terminate=True)  # type: ignore[assignment]
+            job = remove_node(tx, job, n, reason=f"leaving_after_{intent or 'generation'}", lost=False, terminate=True)
     job = tx.job_phase(job, J.RESIZING, reason=str(intent) or "generation_ended", intent=Intent.NONE)
     return try_start(tx, job)
 
@@ -291,10 +297,12 @@ def try_start(tx: Tx, job: Job) -> Job:
     if not enough:
         return replenish(tx, job)
     big = 1 << 30
-    ready.sort(key=lambda n: (n.rank if n.generation == job.generation and n.rank >= 0 else big, n.requested_ts, n.node_id))
+    ready.sort(
+        key=lambda n: (n.rank if n.generation == job.generation and n.rank >= 0 else big, n.requested_ts, n.node_id)
+    )
     members = ready[: min(target, spec.nodes_max)]
     for n in ready[len(members):]:
-        job = remove_node(tx, job, n, reason="excess", lost=False, terminate=True)  # type: ignore[assignment]
+        job = remove_node(tx, job, n, reason="excess", lost=False, terminate=True)
     job = start_generation(tx, job, members)
     return replenish(tx, job)
 
@@ -324,7 +332,7 @@ def drop_unusable(tx: Tx, job: Job, reason: str = "not_usable") -> Job:
     only cost money. Generation members stay until the generation ends; suspects until confirmed."""
     for n in job_nodes(tx, job):
         if n.phase in (N.REQUESTED, N.BOOTING, N.REGISTERED) and n.suspect_since is None and not acceptable(job, n):
-            job = remove_node(tx, job, n, reason=reason, lost=False, terminate=True)  # type: ignore[assignment]
+            job = remove_node(tx, job, n, reason=reason, lost=False, terminate=True)
     return job
 
 
@@ -352,7 +360,8 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
             return job
     rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, exclude=exclude)
     if rank and job.committed_url and job.zone:  # moving the checkpoint elsewhere costs too
-        rank = sorted(((c + transfer_cost_usd(job.zone, ps, cfg), n, ps) for c, n, ps in rank), key=lambda t: (t[0], t[1]))
+        moved = ((c + transfer_cost_usd(job.zone, ps, cfg), n, ps) for c, n, ps in rank)
+        rank = sorted(moved, key=lambda t: (t[0], t[1]))
     if not rank:
         if job.reason != "no_feasible_pool":
             tx.record(job.job_id, "wait", "no_feasible_pool")

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Any, Final
+from typing import Final
 
 import immutables
 import msgspec
 
-from wire.messages import JobSpec, PoolKey
+from orchestrator.core.commands import Command
+from wire.messages import InstanceId, JobId, JobSpec, NodeId, PoolKey
 
 # Characters allowed in ids we mint (node ids are NATS subject tokens and KV key parts).
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -169,7 +170,7 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Job(msgspec.Struct, frozen=True, kw_only=True):
-    job_id: str
+    job_id: JobId
     spec: JobSpec
     phase: JobPhase = JobPhase.PENDING
     phase_ts: float
@@ -178,10 +179,10 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""  # why the last phase change happened (terminal reason for terminal phases)
     target_nodes: int  # desired node count (spec.nodes, raised toward nodes_max when spot is cheap)
     zone: str = ""  # "cloud/region/zone" the job lives in (or moves to); "" before placement
-    nodes: tuple[str, ...] = ()  # every live node of the job, any phase
+    nodes: tuple[NodeId, ...] = ()  # every live node of the job, any phase
     generation: int = 0
-    gen_nodes: tuple[str, ...] = ()  # members of the current generation, in rank order
-    gen_exited: tuple[str, ...] = ()  # members whose ranks exited (or that were lost)
+    gen_nodes: tuple[NodeId, ...] = ()  # members of the current generation, in rank order
+    gen_exited: tuple[NodeId, ...] = ()  # members whose ranks exited (or that were lost)
     gen_ts: float | None = None  # when the current generation was started
     gen_confirmed: bool = False  # GenerationStarted / a training heartbeat seen
     step: int = 0  # progress known at the last generation end (live progress is on the nodes)
@@ -201,8 +202,8 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Node(msgspec.Struct, frozen=True, kw_only=True):
-    node_id: str
-    job_id: str
+    node_id: NodeId
+    job_id: JobId
     pool: PoolKey
     pool_name: str
     token: str  # idempotency token of the Launch that created it
@@ -210,7 +211,7 @@ class Node(msgspec.Struct, frozen=True, kw_only=True):
     phase_ts: float
     requested_ts: float
     launched_ts: float | None = None
-    instance_id: str | None = None
+    instance_id: InstanceId | None = None
     host: str = ""
     last_seen: float = 0.0
     hb_seq: int = 0
@@ -256,17 +257,20 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True):
     launch_seq: int = 0
     bus_connected: bool = True
     detect_paused_until: float = 0.0  # failure detection off until then (bus outage, restart)
-    budget_jobs: tuple[str, ...] = ()  # non-terminal jobs with a budget (re-checked on price rises)
+    budget_jobs: tuple[JobId, ...] = ()  # non-terminal jobs with a budget (re-checked on price rises)
+
+
+_DEFAULT_CONFIG: Final = CoreConfig()
 
 
 class State(msgspec.Struct, frozen=True):
-    jobs: immutables.Map  # JobId -> Job
-    nodes: immutables.Map  # NodeId -> Node
-    pools: immutables.Map  # pool name -> PoolStats
+    jobs: immutables.Map[str, Job]  # job id -> Job
+    nodes: immutables.Map[str, Node]  # node id -> Node
+    pools: immutables.Map[str, PoolStats]  # pool name -> PoolStats
     meta: Meta
 
     @classmethod
-    def empty(cls, config: CoreConfig = CoreConfig()) -> State:
+    def empty(cls, config: CoreConfig = _DEFAULT_CONFIG) -> State:
         return cls(immutables.Map(), immutables.Map(), immutables.Map(), Meta(config=config))
 
     @property
@@ -281,11 +285,11 @@ class AuditEntry(msgspec.Struct, frozen=True, kw_only=True):
     action: str
     reason: str
     alternatives: tuple[tuple[str, float, float], ...] = ()  # (pool name, price_usd_h, expected_cost_usd)
-    details: dict[str, Any] = {}
+    details: dict[str, object] = {}  # JSON values
 
 
 class Decision(msgspec.Struct, frozen=True):
     state: State
-    commands: tuple[Any, ...]  # orchestrator.core.commands.Command
+    commands: tuple[Command, ...]
     audit: tuple[AuditEntry, ...]
     dirty: frozenset[str]

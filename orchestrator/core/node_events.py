@@ -41,7 +41,9 @@ def notice(tx: Tx, ev: PreemptionNotice) -> None:
     ps = tx.pools.get(node.pool_name)
     if ps is not None:
         # the pool's capacity is going away: no new launches there until the deadline + grace
-        skip = max(ps.noticed_until, deadline + tx.cfg.notice_skip_grace_s) if node.pool.market == Market.SPOT else ps.noticed_until
+        skip = ps.noticed_until
+        if node.pool.market == Market.SPOT:
+            skip = max(skip, deadline + tx.cfg.notice_skip_grace_s)
         tx.put_pool(node.pool_name, _replace(ps, noticed_until=skip, **record_exposure(ps, tx.cfg, tx.now, 0, True)))
     node = tx.node_phase(node, N.NOTICED, notice_deadline=deadline)
     job = tx.jobs.get(node.job_id)

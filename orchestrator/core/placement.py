@@ -24,6 +24,7 @@ from orchestrator.core.pricing import expected_cost_usd
 from wire.messages import Market, MarketPolicy, PoolKey
 
 Alternative = tuple[str, float, float]  # (pool name, price_usd_h, expected_cost_usd)
+Ranked = tuple[float, str, PoolStats]  # (expected_cost_usd, pool name, pool): one entry of ``ranked``
 
 
 def zone_of(pool: PoolKey) -> str:
@@ -99,7 +100,7 @@ def matches(job: Job, ps: PoolStats) -> bool:
 
 
 def ranked(
-    pools: immutables.Map,
+    pools: immutables.Map[str, PoolStats],
     job: Job,
     nnodes: int,
     step: int,
@@ -109,12 +110,12 @@ def ranked(
     zone: str | None = None,
     exclude: Iterable[str] = (),
     markets: frozenset[Market] | None = None,
-) -> list[tuple[float, str, PoolStats]]:
+) -> list[Ranked]:
     """Feasible pools, cheapest expected cost first (ties broken by pool name: deterministic).
     ``markets`` None: the markets a new launch may use now (``launch_markets_for``)."""
     allowed = markets if markets is not None else launch_markets_for(job, step, cfg, now)
     excluded = frozenset(exclude)
-    out: list[tuple[float, str, PoolStats]] = []
+    out: list[Ranked] = []
     for name, ps in pools.items():
         if name in excluded or ps.pool.market not in allowed or ps.backoff_until > now or ps.noticed_until > now:
             continue
@@ -127,7 +128,7 @@ def ranked(
     return out
 
 
-def alternatives(rank: list[tuple[float, str, PoolStats]], cfg: CoreConfig) -> tuple[Alternative, ...]:
+def alternatives(rank: list[Ranked], cfg: CoreConfig) -> tuple[Alternative, ...]:
     return tuple(
         (name, float(ps.price_usd_h or 0.0), round(cost, 6)) for cost, name, ps in rank[: cfg.max_alternatives]
     )

@@ -17,6 +17,7 @@ import msgspec
 
 from orchestrator.core import lifecycle as lc
 from orchestrator.core.commands import CheckInstance
+from orchestrator.core.costs import burn_usd_h, cost_now, live_step_time, progress_step, worst_burn_usd_h
 from orchestrator.core.model import (
     TERMINAL_JOB_PHASES,
     Intent,
@@ -27,11 +28,11 @@ from orchestrator.core.model import (
     PoolStats,
     fin,
 )
-from orchestrator.core.placement import alternatives, ranked, zone_of
+from orchestrator.core.placement import Ranked, alternatives, ranked, zone_of
 from orchestrator.core.pricing import (
     expected_cost_usd,
-    pool_cum_usd,
     migration_cost_usd,
+    pool_cum_usd,
     remaining_work_s,
     save_seconds,
 )
@@ -59,37 +60,11 @@ def suspect(tx: Tx, node: Node, reason: str) -> None:
 def on_tick(tx: Tx) -> None:
     cfg, now = tx.cfg, tx.now
     detect = tx.meta.bus_connected and now >= tx.meta.detect_paused_until
-    timeout = cfg.heartbeat_timeout_s
-    due: list[str] = []  # cheap pass over the snapshot; act on fresh records afterwards
-    for node in tx.nodes.values():
-        phase = node.phase
-        if phase in (N.REQUESTED, N.BOOTING):
-            if now - node.requested_ts > cfg.launch_timeout_s:
-                due.append(node.node_id)
-        elif phase in _WATCHED:
-            if (phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S) or (
-                detect and node.suspect_since is None and now - node.last_seen > timeout
-            ):
-                due.append(node.node_id)
     touched: set[str] = set()
-    for nid in sorted(due):  # sorted: the decision must not depend on hash order (PYTHONHASHSEED)
-        node = tx.nodes.get(nid)
-        if node is None:
-            continue
-        phase = node.phase
-        if phase in (N.REQUESTED, N.BOOTING):
-            _launch_timed_out(tx, node)
-        elif phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S:
-            lc.lose_node(tx, node, "notice_deadline_passed", preempted=False, reconcile=False)
-        elif phase in _WATCHED and detect and node.suspect_since is None and now - node.last_seen > timeout:
-            if node.disconnected:
-                lc.lose_node(tx, node, "heartbeat_timeout_after_disconnect", preempted=False, reconcile=False)
-            else:
-                suspect(tx, node, "heartbeat_timeout")
-                continue
-        else:
-            continue
-        touched.add(node.job_id)
+    for nid in _due_nodes(tx, detect):
+        cur = tx.nodes.get(nid)
+        if cur is not None and _node_timeout(tx, cur, detect):
+            touched.add(cur.job_id)
     for jid in sorted(touched):
         job = tx.jobs.get(jid)
         if job is not None:
@@ -99,6 +74,58 @@ def on_tick(tx: Tx) -> None:
         job = tx.jobs[jid]
         if job.phase in _ACTIVE or job.phase == J.PAUSED:
             _job_tick(tx, job, evals)
+
+
+def _noticed_gone(node: Node, now: float) -> bool:
+    """A noticed node whose deadline passed NOTICE_GRACE_S ago: its instance is surely gone."""
+    return node.phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S
+
+
+def _silent(tx: Tx, node: Node, detect: bool) -> bool:
+    """A watched node, not yet suspect, silent for longer than the heartbeat timeout."""
+    return (
+        node.phase in _WATCHED
+        and detect
+        and node.suspect_since is None
+        and tx.now - node.last_seen > tx.cfg.heartbeat_timeout_s
+    )
+
+
+def _due_nodes(tx: Tx, detect: bool) -> list[str]:
+    """The nodes a Tick must act on, sorted: the decision must not depend on hash order
+    (PYTHONHASHSEED). A cheap pass over every node: the conditions of ``_noticed_gone`` and
+    ``_silent`` are inlined here (no call per node)."""
+    now, cfg = tx.now, tx.cfg
+    launch_timeout, timeout = cfg.launch_timeout_s, cfg.heartbeat_timeout_s
+    due: list[str] = []
+    for node in tx.nodes.values():
+        phase = node.phase
+        if phase in (N.REQUESTED, N.BOOTING):
+            if now - node.requested_ts > launch_timeout:
+                due.append(node.node_id)
+        elif phase in _WATCHED and (
+            (phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S)
+            or (detect and node.suspect_since is None and now - node.last_seen > timeout)
+        ):
+            due.append(node.node_id)
+    return sorted(due)
+
+
+def _node_timeout(tx: Tx, node: Node, detect: bool) -> bool:
+    """Act on one due node (a fresh record): launch timeout, notice deadline passed, heartbeat timeout.
+    True when the node was removed (its job needs reconciling); a new suspect is not."""
+    if node.phase in (N.REQUESTED, N.BOOTING):
+        _launch_timed_out(tx, node)
+    elif _noticed_gone(node, tx.now):
+        lc.lose_node(tx, node, "notice_deadline_passed", preempted=False, reconcile=False)
+    elif _silent(tx, node, detect):
+        if not node.disconnected:
+            suspect(tx, node, "heartbeat_timeout")
+            return False
+        lc.lose_node(tx, node, "heartbeat_timeout_after_disconnect", preempted=False, reconcile=False)
+    else:
+        return False
+    return True
 
 
 def _launch_timed_out(tx: Tx, node: Node) -> None:
@@ -159,7 +186,8 @@ def _force_end(tx: Tx, job: Job) -> None:
     """A checkpoint/recovery that never finished: abandon the members still silent, end the generation."""
     exited = job.gen_exited
     for node in lc.members_alive(tx, job):
-        tx.send(node, AbandonGenerationCmd, generation=job.generation, reason="generation_end_timeout")
+        tx.send(node, AbandonGenerationCmd(**tx.header(node), generation=job.generation,
+                                           reason="generation_end_timeout"))
         exited += (node.node_id,)
     tx.record(job.job_id, "force_end_generation", "timeout", generation=job.generation)
     job = tx.update_job(job, gen_exited=exited)
@@ -178,11 +206,11 @@ def check_budget(tx: Tx, job: Job) -> bool:
     if budget is None or job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED:
         return False
     cfg = tx.cfg
-    burn = lc.burn_usd_h(tx, job)
+    burn = burn_usd_h(tx, job)
     # The termination tail is reserved at the worst price (spot never above on-demand): a price rise
     # right before the stop cannot push the tail over the cap. Price rises re-check at once (on_price).
-    tail = lc.worst_burn_usd_h(tx, job) * cfg.terminate_s / 3600.0
-    cost = lc.cost_now(tx, job)
+    tail = worst_burn_usd_h(tx, job) * cfg.terminate_s / 3600.0
+    cost = cost_now(tx, job)
     if cost + tail + burn * cfg.tick_s / 3600.0 >= budget:
         tx.record(job.job_id, "stop", "budget_hard_stop", cost_usd=round(cost, 6), budget_usd=budget)
         job = lc.terminate_all(tx, job, "budget")
@@ -212,8 +240,11 @@ def _deadline(tx: Tx, job: Job) -> None:
     if spec.deadline_ts is None or job.force_on_demand or spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
         return
     cfg = tx.cfg
-    step = lc.progress_step(tx, job)
-    need = remaining_work_s(job, step, lc.live_step_time(tx, job)) + cfg.restart_overhead_s + cfg.boot_s_estimate + save_seconds(job)
+    step = progress_step(tx, job)
+    need = (
+        remaining_work_s(job, step, live_step_time(tx, job))
+        + cfg.restart_overhead_s + cfg.boot_s_estimate + save_seconds(job)
+    )
     slack = spec.deadline_ts - tx.now
     if slack >= need * (1.0 + cfg.deadline_margin):
         return
@@ -238,6 +269,12 @@ def _ratio(ps: PoolStats) -> float | None:
     return ps.price_usd_h / ps.on_demand_usd_h
 
 
+def _ratio_or_one(ps: PoolStats) -> float:
+    """``_ratio`` with 1.0 (as expensive as on-demand) where the pool has no spot ratio."""
+    ratio = _ratio(ps)
+    return ratio if ratio is not None else 1.0
+
+
 def pause_check(tx: Tx, job: Job) -> Job:
     """RUNNING on spot and the pool's price went above pause_above_ratio x on-demand: pause (or move
     to a spot pool that is below resume_below_ratio)."""
@@ -248,7 +285,7 @@ def pause_check(tx: Tx, job: Job) -> Job:
     pp = job.spec.price
     if ratio is None or ratio <= pp.pause_above_ratio:
         return job
-    step = lc.progress_step(tx, job)
+    step = progress_step(tx, job)
     rank = [r for r in ranked(tx.pools, job, job.target_nodes, step, tx.cfg, tx.now, markets=frozenset({Market.SPOT}))
             if (_ratio(r[2]) or 1.0) < pp.resume_below_ratio]
     if rank:
@@ -257,7 +294,7 @@ def pause_check(tx: Tx, job: Job) -> Job:
     return lc.checkpoint_job(tx, job, Intent.PAUSE, "price_pause")
 
 
-def _migrate(tx: Tx, job: Job, rank: list, reason: str, cur: PoolStats | None) -> Job:
+def _migrate(tx: Tx, job: Job, rank: list[Ranked], reason: str, cur: PoolStats | None) -> Job:
     best = rank[0][2]
     avoid = tuple(sorted({tx.nodes[n].pool_name for n in job.gen_nodes if n in tx.nodes}))
     tx.record(job.job_id, "migrate", reason, alternatives(rank, tx.cfg), src=cur.pool.name if cur else None,
@@ -294,7 +331,7 @@ def _price(tx: Tx, job: Job, prev_eval_ts: float = 0.0) -> Job:
     cur = _current_pool(tx, job)
     if cur is None or cur.price_usd_h is None:
         return job
-    step = lc.progress_step(tx, job)
+    step = progress_step(tx, job)
     nn = job.target_nodes
     # Migration: a cheaper pool saves more than moving costs (over the next horizon).
     if (job.migrate_ts is None or tx.now - job.migrate_ts >= cfg.migrate_cooldown_s) and _market_moved(
@@ -307,7 +344,7 @@ def _price(tx: Tx, job: Job, prev_eval_ts: float = 0.0) -> Job:
             remaining_h = max(remaining_work_s(job, step) / 3600.0, 1e-9)
             frac = min(1.0, cfg.migrate_horizon_h / remaining_h)
             saving = (cur_cost - alt_cost) * frac
-            move = migration_cost_usd(job, lc.burn_usd_h(tx, job), job.zone, alt, cfg)
+            move = migration_cost_usd(job, burn_usd_h(tx, job), job.zone, alt, cfg)
             if saving - move > spec.price.migrate_min_saving * cur_cost * frac:
                 return _migrate(tx, job, rank, "cheaper_pool", cur)
     # Scale up toward nodes_max while spot is cheap.
@@ -331,7 +368,8 @@ def _resume(tx: Tx, job: Job) -> None:
     step = job.step
     rank = ranked(tx.pools, job, job.target_nodes, step, tx.cfg, tx.now)
     if not job.force_on_demand:
-        rank = [r for r in rank if (_ratio(r[2]) if _ratio(r[2]) is not None else 1.0) < job.spec.price.resume_below_ratio]
+        resume_below = job.spec.price.resume_below_ratio
+        rank = [r for r in rank if _ratio_or_one(r[2]) < resume_below]
     if not rank:
         return
     tx.record(job.job_id, "resume", "on_demand_deadline" if job.force_on_demand else "price_below_resume_ratio",

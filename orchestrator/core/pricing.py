@@ -15,15 +15,27 @@ Model (documented in docs/core.md):
 from __future__ import annotations
 
 import math
+from typing import NotRequired, TypedDict
 
 from orchestrator.core.model import CoreConfig, Job, PoolStats
 from wire.messages import Market
 
 
+class ExposureChanges(TypedDict):
+    """``PoolStats`` field changes from ``record_exposure`` (``**``-unpacked into a replace)."""
+
+    preemptions: float
+    exposure_h: float
+    stats_ts: float
+    live: int
+    last_preempted_ts: NotRequired[float]
+
+
 def decay(value: float, since_ts: float, now: float, half_life_s: float) -> float:
     if now <= since_ts or half_life_s <= 0:
         return value
-    return value * 0.5 ** ((now - since_ts) / half_life_s)
+    factor: float = 0.5 ** ((now - since_ts) / half_life_s)  # float ** float is typed Any
+    return value * factor
 
 
 def preemption_rate_h(ps: PoolStats, cfg: CoreConfig, now: float) -> float:
@@ -36,17 +48,17 @@ def preemption_rate_h(ps: PoolStats, cfg: CoreConfig, now: float) -> float:
     return (cfg.spot_prior_rate_h * cfg.prior_weight_h + events) / (cfg.prior_weight_h + exposure)
 
 
-def record_exposure(ps: PoolStats, cfg: CoreConfig, now: float, live_delta: int, preempted: bool) -> dict:
+def record_exposure(ps: PoolStats, cfg: CoreConfig, now: float, live_delta: int, preempted: bool) -> ExposureChanges:
     """Field changes for ``ps``: integrate the live nodes' exposure up to now, then add ``live_delta``
     billed nodes (+1 billing starts, -1 node gone) and one preemption when ``preempted``."""
     hl = cfg.stats_half_life_s
     dt_h = max(0.0, now - ps.stats_ts) / 3600.0
-    changes: dict = {
-        "preemptions": decay(ps.preemptions, ps.stats_ts, now, hl) + (1.0 if preempted else 0.0),
-        "exposure_h": decay(ps.exposure_h, ps.stats_ts, now, hl) + ps.live * dt_h,
-        "stats_ts": max(now, ps.stats_ts),
-        "live": max(0, ps.live + live_delta),
-    }
+    changes = ExposureChanges(
+        preemptions=decay(ps.preemptions, ps.stats_ts, now, hl) + (1.0 if preempted else 0.0),
+        exposure_h=decay(ps.exposure_h, ps.stats_ts, now, hl) + ps.live * dt_h,
+        stats_ts=max(now, ps.stats_ts),
+        live=max(0, ps.live + live_delta),
+    )
     if preempted:
         changes["last_preempted_ts"] = now
     return changes

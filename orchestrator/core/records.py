@@ -24,14 +24,14 @@ _dec_meta = msgspec.json.Decoder(Meta)
 
 def all_keys(state: State) -> list[str]:
     keys = ["meta"]
-    keys.extend("job." + j for j in state.jobs.keys())
-    keys.extend("node." + n for n in state.nodes.keys())
-    keys.extend(pool_record_key(p) for p in state.pools.keys())
+    keys.extend("job." + j for j in state.jobs)
+    keys.extend("node." + n for n in state.nodes)
+    keys.extend(pool_record_key(p) for p in state.pools)
     return keys
 
 
 def _pool_index(state: State) -> dict[str, str]:
-    return {pool_record_key(name): name for name in state.pools.keys()}
+    return {pool_record_key(name): name for name in state.pools}
 
 
 def state_to_records(state: State, keys: Iterable[str] | None = None) -> dict[str, bytes]:
@@ -63,9 +63,10 @@ def state_to_records(state: State, keys: Iterable[str] | None = None) -> dict[st
 def state_from_records(records: Mapping[str, bytes]) -> State:
     """Rebuild the State from its records (empty values are deleted records and are skipped)."""
     meta = Meta()
-    jobs = immutables.Map().mutate()
-    nodes = immutables.Map().mutate()
-    pools = immutables.Map().mutate()
+    empty_jobs: immutables.Map[str, Job] = immutables.Map()
+    empty_nodes: immutables.Map[str, Node] = immutables.Map()
+    empty_pools: immutables.Map[str, PoolStats] = immutables.Map()
+    jobs, nodes, pools = empty_jobs.mutate(), empty_nodes.mutate(), empty_pools.mutate()
     for key, data in records.items():
         if not data:
             continue

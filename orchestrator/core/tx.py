@@ -8,12 +8,13 @@ current fencing token here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TypedDict
 
 import msgspec
 
-from orchestrator.core.commands import SendToAgent
+from orchestrator.core.commands import Command, SendToAgent
 from orchestrator.core.model import (
+    TERMINAL_JOB_PHASES,
     AuditEntry,
     Decision,
     Job,
@@ -23,13 +24,23 @@ from orchestrator.core.model import (
     NodePhase,
     PoolStats,
     State,
-    TERMINAL_JOB_PHASES,
     pool_record_key,
     safe_token,
 )
 from orchestrator.core.transitions import IllegalTransition, check_job, check_node
+from wire.messages import AgentCommand, JobId, NodeId
 
 _replace = msgspec.structs.replace
+
+
+class CmdHeader(TypedDict):
+    """The fields every agent command of one node gets from ``Tx.header`` (``**``-unpacked into it)."""
+
+    cmd_id: str
+    fencing_token: int
+    node_id: NodeId
+    job_id: JobId
+    issued_ts: float
 
 
 class Tx:
@@ -44,7 +55,7 @@ class Tx:
         self.cfg = state.meta.config
         self.now = now
         self.event = event
-        self.cmds: list[Any] = []
+        self.cmds: list[Command] = []
         self.audit: list[AuditEntry] = []
         self.dirty: set[str] = set()
 
@@ -58,12 +69,12 @@ class Tx:
     def job(self, job_id: str) -> Job:
         return self.jobs[job_id]
 
-    def update_job(self, job: Job, **changes: Any) -> Job:
+    def update_job(self, job: Job, **changes: object) -> Job:
         if self.jobs.get(job.job_id) is not job:
             raise IllegalTransition(f"update of a stale job record {job.job_id}")
         return self.put_job(_replace(job, **changes))
 
-    def job_phase(self, job: Job, phase: JobPhase, reason: str = "", **changes: Any) -> Job:
+    def job_phase(self, job: Job, phase: JobPhase, reason: str = "", **changes: object) -> Job:
         if self.jobs.get(job.job_id) is not job:
             raise IllegalTransition(f"phase change of a stale job record {job.job_id}")
         check_job(job.phase, phase)
@@ -78,12 +89,12 @@ class Tx:
         self.dirty.add("node." + node.node_id)
         return node
 
-    def update_node(self, node: Node, **changes: Any) -> Node:
+    def update_node(self, node: Node, **changes: object) -> Node:
         if self.nodes.get(node.node_id) is not node:
             raise IllegalTransition(f"update of a stale or deleted node record {node.node_id}")
         return self.put_node(_replace(node, **changes))
 
-    def node_phase(self, node: Node, phase: NodePhase, **changes: Any) -> Node:
+    def node_phase(self, node: Node, phase: NodePhase, **changes: object) -> Node:
         if self.nodes.get(node.node_id) is not node:
             raise IllegalTransition(f"phase change of a stale or deleted node record {node.node_id}")
         check_node(node.phase, phase)
@@ -104,17 +115,17 @@ class Tx:
         self.dirty.add(pool_record_key(name))
         return ps
 
-    def put_meta(self, **changes: Any) -> Meta:
+    def put_meta(self, **changes: object) -> Meta:
         self.meta = _replace(self.meta, **changes)
         self.dirty.add("meta")
         return self.meta
 
     # --- deterministic ids ----------------------------------------------------------------------
 
-    def new_node_id(self, job_id: str) -> str:
+    def new_node_id(self, job_id: str) -> NodeId:
         seq = self.meta.node_seq + 1
         self.put_meta(node_seq=seq)
-        return f"{safe_token(job_id)}-n{seq}"
+        return NodeId(f"{safe_token(job_id)}-n{seq}")
 
     def new_launch_token(self, job_id: str) -> str:
         seq = self.meta.launch_seq + 1
@@ -123,20 +134,25 @@ class Tx:
 
     # --- outputs --------------------------------------------------------------------------------
 
-    def emit(self, cmd: Any) -> None:
+    def emit(self, cmd: Command) -> None:
         self.cmds.append(cmd)
 
-    def send(self, node: Node, cls: type, **fields: Any) -> Node:
-        """SendToAgent(cls(...)) with cmd_id f"{node_id}-c{seq}" and the current fencing token."""
-        seq = node.cmd_seq + 1
-        cmd = cls(
-            cmd_id=f"{node.node_id}-c{seq}",
+    def header(self, node: Node) -> CmdHeader:
+        """The common fields of ``node``'s next agent command: cmd_id f"{node_id}-c{seq}" (seq = the
+        node's command counter + 1), the current fencing token, now. Pass the command to ``send``."""
+        return CmdHeader(
+            cmd_id=f"{node.node_id}-c{node.cmd_seq + 1}",
             fencing_token=self.meta.fencing_token,
             node_id=node.node_id,
             job_id=node.job_id,
             issued_ts=self.now,
-            **fields,
         )
+
+    def send(self, node: Node, cmd: AgentCommand) -> Node:
+        """Emit SendToAgent(cmd) - ``cmd`` built on ``header(node)`` - and advance the node's counter."""
+        seq = node.cmd_seq + 1
+        if cmd.cmd_id != f"{node.node_id}-c{seq}":
+            raise IllegalTransition(f"command {cmd.cmd_id} not built on header({node.node_id})")
         self.emit(SendToAgent(command=cmd))
         return self.update_node(node, cmd_seq=seq)
 
@@ -146,7 +162,7 @@ class Tx:
         action: str,
         reason: str,
         alternatives: tuple[tuple[str, float, float], ...] = (),
-        **details: Any,
+        **details: object,
     ) -> None:
         self.audit.append(
             AuditEntry(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from orchestrator.core import lifecycle as lc
+from orchestrator.core.costs import burn_usd_h, cost_now
 from orchestrator.core.model import State
 from orchestrator.core.tx import Tx
 
@@ -10,14 +10,29 @@ from orchestrator.core.tx import Tx
 def job_cost_usd(state: State, job_id: str, now: float) -> float:
     """$ the job has cost up to ``now``: its closed nodes (with termination tails) plus the live ones."""
     job = state.jobs[job_id]
-    return lc.cost_now(Tx(state, "view", now), job)
+    return cost_now(Tx(state, "view", now), job)
 
 
 def job_burn_usd_h(state: State, job_id: str) -> float:
     """$ per hour the job's billed nodes cost at current prices."""
-    return lc.burn_usd_h(Tx(state, "view", 0.0), state.jobs[job_id])
+    return burn_usd_h(Tx(state, "view", 0.0), state.jobs[job_id])
 
 
 def job_step(state: State, job_id: str) -> int:
-    """Best known progress: last committed / generation-end step or the newest heartbeat step."""
-    return lc.progress_step(Tx(state, "view", 0.0), state.jobs[job_id])
+    """The job's current training step (orchctl's ``step``, the ``orchd_job_step`` gauge).
+
+    Not the highest step ever seen: a generation resumes from the last committed checkpoint, so the
+    steps a lost generation ran past it are not progress. While a generation runs, the step all of its
+    ranks have reached (the lowest step its members report in this generation; the ranks of a
+    synchronous job move together), never below the committed step it resumed from. Between
+    generations, the committed step (where the next one resumes); a job that completed, its last step."""
+    from orchestrator.core.model import GEN_PHASES, JobPhase
+
+    job = state.jobs[job_id]
+    if job.phase == JobPhase.SUCCEEDED:
+        return max(job.step, job.committed_step)
+    if job.phase not in GEN_PHASES:
+        return job.committed_step
+    reported = [n.step for nid in job.gen_nodes
+                if (n := state.nodes.get(nid)) is not None and n.generation == job.generation]
+    return max(job.committed_step, min(reported, default=0))

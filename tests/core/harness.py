@@ -8,12 +8,12 @@ from orchestrator.core import Decision, State, decide, state_from_records, state
 from orchestrator.core.commands import CheckInstance, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import NodeLaunched, NodeRegistered
 from wire import (
+    AgentState,
     CheckpointCmd,
     CheckpointCommitted,
     CheckpointPolicy,
     GenerationStarted,
     Heartbeat,
-    AgentState,
     JobSpec,
     Market,
     PoolKey,
@@ -40,7 +40,9 @@ def pool(itype: str = "p4d.24xlarge", zone: str = "us-east-1a", market: Market =
 _seq = [0]
 
 
-def price(pk: PoolKey, usd: float, od: float | None = 30.0, ts: float = 0.0, gpu: str = "A100", gpn: int = 8) -> PriceTick:
+def price(
+    pk: PoolKey, usd: float, od: float | None = 30.0, ts: float = 0.0, gpu: str = "A100", gpn: int = 8
+) -> PriceTick:
     _seq[0] += 1
     return PriceTick(id=f"p{_seq[0]}", pool=pk, gpu_type=gpu, gpus_per_node=gpn, price_usd_h=usd,
                      on_demand_usd_h=od, ts=ts)

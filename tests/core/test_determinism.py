@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import msgspec
 from orchestrator.core import State, decide, state_to_records
-from orchestrator.core.inputs import JobSubmitted, Tick, NodeLaunched, NodeGone, LaunchFailed
+from orchestrator.core.inputs import JobSubmitted, Tick, LaunchFailed
 from orchestrator.core.commands import Launch
 from wire import FailureReason
 from tests.core.harness import pool, price, spec
@@ -28,12 +28,8 @@ for j in range(12):
     s = d.state; out.append(d.commands); pending += [c for c in d.commands if isinstance(c, Launch)]
 while pending:  # every launch fails until all pools are in backoff; Ticks then re-place many jobs at once
     la = pending.pop(0)
-    if True:
-        d = decide(s, LaunchFailed(node_ids=la.node_ids, job_id=la.job_id, pool=la.pool, token=la.token,
-                                   reason=FailureReason.CAPACITY), now)
-    else:
-        d = decide(s, NodeLaunched(node_id=la.node_ids[0], job_id=la.job_id, instance_id="i", pool=la.pool,
-                                   token=la.token), now)
+    d = decide(s, LaunchFailed(node_ids=la.node_ids, job_id=la.job_id, pool=la.pool, token=la.token,
+                               reason=FailureReason.CAPACITY), now)
     s = d.state; out.append(d.commands)
     pending += [c for c in d.commands if isinstance(c, Launch)]
 for t in range(380):

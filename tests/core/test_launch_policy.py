@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
 from orchestrator.core import CoreConfig, JobPhase, State
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobSubmitted, Tick
 from orchestrator.core.placement import ahead_of_line, launch_markets_for, line_step, ranked
-from wire import Market, MarketPolicy, PreemptionNotice
 from tests.core.harness import (
     AgentState,
     CheckpointCommitted,
@@ -23,6 +23,7 @@ from tests.core.harness import (
     price,
     spec,
 )
+from wire import Market, MarketPolicy, PreemptionNotice
 
 A = pool("p4d.24xlarge", "us-east-1a")
 A_OD = pool("p4d.24xlarge", "us-east-1a", market=Market.ON_DEMAND)

@@ -10,21 +10,21 @@ import pytest
 from orchestrator.core import JobPhase, NodePhase, State, decide, job_cost_usd
 from orchestrator.core.commands import Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import JobSubmitted, LaunchFailed, NodeGone, NodeLaunched, Tick
+from tests.core.harness import pool, price, spec
 from wire import (
     AbandonGenerationCmd,
     AgentState,
-    FailureReason,
-    MarketPolicy,
     CheckpointCmd,
     CheckpointCommitted,
+    FailureReason,
     GenerationStarted,
     Heartbeat,
+    MarketPolicy,
     NodeRegistered,
     PreemptionNotice,
     RanksExited,
     StartGenerationCmd,
 )
-from tests.core.harness import pool, price, spec
 
 POOLS = [pool("p4d.24xlarge", z) for z in ("a", "b")] + [pool("p5.48xlarge", z) for z in ("a", "b")]
 
@@ -105,10 +105,12 @@ class Cloud:
             if step >= job.spec.total_steps:
                 for n in members:
                     self.running.pop(n)
-                    self.later(0.5, RanksExited(id=self.eid(), node_id=n, job_id="j", generation=job.generation,
-                                                exit_code=0, reason="completed", last_step=step, ts=0))
+                    done = RanksExited(id=self.eid(), node_id=n, job_id="j", generation=job.generation, exit_code=0,
+                                       reason="completed", last_step=step, ts=0)
+                    self.later(0.5, done)
         for nid, node in sorted(self.state.nodes.items()):
-            if node.phase in (NodePhase.REGISTERED, NodePhase.RUNNING, NodePhase.NOTICED) and nid not in self.terminated:
+            alive = node.phase in (NodePhase.REGISTERED, NodePhase.RUNNING, NodePhase.NOTICED)
+            if alive and nid not in self.terminated:
                 g, s = self.running.get(nid, (node.generation, 0))
                 st = AgentState.TRAINING if nid in self.running else AgentState.IDLE
                 self.feed(Heartbeat(node_id=nid, seq=int(self.now), ts=self.now, state=st, job_id="j", generation=g,
@@ -117,7 +119,9 @@ class Cloud:
 
     def chaos(self) -> None:
         r = self.rng.random()
-        live = sorted(n for n, x in self.state.nodes.items() if x.phase == NodePhase.RUNNING and n not in self.terminated)
+        live = sorted(
+            n for n, x in self.state.nodes.items() if x.phase == NodePhase.RUNNING and n not in self.terminated
+        )
         if r < 0.01 and live:  # preemption notice, the instance dies at the deadline
             nid = self.rng.choice(live)
             self.feed(PreemptionNotice(id=self.eid(), node_id=nid, cloud="gcp", deadline_ts=self.now + 30,

@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 from orchestrator.core import JobPhase
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobSubmitted, Tick
-from wire import CheckpointCommitted, Market, RanksExited
 from tests.core.harness import Driver, cmds, pool, price, spec
+from wire import CheckpointCommitted, Market, RanksExited
 
 A = pool("p4d.24xlarge", "us-east-1a")
 OD = 30.0

@@ -11,13 +11,13 @@ from orchestrator.core.pricing import (
     checkpoint_interval_s,
     expected_cost_usd,
     preemption_rate_h,
-    record_exposure,
     recent_penalty,
+    record_exposure,
     transfer_cost_usd,
     young_daly_s,
 )
-from wire import CheckpointPolicy, Market
 from tests.core.harness import pool, spec
+from wire import CheckpointPolicy, Market
 
 CFG = CoreConfig()
 
@@ -70,5 +70,6 @@ def test_recent_penalty_decays() -> None:
 def test_transfer_cost() -> None:
     dst = ps()
     assert transfer_cost_usd("aws/us-east-1/us-east-1b", dst, CFG) == 0.0
-    assert transfer_cost_usd("aws/us-west-2/us-west-2a", dst, CFG) == CFG.checkpoint_gb_estimate * CFG.cross_region_usd_per_gb
+    cross_region = CFG.checkpoint_gb_estimate * CFG.cross_region_usd_per_gb
+    assert transfer_cost_usd("aws/us-west-2/us-west-2a", dst, CFG) == cross_region
     assert transfer_cost_usd("gcp/us-central1/a", dst, CFG) == CFG.checkpoint_gb_estimate * CFG.cross_cloud_usd_per_gb

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from orchestrator.core import JobPhase, NodePhase, State, decide, state_from_records, state_to_records
 from orchestrator.core.commands import Launch, SendToAgent, Terminate
+from orchestrator.core.costs import burn_usd_h, cost_now
 from orchestrator.core.inputs import (
     AgentDisconnected,
     BusState,
@@ -31,10 +32,10 @@ from orchestrator.core.inputs import (
     NodeLaunched,
     Tick,
 )
-from orchestrator.core.lifecycle import burn_usd_h, cost_now
 from orchestrator.core.placement import zone_of
 from orchestrator.core.records import all_keys
 from orchestrator.core.tx import Tx
+from tests.core.harness import pool, price, spec
 from wire import (
     AgentState,
     CheckpointCommitted,
@@ -49,7 +50,6 @@ from wire import (
     RanksExited,
     StartGenerationCmd,
 )
-from tests.core.harness import pool, price, spec
 
 POOLS = [pool("p4d.24xlarge", "z1"), pool("p5.48xlarge", "z1"), pool("p4d.24xlarge", "z2"), pool("p5.48xlarge", "z2")]
 OD = 30.0
@@ -133,87 +133,103 @@ class World:
             check(self.state, d2, self.now)
             self.state = d2.state
 
-    def act(self, a: tuple) -> None:
+    def act(self, a: tuple[Any, ...]) -> None:
         kind = a[0]
-        if kind == "auto":  # a cooperative cloud and agents: launches succeed, nodes register and train
-            while self.launches:
-                self.act(("exec", 0, "ok"))
-            for node in self.nodes():
-                if node.node_id not in self.state.nodes:
-                    continue
-                if node.phase == NodePhase.BOOTING:
-                    self.act(("register", self.nodes().index(self.state.nodes[node.node_id])))
-            for job in list(self.state.jobs.values()):
-                if job.phase == JobPhase.STARTING and job.gen_nodes and job.gen_nodes[0] in self.state.nodes:
-                    self.feed(GenerationStarted(id=self.eid(), node_id=job.gen_nodes[0], job_id=job.job_id,
-                                                generation=job.generation, first_step=1, ts=self.now))
-            for node in self.nodes():
-                if node.node_id in self.state.nodes and node.phase in (NodePhase.RUNNING, NodePhase.REGISTERED):
-                    self.act(("hb", self.nodes().index(self.state.nodes[node.node_id]), 10))
-            return
-        if kind == "price":
+        if kind == "auto":
+            self.cooperate()
+        elif kind == "price":
             self.feed(price(POOLS[a[1]], round(OD * a[2], 4), od=OD, ts=self.now))
         elif kind == "tick":
             self.now += a[1]
             self.feed(Tick())
         elif kind == "exec":
-            if not self.launches:
-                return
-            la = self.launches.pop(a[1] % len(self.launches))
-            ok = {"ok": la.node_ids, "fail": (), "partial": la.node_ids[:1]}[a[2]]
-            for nid in ok:
-                self.feed(NodeLaunched(node_id=nid, job_id=la.job_id, instance_id=f"i-{nid}", pool=la.pool, token=la.token))
-            failed = tuple(n for n in la.node_ids if n not in ok)
-            if failed:
-                self.feed(LaunchFailed(node_ids=failed, job_id=la.job_id, pool=la.pool, token=la.token,
-                                       reason=FailureReason.CAPACITY))
+            self.execute_launch(a[1], a[2])
+        elif kind in ("commit", "cancel", "bus"):
+            self.job_action(kind, a[1])
+        else:
+            node = self.pick(a[1])
+            if node is not None:
+                self.node_action(kind, node, a)
+
+    def cooperate(self) -> None:
+        """A cooperative cloud and agents: launches succeed, nodes register and train."""
+        while self.launches:
+            self.execute_launch(0, "ok")
+        for node in self.nodes():
+            if node.node_id not in self.state.nodes:
+                continue
+            if node.phase == NodePhase.BOOTING:
+                self.act(("register", self.nodes().index(self.state.nodes[node.node_id])))
+        for job in list(self.state.jobs.values()):
+            if job.phase == JobPhase.STARTING and job.gen_nodes and job.gen_nodes[0] in self.state.nodes:
+                self.feed(GenerationStarted(id=self.eid(), node_id=job.gen_nodes[0], job_id=job.job_id,
+                                            generation=job.generation, first_step=1, ts=self.now))
+        for node in self.nodes():
+            if node.node_id in self.state.nodes and node.phase in (NodePhase.RUNNING, NodePhase.REGISTERED):
+                self.act(("hb", self.nodes().index(self.state.nodes[node.node_id]), 10))
+
+    def execute_launch(self, i: int, outcome: str) -> None:
+        """The cloud answers one pending Launch: all nodes, none, or the first only."""
+        if not self.launches:
             return
-        node = self.pick(a[1]) if len(a) > 1 and isinstance(a[1], int) and kind not in ("commit", "cancel") else None
-        if kind == "register" and node is not None:
-            self.feed(NodeRegistered(id=self.eid(), node_id=node.node_id, host=f"h-{node.node_id}", ts=self.now))
-        elif kind == "started" and node is not None and node.generation:
-            self.feed(GenerationStarted(id=self.eid(), node_id=node.node_id, job_id=node.job_id,
-                                        generation=node.generation, first_step=node.step + 1, ts=self.now))
-        elif kind == "hb" and node is not None:
-            st_ = AgentState.TRAINING if node.phase == NodePhase.RUNNING else AgentState.IDLE
-            self.feed(Heartbeat(node_id=node.node_id, seq=node.hb_seq + 1, ts=self.now, state=st_, job_id=node.job_id,
-                                generation=node.generation, step=node.step + a[2], step_time_s=1.0))
-        elif kind == "notice" and node is not None:
-            kind_ = NoticeKind.TERMINATE if a[2] else NoticeKind.REBALANCE
-            self.feed(PreemptionNotice(id=self.eid(), node_id=node.node_id, cloud="aws", kind=kind_,
-                                       deadline_ts=self.now + 120 if a[2] else None, observed_ts=self.now))
-        elif kind == "commit":
-            jobs = sorted(self.state.jobs.keys())
-            if not jobs:
-                return
-            job = self.state.jobs[jobs[a[1] % len(jobs)]]
+        la = self.launches.pop(i % len(self.launches))
+        ok = {"ok": la.node_ids, "fail": (), "partial": la.node_ids[:1]}[outcome]
+        for nid in ok:
+            self.feed(NodeLaunched(node_id=nid, job_id=la.job_id, instance_id=f"i-{nid}", pool=la.pool,
+                                   token=la.token))
+        failed = tuple(n for n in la.node_ids if n not in ok)
+        if failed:
+            self.feed(LaunchFailed(node_ids=failed, job_id=la.job_id, pool=la.pool, token=la.token,
+                                   reason=FailureReason.CAPACITY))
+
+    def job_action(self, kind: str, arg: Any) -> None:
+        jobs = sorted(self.state.jobs.keys())
+        if kind == "bus":
+            self.feed(BusState(connected=arg))
+        elif kind == "cancel":
+            if jobs and arg == 0:
+                self.feed(JobCancelled(job_id=jobs[0]))
+        elif kind == "commit" and jobs:
+            job = self.state.jobs[jobs[arg % len(jobs)]]
             if not job.gen_nodes or job.gen_nodes[0] not in self.state.nodes:
                 return
             step = max([self.state.nodes[n].step for n in job.gen_nodes if n in self.state.nodes] + [0])
             self.feed(CheckpointCommitted(id=self.eid(), node_id=job.gen_nodes[0], job_id=job.job_id,
                                           generation=job.generation, step=step, checkpoint_id=f"s{step}",
                                           url=f"u{step}", save_s=5.0, emergency=True, ts=self.now))
-        elif kind == "exit" and node is not None and node.generation:
+
+    def node_action(self, kind: str, node: Any, a: tuple[Any, ...]) -> None:
+        """What an agent / the cloud does to one node: ``a`` is the action tuple (kind, node index, ...)."""
+        if kind == "register":
+            self.feed(NodeRegistered(id=self.eid(), node_id=node.node_id, host=f"h-{node.node_id}", ts=self.now))
+        elif kind == "started" and node.generation:
+            self.feed(GenerationStarted(id=self.eid(), node_id=node.node_id, job_id=node.job_id,
+                                        generation=node.generation, first_step=node.step + 1, ts=self.now))
+        elif kind == "hb":
+            st_ = AgentState.TRAINING if node.phase == NodePhase.RUNNING else AgentState.IDLE
+            self.feed(Heartbeat(node_id=node.node_id, seq=node.hb_seq + 1, ts=self.now, state=st_,
+                                job_id=node.job_id, generation=node.generation, step=node.step + a[2],
+                                step_time_s=1.0))
+        elif kind == "notice":
+            kind_ = NoticeKind.TERMINATE if a[2] else NoticeKind.REBALANCE
+            self.feed(PreemptionNotice(id=self.eid(), node_id=node.node_id, cloud="aws", kind=kind_,
+                                       deadline_ts=self.now + 120 if a[2] else None, observed_ts=self.now))
+        elif kind == "exit" and node.generation:
             job = self.state.jobs.get(node.job_id)
             last = job.spec.total_steps if (a[2] == "completed" and job is not None) else node.step
-            self.feed(RanksExited(id=self.eid(), node_id=node.node_id, job_id=node.job_id, generation=node.generation,
-                                  exit_code=0, reason=a[2], last_step=last, ts=self.now))
-        elif kind == "gone" and node is not None:
+            self.feed(RanksExited(id=self.eid(), node_id=node.node_id, job_id=node.job_id,
+                                  generation=node.generation, exit_code=0, reason=a[2], last_step=last,
+                                  ts=self.now))
+        elif kind == "gone":
             self.feed(NodeGone(node_id=node.node_id, reason="provider_missing"))
-        elif kind == "disconnect" and node is not None:
+        elif kind == "disconnect":
             self.feed(AgentDisconnected(node_id=node.node_id))
-        elif kind == "leaving" and node is not None:
+        elif kind == "leaving":
             self.feed(NodeLeaving(id=self.eid(), node_id=node.node_id, reason="sigterm", ts=self.now))
-        elif kind == "drain" and node is not None:
+        elif kind == "drain":
             self.feed(NodeDrainRequested(node_id=node.node_id))
-        elif kind == "cmd_failed" and node is not None:
+        elif kind == "cmd_failed":
             self.feed(CommandFailed(node_id=node.node_id, cmd_id="x", kind="checkpoint"))
-        elif kind == "bus":
-            self.feed(BusState(connected=a[1]))
-        elif kind == "cancel":
-            jobs = sorted(self.state.jobs.keys())
-            if jobs and a[1] == 0:
-                self.feed(JobCancelled(job_id=jobs[0]))
 
 
 def check(before: State, d: Any, now: float) -> None:
@@ -289,7 +305,8 @@ def test_random_operation_keeps_invariants(specs: list[dict], actions: list[tupl
     for i, sp in enumerate(specs):
         deadline = sp.pop("deadline")
         sp["nodes_max"] = max(sp["nodes"], sp["nodes_min"]) + 1
-        w.feed(JobSubmitted(job_id=f"job.{i}", spec=spec(**sp, deadline_ts=None if deadline is None else w.now + deadline)))
+        deadline_ts = None if deadline is None else w.now + deadline
+        w.feed(JobSubmitted(job_id=f"job.{i}", spec=spec(**sp, deadline_ts=deadline_ts)))
     for a in actions:
         w.act(a)
     # Let time run out: every budgeted job ends under its cap, whatever else happened.
@@ -327,11 +344,12 @@ wire_event = st.one_of(
     st.builds(lambda i, p: price(POOLS[i], p), st.integers(0, 3), st.floats(0.0, 100.0)),
     st.builds(JobCancelled, job_id=st.sampled_from(["job.0", "nope"])),
     st.builds(LeaseChanged, revision=st.integers(0, 10)),
-    st.builds(NodeLaunched, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]), job_id=st.sampled_from(["job.0", "n"]),
-              instance_id=st.text(max_size=3), pool=st.sampled_from(POOLS), token=st.sampled_from(["job_0-L1", "?"])),
+    st.builds(NodeLaunched, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]),
+              job_id=st.sampled_from(["job.0", "n"]), instance_id=st.text(max_size=3), pool=st.sampled_from(POOLS),
+              token=st.sampled_from(["job_0-L1", "?"])),
     st.builds(LaunchFailed, node_ids=st.lists(st.sampled_from(["job_0-n1", "job_0-n2", "x"]), max_size=3).map(tuple),
-              job_id=st.sampled_from(["job.0", "n"]), pool=st.sampled_from(POOLS), token=st.sampled_from(["job_0-L1", "?"]),
-              reason=st.sampled_from(list(FailureReason))),
+              job_id=st.sampled_from(["job.0", "n"]), pool=st.sampled_from(POOLS),
+              token=st.sampled_from(["job_0-L1", "?"]), reason=st.sampled_from(list(FailureReason))),
     st.builds(NodeDrainRequested, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"])),
     st.builds(CommandFailed, node_id=st.sampled_from(["job_0-n1", "job_0-n2", "x"]), cmd_id=st.text(max_size=3),
               kind=st.text(max_size=3)),

@@ -5,8 +5,8 @@ from __future__ import annotations
 from orchestrator.core import State, decide, state_from_records, state_to_records
 from orchestrator.core.inputs import JobSubmitted, LeaseChanged
 from orchestrator.core.model import CoreConfig, pool_record_key, safe_token
-from wire import AgentState, Heartbeat, PreemptionNotice, subject_command
 from tests.core.harness import Driver, pool, price, spec
+from wire import AgentState, Heartbeat, PreemptionNotice, subject_command
 
 
 def test_round_trip_and_keys() -> None:

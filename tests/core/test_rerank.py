@@ -3,6 +3,8 @@ ranking every pool on every Tick was half of orchd's replay time)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 
@@ -10,8 +12,9 @@ from orchestrator.core import CoreConfig, State
 from orchestrator.core import policy as core_policy
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobSubmitted, Tick
-from wire import MarketPolicy
+from orchestrator.core.placement import Ranked
 from tests.core.harness import Driver, GenerationStarted, cmds, pool, price, spec
+from wire import MarketPolicy
 
 A = pool("p4d.24xlarge", "us-east-1a")
 C = pool("p4d.24xlarge", "us-east-1b")
@@ -23,7 +26,7 @@ def rank_calls(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     calls: list[float] = []
     real = core_policy.ranked
 
-    def counting(*a, **kw):  # type: ignore[no-untyped-def]
+    def counting(*a: Any, **kw: Any) -> list[Ranked]:
         calls.append(a[5])  # now
         return real(*a, **kw)
 
@@ -31,8 +34,8 @@ def rank_calls(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     return calls
 
 
-def running(config: CoreConfig = CoreConfig()) -> Driver:
-    drv = Driver(State.empty(config), now=WINDOW * 10 + 5.0)  # away from a window boundary
+def running(config: CoreConfig | None = None) -> Driver:
+    drv = Driver(State.empty(config or CoreConfig()), now=WINDOW * 10 + 5.0)  # away from a window boundary
     drv(price(A, 10.0))
     drv(price(C, 11.0))
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=10**6,

@@ -19,16 +19,6 @@ from orchestrator.core.inputs import (
     NodeLaunched,
     Tick,
 )
-from wire import (
-    AbandonGenerationCmd,
-    CheckpointCmd,
-    FailureReason,
-    Market,
-    MarketPolicy,
-    PreemptionNotice,
-    PricePolicy,
-    StartGenerationCmd,
-)
 from tests.core.harness import (
     AgentState,
     CheckpointCommitted,
@@ -40,6 +30,16 @@ from tests.core.harness import (
     pool,
     price,
     spec,
+)
+from wire import (
+    AbandonGenerationCmd,
+    CheckpointCmd,
+    FailureReason,
+    Market,
+    MarketPolicy,
+    PreemptionNotice,
+    PricePolicy,
+    StartGenerationCmd,
 )
 
 A = pool("p4d.24xlarge", "us-east-1a")
@@ -427,8 +427,8 @@ def test_registration_before_node_launched() -> None:
 
 def test_move_prefers_the_region_of_the_checkpoint() -> None:
     """A whole-job move counts the checkpoint transfer: same region beats a slightly cheaper far region."""
-    from orchestrator.core.model import CoreConfig
     from orchestrator.core import State
+    from orchestrator.core.model import CoreConfig
 
     far = pool("p4d.24xlarge", "us-west-2a", region="us-west-2")
     near = pool("p4d.24xlarge", "us-east-1b")

@@ -5,12 +5,25 @@ from __future__ import annotations
 
 from orchestrator.core import JobPhase, NodePhase
 from orchestrator.core.inputs import JobSubmitted, LeaseChanged
-from wire import PreemptionNotice
-
 from tests.core.harness import (
-    AgentState, CheckpointCmd, CheckpointCommitted, Driver, GenerationStarted, Heartbeat, Launch, RanksExited,
-    StartGenerationCmd, Terminate, cmds, pool, price, spec, state_from_records, state_to_records,
+    AgentState,
+    CheckpointCmd,
+    CheckpointCommitted,
+    Driver,
+    GenerationStarted,
+    Heartbeat,
+    Launch,
+    RanksExited,
+    StartGenerationCmd,
+    Terminate,
+    cmds,
+    pool,
+    price,
+    spec,
+    state_from_records,
+    state_to_records,
 )
+from wire import PreemptionNotice
 
 
 def test_full_slice() -> None:

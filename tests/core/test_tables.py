@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from orchestrator.core import JobPhase, NodePhase
 from orchestrator.core.commands import Launch, Terminate
 from orchestrator.core.inputs import AgentDisconnected, JobSubmitted, NodeDrainRequested, NodeGone, Tick
-from wire import CheckpointCmd, NodeLeaving, PreemptionNotice, StartGenerationCmd
 from tests.core.harness import Driver, GenerationStarted, RanksExited, cmds, pool, price, spec
+from wire import CheckpointCmd, NodeLeaving, PreemptionNotice, StartGenerationCmd
 
 A = pool("p4d.24xlarge", "us-east-1a")
 B = pool("p4de.24xlarge", "us-east-1a")

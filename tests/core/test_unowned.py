@@ -7,8 +7,8 @@ from __future__ import annotations
 from orchestrator.core import JobPhase, state_from_records, state_to_records
 from orchestrator.core.commands import Launch, Terminate
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeLaunched
-from wire import NodeRegistered
 from tests.core.harness import Driver, cmds, pool, price, spec
+from wire import NodeRegistered
 
 A = pool("p4d.24xlarge", "us-east-1a")
 

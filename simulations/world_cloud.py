@@ -1,0 +1,282 @@
+"""The clouds of ``simulations.world``: market, instances and virtual time for one job's World.
+
+Role: the half of the World that plays the providers, from a trace scenario:
+
+  market      PriceTick per zone's spot pool at each trace tick where its price or capacity changed
+              (capacity_hint 1/0 from the trace: what a placement score would say; the baselines see
+              the same current-tick capacity; ``capacity_hints=False`` sends none, so the core learns
+              capacity from LaunchFailed only); the on-demand pool of each zone rides on it.
+  Launch      spot: NodeLaunched at once when the zone has room for the nodes in this tick, else
+              LaunchFailed(capacity); on-demand always succeeds. NodeRegistered after launch_delay_s.
+  preemption  when the trace's capacity of a zone drops below the job's nodes there: a
+              PreemptionNotice notice_s before the tick boundary, then NodeGone at it.
+  billing     cost is integrated per node from NodeLaunched to Terminate/preemption at the tick's price.
+
+Virtual time jumps from event to event (a heap of ``(ts, seq, kind, data)``). The job driver
+(``simulations.world.World``) subclasses this: it feeds the core and plays the agents and the trainer;
+the hooks ``feed`` and ``instance_lost`` are its side.
+
+Single-threaded, no I/O.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from orchestrator.core import CoreConfig, CoreEvent
+from orchestrator.core.commands import Launch
+from orchestrator.core.inputs import LaunchFailed, NodeGone, NodeLaunched
+from simulations.engine import Job
+from simulations.overheads import Overheads
+from simulations.scenario import Scenario
+from wire import (
+    FailureReason,
+    InstanceId,
+    Market,
+    NodeId,
+    NodeRegistered,
+    PoolKey,
+    PreemptionNotice,
+    PriceTick,
+)
+
+BASE_TS = 1_000_000.0  # virtual epoch of a job's start (avoid 0 in the core's arithmetic)
+GPU = "gpu"
+
+
+def instance_of(node_id: str) -> InstanceId:
+    """The simulated instance id of a node."""
+    return InstanceId(f"i-{node_id}")
+
+
+@dataclass(slots=True)
+class WNode:
+    node_id: NodeId
+    pool: PoolKey
+    zone: int
+    launched: float | None = None  # billing starts (NodeLaunched)
+    alive: bool = True
+    registered: bool = False
+    generation: int = 0
+    training: bool = False
+    hb_seq: int = 0
+    doomed_at: float | None = None  # notice scheduled for a death at this time
+    noticed: bool = False  # the notice was delivered
+
+
+class CloudModel:
+    """Market, instances, billing and the event heap of one job's world (see the module docstring)."""
+
+    def __init__(
+        self,
+        sc: Scenario,
+        job: Job,
+        ov: Overheads,
+        *,
+        config: CoreConfig | None,
+        record: bool,
+        max_overrun: float,
+        capacity_hints: bool,
+    ) -> None:
+        self.sc, self.job, self.ov = sc, job, ov
+        self.capacity_hints = capacity_hints
+        self.record = record
+        self.cfg = config or CoreConfig()
+        self.heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
+        self.seq = itertools.count()
+        self.now = BASE_TS
+        self.step_s = sc.quantum_s
+        self.work_s = job.work_q * sc.quantum_s
+        self.total_steps = job.work_q
+        self.deadline_ts = BASE_TS + job.deadline_ticks * sc.tick_s
+        self.stop_ts = BASE_TS + max(job.deadline_ticks * sc.tick_s * max_overrun, self.work_s * 4)
+        self.usable = sc.usable(job.nodes)
+        self.nodes: dict[str, WNode] = {}  # every node ever launched (lookups)
+        self.live: dict[str, WNode] = {}  # alive ones (iteration)
+        self.pools_spot = [
+            PoolKey(cloud=z.cloud, region=z.region, zone=z.name, instance_type=z.instance_type, market=Market.SPOT)
+            for z in sc.zones
+        ]
+        self.zone_of_name = {z.name: i for i, z in enumerate(sc.zones)}
+        self.last_hint: list[tuple[float, float] | None] = [None] * len(sc.zones)
+        # accounting
+        self.cost = 0.0
+        self.billed_s = 0.0
+        self.od_s = 0.0
+        self.bill_ts = BASE_TS
+        self.preemptions = 0
+        self.timeline: list[tuple[float, str, str]] = []
+        self.msg = itertools.count()
+
+    # --- the job driver's side -----------------------------------------------------------------
+
+    def feed(self, ev: CoreEvent) -> None:
+        raise NotImplementedError
+
+    def instance_lost(self, n: WNode) -> None:
+        """``n`` died under the job (after it is marked dead, before NodeGone is fed)."""
+        raise NotImplementedError
+
+    # --- time and trace ------------------------------------------------------------------------
+
+    def tick_index(self, ts: float) -> int:
+        return int(math.floor((ts - BASE_TS) / self.sc.tick_s + 1e-9))
+
+    def trace_t(self, k: int) -> int:
+        return (self.job.start_tick + k) % self.sc.n_ticks
+
+    def price(self, node: WNode, k: int) -> float:
+        if node.pool.market == Market.SPOT:
+            return float(self.sc.spot_price[node.zone, self.trace_t(k)])
+        return float(self.sc.od_price[self.sc.zone_region[node.zone]])
+
+    def capacity(self, z: int, k: int) -> int:
+        return int(self.sc.avail[z, self.trace_t(k)])
+
+    def at(self, ts: float, kind: str, *data: Any) -> None:
+        heapq.heappush(self.heap, (ts, next(self.seq), kind, data))
+
+    def log(self, what: str, detail: str) -> None:
+        if self.record:
+            self.timeline.append((self.now - BASE_TS, what, detail))
+
+    # --- accounting ----------------------------------------------------------------------------
+
+    def bill_to(self, ts: float) -> None:
+        """Integrate node cost from bill_ts to ts (prices change only at tick boundaries)."""
+        t = self.bill_ts
+        while t < ts:
+            k = self.tick_index(t)
+            end = min(ts, BASE_TS + (k + 1) * self.sc.tick_s)
+            dt = end - t
+            for n in self.live.values():
+                if n.launched is not None:
+                    self.cost += self.price(n, k) * dt / 3600.0
+                    self.billed_s += dt
+                    if n.pool.market != Market.SPOT:
+                        self.od_s += dt
+            t = end
+        self.bill_ts = ts
+
+    # --- instances -----------------------------------------------------------------------------
+
+    def do_launch(self, c: Launch) -> None:
+        z = self.zone_of_name.get(c.pool.zone)
+        ids = list(c.node_ids)
+        k = self.tick_index(self.now)
+        ok = ids
+        if z is None:
+            ok = []
+        elif c.pool.market == Market.SPOT:
+            used = sum(1 for n in self.live.values() if n.zone == z and n.pool.market == Market.SPOT)
+            room = self.capacity(z, k) - used if self.usable[z, self.trace_t(k)] else 0
+            ok = ids[: max(0, room)]
+        failed = ids[len(ok):]
+        if z is not None:
+            doomed = c.pool.market == Market.SPOT and not self.usable[z, self.trace_t(k + 1)]
+            for nid in ok:
+                self.start_instance(c, nid, z, k, doomed)
+        if ok:
+            self.log("launch", f"{len(ok)} x {c.pool.name}")
+        if failed:
+            self.log("launch_failed", c.pool.name)
+            self.at(self.now, "core", LaunchFailed(node_ids=tuple(failed), job_id=c.job_id, pool=c.pool,
+                                                   token=c.token, reason=FailureReason.CAPACITY))
+
+    def start_instance(self, c: Launch, nid: NodeId, z: int, k: int, doomed: bool) -> None:
+        n = WNode(nid, c.pool, z, launched=self.now)
+        self.nodes[nid] = n
+        self.live[nid] = n
+        if doomed:  # launched into a zone that loses its capacity at the next boundary
+            death = BASE_TS + (k + 1) * self.sc.tick_s
+            n.doomed_at = death
+            self.at(max(self.now, death - self.ov.notice_s), "notice", nid, death)
+            self.at(death, "death", nid)
+        self.at(self.now, "core", NodeLaunched(node_id=nid, job_id=c.job_id, instance_id=instance_of(nid),
+                                               pool=c.pool, token=c.token))
+        self.at(self.now + self.ov.launch_delay_s, "registered", nid)
+
+    def stop_instance(self, n: WNode) -> None:
+        n.alive = False
+        self.live.pop(n.node_id, None)
+
+    def kill(self, n: WNode) -> None:
+        self.stop_instance(n)
+        if not n.noticed:
+            self.preemptions += 1  # noticed nodes were counted at their notice
+        self.log("preempted", f"{n.node_id} {n.pool.name}")
+        self.instance_lost(n)
+        self.feed(NodeGone(node_id=n.node_id, instance_id=instance_of(n.node_id), reason="provider_terminated"))
+
+    def handle_instance(self, kind: str, data: tuple[Any, ...]) -> None:
+        """The heap events of instances: registered, notice, death."""
+        n = self.nodes.get(data[0])
+        if n is None or not n.alive:
+            return
+        if kind == "registered":
+            n.registered = True
+            self.feed(NodeRegistered(id=f"r{next(self.msg)}", node_id=n.node_id, instance_id=instance_of(n.node_id),
+                                     pool=n.pool, host=n.node_id, ts=self.now))
+        elif kind == "notice":
+            n.noticed = True
+            self.preemptions += 1
+            self.feed(PreemptionNotice(id=f"n{next(self.msg)}", node_id=n.node_id, cloud=n.pool.cloud,
+                                       deadline_ts=data[1], observed_ts=self.now))
+        elif kind == "death":
+            self.kill(n)
+
+    def spot_by_zone(self) -> dict[int, list[WNode]]:
+        out: dict[int, list[WNode]] = {}
+        for n in self.live.values():
+            if n.pool.market == Market.SPOT:
+                out.setdefault(n.zone, []).append(n)
+        return out
+
+    # --- the market ----------------------------------------------------------------------------
+
+    def publish_price(self, z: int, pk: PoolKey, price: float, hint: float) -> None:
+        od = float(self.sc.od_price[self.sc.zone_region[z]])
+        self.feed(PriceTick(id=f"p{next(self.msg)}", pool=pk, gpu_type=GPU, gpus_per_node=1,
+                            price_usd_h=price if math.isfinite(price) else od, on_demand_usd_h=od,
+                            capacity_hint=hint if self.capacity_hints else None, ts=self.now))
+
+    def market_tick(self, k: int) -> None:
+        """Trace tick ``k``: prices and capacity of this tick (only pools that changed), so that decisions
+        taken on the preemptions below already see the new capacity; then the preemptions at this
+        boundary (nodes whose zone lost capacity; noticed ones already know); then the notices for the
+        next boundary."""
+        t = self.trace_t(k)
+        prices = self.sc.spot_price[:, t]
+        hints = self.usable[:, t]
+        for z, pk in enumerate(self.pools_spot):
+            price = float(prices[z])
+            hint = 1.0 if hints[z] else 0.0
+            if self.last_hint[z] != (price, hint):
+                self.last_hint[z] = (price, hint)
+                self.publish_price(z, pk, price, hint)
+        for z, spot in self.spot_by_zone().items():
+            cap = self.capacity(z, k) if self.usable[z, t] else 0
+            for n in spot[cap:] if cap < len(spot) else ():
+                self.kill(n)
+        nxt = self.trace_t(k + 1)
+        death = self.now + self.sc.tick_s
+        for z, spot in self.spot_by_zone().items():
+            cap = self.capacity(z, k + 1) if self.usable[z, nxt] else 0
+            for n in spot[cap:] if cap < len(spot) else ():
+                if n.doomed_at != death:
+                    n.doomed_at = death
+                    self.at(max(self.now, death - self.ov.notice_s), "notice", n.node_id, death)
+                    self.at(death, "death", n.node_id)
+
+    def on_tick_prices_only(self) -> None:
+        """Prices before the job is submitted (the daemon knows the market when a job arrives)."""
+        t = self.trace_t(0)
+        for z, pk in enumerate(self.pools_spot):
+            price = float(self.sc.spot_price[z, t])
+            hint = 1.0 if self.usable[z, t] else 0.0
+            self.last_hint[z] = (price, hint)
+            self.publish_price(z, pk, price, hint)
