@@ -34,12 +34,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from trainer import dist as tdist  # noqa: E402
-from trainer.checkpoint import CheckpointManager  # noqa: E402
-from trainer.emergency import EmergencyState, agree  # noqa: E402
-from trainer.model import GPT, GPTConfig, per_sample_loss  # noqa: E402
+from trainer import dist as tdist
+from trainer.checkpoint import CheckpointManager
+from trainer.emergency import EmergencyState, agree
+from trainer.model import GPT, GPTConfig, per_sample_loss
 
 GIB = 1 << 30
 
@@ -91,7 +91,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
     ap.add_argument("--state-gib", type=float, default=1.0)
-    ap.add_argument("--threads", type=int, default=4, help="DCP writer threads (files) per rank; the disk probe uses as many")
+    ap.add_argument("--threads", type=int, default=4,
+                    help="DCP writer threads (files) per rank; the disk probe uses as many")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
     a = ap.parse_args()
@@ -103,8 +104,7 @@ def main() -> None:
         info = tdist.init()
         cfg = model_for(a.state_gib, a.seq_len)
         torch.manual_seed(0)
-        model = GPT(cfg).to(info.device)
-        model = tdist.wrap_fsdp(model, info, bf16=info.is_gpu)
+        model = tdist.wrap_fsdp(GPT(cfg).to(info.device), info, bf16=info.is_gpu)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tokens = torch.randint(0, 256, (a.batch, a.seq_len + 1), device=info.device)
 
@@ -149,7 +149,9 @@ def main() -> None:
             mgr.save_async(s, model, opt, {"bench": True})
             blocks.append(time.perf_counter() - t0)
             step()  # training goes on while the save writes
-            mgr.pending.future.result()
+            pending = mgr.pending
+            assert pending is not None  # a thread-based save
+            pending.future.result()
             mgr.settle(True, False)
         async_block_first_s, async_block_s = blocks
         probes.append(disk_write_rate(work, state_bytes, a.threads))
@@ -158,6 +160,7 @@ def main() -> None:
         drop_cache(work / "ckpt")
         t0 = time.perf_counter()
         chosen = mgr.resolve("latest")
+        assert chosen is not None  # the saves above
         mgr.load(chosen, model, opt)
         load_s = time.perf_counter() - t0
 

@@ -37,17 +37,18 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import nats  # noqa: E402
+import nats
 
-import wire as ev  # noqa: E402
-from orchestrator.cli.client import AdminClient  # noqa: E402
-from orchestrator.jobspec import parse_jobspec  # noqa: E402
-from orchestrator.natsserver import NatsServer  # noqa: E402
-from simulations.fakecloud import read_fake_file  # noqa: E402
+import wire as ev
+from orchestrator.cli.client import AdminClient
+from orchestrator.jobspec import parse_jobspec
+from orchestrator.natsserver import NatsServer
+from simulations.fakecloud import read_fake_file
 
 POOLS = [ev.PoolKey(cloud="fake", region="r1", zone=z, instance_type=t, market=m)
          for z in ("r1a", "r1b") for t in ("gpu.a", "gpu.b") for m in (ev.Market.SPOT, ev.Market.ON_DEMAND)]
@@ -76,7 +77,7 @@ def histogram_buckets(metrics_url: str, name: str, labels: str = "") -> list[tup
     return buckets
 
 
-def histogram_quantiles(buckets: list[tuple[float, float]], before: list[tuple[float, float]] = (),
+def histogram_quantiles(buckets: list[tuple[float, float]], before: Sequence[tuple[float, float]] = (),
                         qs: tuple[float, ...] = (0.5, 0.99)) -> dict[str, float | None]:
     """Upper bucket bounds holding the quantiles of the observations made between ``before`` and
     ``buckets`` (two readings of the same histogram)."""
@@ -138,9 +139,9 @@ state_file = "{fake_file}"
 gpus_per_node = 8
 """)
     prof = ["-m", "cProfile", "-o", os.environ["ORCH_BENCH_PROFILE"]] if os.environ.get("ORCH_BENCH_PROFILE") else []
-    daemon = subprocess.Popen([sys.executable, *prof, "-m", "orchestrator.daemon", "--config", str(cfg)],
-                              stdout=subprocess.DEVNULL, stderr=open(tmp / "orchd.log", "w"),
-                              cwd=Path(__file__).resolve().parents[1])
+    with open(tmp / "orchd.log", "w") as orchd_log:  # the daemon keeps its own copy of the descriptor
+        daemon = subprocess.Popen([sys.executable, *prof, "-m", "orchestrator.daemon", "--config", str(cfg)],
+                                  stdout=subprocess.DEVNULL, stderr=orchd_log, cwd=Path(__file__).resolve().parents[1])
     nc = await nats.connect(server.url, pending_size=256 * 1024 * 1024)
     js = nc.jetstream()
     result: dict = {"nodes": args.nodes, "job_nodes": args.job_nodes}
@@ -154,11 +155,11 @@ gpus_per_node = 8
         client = await AdminClient.connect([server.url], timeout_s=30)
 
         # --- simulated agents: ack every command, remember each node's generation ----------------
-        gen: dict[str, tuple[str, int]] = {}
+        gen: dict[str, tuple[ev.JobId | None, int]] = {}
         ckpt_arrival: dict[str, float] = {}
 
         async def on_cmd(msg) -> None:
-            cmd = ev.decode(msg.data)
+            cmd = ev.decode(msg.data, ev.AgentCommand)
             if isinstance(cmd, ev.StartGenerationCmd):
                 gen[cmd.node_id] = (cmd.job_id, cmd.generation)
             elif isinstance(cmd, ev.CheckpointCmd):
@@ -170,7 +171,7 @@ gpus_per_node = 8
         await nc.subscribe("orch.cmd.>", cb=on_cmd, pending_msgs_limit=1_000_000)
 
         # --- setup: prices, jobs, launches, registrations ----------------------------------------
-        for i, pool in enumerate(POOLS):
+        for pool in POOLS:
             await js.publish(ev.subject_price("fake", "r1"), ev.encode(price_tick(pool, 0)),
                              headers={"Nats-Msg-Id": f"bp-{pool.name}-0"})
         await asyncio.sleep(1.0)
@@ -206,7 +207,7 @@ interval_s = 3600
                 break
             await asyncio.sleep(0.5)
         log(f"{len(insts)} instances launched in {time.time() - t0:.1f}s")
-        nodes = [(i.node_id, i) for i in insts]
+        nodes = [(i.node_id, i) for i in insts if i.node_id is not None]
         for k, (nid, inst) in enumerate(nodes):
             reg = ev.NodeRegistered(id=f"reg-{nid}", node_id=nid, instance_id=inst.instance_id, pool=inst.pool,
                                     agent_version="bench", host=f"10.0.{k // 250}.{k % 250}", ts=time.time())
@@ -220,7 +221,7 @@ interval_s = 3600
 
         seq = {nid: 0 for nid, _ in nodes}
 
-        def heartbeat(nid: str) -> bytes:
+        def heartbeat(nid: ev.NodeId) -> bytes:
             seq[nid] += 1
             job_id, g = gen.get(nid, (None, 0))
             hb = ev.Heartbeat(node_id=nid, seq=seq[nid], ts=time.time(),
@@ -256,12 +257,13 @@ interval_s = 3600
                 price_i += 1
                 offered += 1
             if slice_t0 >= next_notice:
-                nid = next(notice_targets, None)
-                if nid is not None:
-                    n = ev.PreemptionNotice(id=f"bn-{nid}", node_id=nid, cloud="fake", deadline_ts=time.time() + 120,
-                                            observed_ts=time.time())
-                    noticed[nid] = time.time()
-                    await js.publish_async(ev.subject_notice("fake", nid), ev.encode(n), headers={"Nats-Msg-Id": n.id})
+                target = next(notice_targets, None)
+                if target is not None:
+                    n = ev.PreemptionNotice(id=f"bn-{target}", node_id=target, cloud="fake",
+                                            deadline_ts=time.time() + 120, observed_ts=time.time())
+                    noticed[target] = time.time()
+                    await js.publish_async(ev.subject_notice("fake", target), ev.encode(n),
+                                           headers={"Nats-Msg-Id": n.id})
                     offered += 1
                 next_notice += 1.0 / args.notice_rate
             await nc.flush()
@@ -281,7 +283,8 @@ interval_s = 3600
             notice_to_command_p99_ms=round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 2) if lat else None,
             notice_to_command_max_ms=round(lat[-1], 2) if lat else None,
             notice_to_command_all_ms=[round(x, 1) for x in lat],
-            **{k: histogram_quantiles(histogram_buckets(metrics_url, *v), hist0[k]) for k, v in DAEMON_HISTOGRAMS.items()},
+            **{k: histogram_quantiles(histogram_buckets(metrics_url, *v), hist0[k])
+               for k, v in DAEMON_HISTOGRAMS.items()},
         )
         log(f"latency phase: {result}")
 

@@ -14,14 +14,15 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simulations.overheads import Overheads  # noqa: E402
-from simulations.policies import ALL_POLICIES  # noqa: E402
-from simulations.replay import make_jobs, replay  # noqa: E402
-from simulations.scenario import build  # noqa: E402
-from simulations.synth import synth_traces  # noqa: E402
+from simulations.overheads import Overheads
+from simulations.policies import ALL_POLICIES
+from simulations.replay import make_jobs, replay
+from simulations.scenario import build
+from simulations.synth import synth_traces
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = make_jobs(sc, job_hours=a.job_hours, deadline_hours=a.deadline_hours, nodes=1, count=a.jobs)
     setup_s = time.perf_counter() - t0
     ov = Overheads()
-    per_policy, summary = {}, {}
+    per_policy: dict[str, float | None] = {}
+    summary: dict[str, Any] = {}
     for name in a.policy or ALL_POLICIES:
         t = time.perf_counter()
         try:

@@ -21,9 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from trainer.gpt import TrainerArgs, _grad_norm, build, make_session  # noqa: E402
+from trainer.gpt import TrainerArgs, _grad_norm, build, make_session
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from simulations import scenario as scen
@@ -109,7 +109,7 @@ def _scenario(a: argparse.Namespace):
     book = traces.load_prices(a.prices) if a.prices else None
     start = None
     if a.price_start:
-        start = datetime.fromisoformat(a.price_start).replace(tzinfo=timezone.utc).timestamp()
+        start = datetime.fromisoformat(a.price_start).replace(tzinfo=UTC).timestamp()
     return scen.build(trs, prices=book, spot_price_ratio=a.spot_price_ratio, on_demand_usd_h=a.on_demand_price,
                       price_start_ts=start, min_tick_s=a.tick_s, quantum_s=a.quantum_s)
 
@@ -171,7 +171,7 @@ def cmd_explain(a: argparse.Namespace) -> int:
 
 
 def cmd_table(a: argparse.Namespace) -> int:
-    from simulations.results import format_results, run_table, results_json
+    from simulations.results import format_results, results_json, run_table
 
     rows = run_table(Path(a.traces_dir), jobs=a.jobs, progress=a.progress, workers=a.workers)
     print(results_json(rows) if a.json else format_results(rows))

@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable
 
 from simulations.replay import Summary
 
 
 def format_table(results: dict[str, Summary]) -> str:
     cols = ("cost_ratio", "deadline_met", "preemptions", "lost_hours", "goodput")
-    rows = [("policy",) + cols]
+    rows: list[tuple[str, ...]] = [("policy", *cols)]
     for name, s in results.items():
         d = s.as_dict()
         rows.append((name,) + tuple("-" if d[c] is None else f"{d[c]:.3f}" for c in cols))

@@ -96,14 +96,14 @@ class Run:
     job: Job
     modes: Modes
     ov: Overheads
-    O: list[list[int]]  # start overhead table in quanta, [src loc][dst region]
+    ovq: list[list[int]]  # the start overhead table O in quanta, [src loc][dst region] (overheads.start_table)
     k: int = 0  # ticks since the job started
     t: int = 0  # tick index into the (cyclic) trace
     mode: int = 0
     p: int = 0
     r: int = 0
-    usable: np.ndarray = field(default=None, repr=False)  # (Z,) bool this tick
-    prices: np.ndarray = field(default=None, repr=False)  # (Z,) spot USD/node-h this tick
+    usable: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool), repr=False)  # (Z,) bool this tick
+    prices: np.ndarray = field(default_factory=lambda: np.zeros(0), repr=False)  # (Z,) spot USD/node-h this tick
     preempted: bool = False  # the job's spot zone lost its nodes at this tick
     preemptions: int = 0
 
@@ -119,10 +119,10 @@ class Run:
         m = self.modes
         src = m.loc[self.mode]
         dst = src if src < m.R else int(np.argmin(self.sc.od_price))
-        return self.O[src][dst]
+        return self.ovq[src][dst]
 
     def start_q(self, zone: int) -> int:
-        return self.O[self.modes.loc[self.mode]][int(self.sc.zone_region[zone])]
+        return self.ovq[self.modes.loc[self.mode]][int(self.sc.zone_region[zone])]
 
 
 class Policy:
@@ -151,26 +151,46 @@ def run_job(
     record: bool = False,
 ) -> JobResult:
     modes = Modes(sc)
-    Z, R, FRESH = modes.Z, modes.R, modes.FRESH
-    Q = sc.quanta_per_tick
-    T = sc.n_ticks
-    O = start_table(ov, list(sc.regions), sc.quantum_s)
     if usable is None:
         usable = sc.usable(job.nodes)
-    tick_h = sc.tick_s / 3600.0
-    node_tick_h = tick_h * job.nodes
-    W = job.work_q
-    run = Run(sc=sc, job=job, modes=modes, ov=ov, O=O, mode=FRESH)
+    ovq = start_table(ov, list(sc.regions), sc.quantum_s)
+    run = Run(sc=sc, job=job, modes=modes, ov=ov, ovq=ovq, mode=modes.FRESH)
     policy.reset(run)
-    mode, p, r = FRESH, 0, 0
-    cost = 0.0
-    overhead_q = billed_q = starts = 0
-    timeline: list[tuple[int, int, int]] | None = [] if record else None
-    k = 0
-    spot_price = sc.spot_price
-    od_price = sc.od_price
-    zone_region = sc.zone_region
-    loc = modes.loc
+    tally = _Tally(timeline=[] if record else None)
+    done = _simulate(policy, run, usable, tally)
+    od_work = job.work_q * sc.quantum_s / 3600.0 * job.nodes * float(sc.od_price[cheapest_od_region(sc)])
+    return JobResult(
+        cost_usd=tally.cost,
+        od_work_cost_usd=od_work,
+        done_ticks=done,
+        deadline_met=done <= job.deadline_ticks + 1e-9,
+        preemptions=run.preemptions,
+        overhead_q=tally.overhead_q,
+        billed_q=tally.billed_q,
+        starts=tally.starts,
+        timeline=tally.timeline,
+    )
+
+
+@dataclass(slots=True)
+class _Tally:
+    """What a run is charged, summed tick by tick."""
+
+    cost: float = 0.0
+    overhead_q: int = 0
+    billed_q: int = 0
+    starts: int = 0
+    timeline: list[tuple[int, int, int]] | None = None
+
+
+def _simulate(policy: Policy, run: Run, usable: np.ndarray, tally: _Tally) -> float:
+    """Step ``run`` tick by tick until the job's work is done; returns the (fractional) ticks it took."""
+    sc, job, modes = run.sc, run.job, run.modes
+    Z, FRESH, T, Q, W = modes.Z, modes.FRESH, sc.n_ticks, sc.quanta_per_tick, job.work_q
+    node_tick_h = sc.tick_s / 3600.0 * job.nodes
+    spot_price, od_price, loc = sc.spot_price, sc.od_price, modes.loc
+    timeline = tally.timeline
+    mode, p, r, k = FRESH, 0, 0, 0
     while True:
         t = (job.start_tick + k) % T
         col = usable[:, t]
@@ -180,61 +200,58 @@ def run_job(
         run.preempted = mode < Z and not col[mode]
         if run.preempted:
             run.preemptions += 1
-        if k < job.deadline_ticks:
-            a = policy.act(run)
-        else:  # past the deadline: finish on on-demand
-            a = mode if Z <= mode < Z + R else OD
-        if a == OD:
-            src = loc[mode]
-            a = Z + (src if src < R else cheapest_od_region(sc))
-        if 0 <= a < Z and not col[a]:
-            a = IDLE  # launch fails: no capacity
-        if a == IDLE or a >= Z + R:
-            a = FRESH if mode == FRESH else modes.idle(loc[mode])
+        a = _action(policy, run, col)
+        if a == IDLE:
+            mode = FRESH if mode == FRESH else modes.idle(loc[mode])
             r = 0
-            if record:
-                timeline.append((k, a, p))
-            mode = a
+            if timeline is not None:
+                timeline.append((k, mode, p))
             k += 1
             continue
-        if a == mode:
-            if r >= Q:
-                gain, over = 0, Q
-                r -= Q
-            else:
-                gain, over = Q - r, r
-                r = 0
-        else:
-            dst = int(zone_region[a]) if a < Z else a - Z
-            o = O[loc[mode]][dst]
-            starts += 1
-            gain, over = max(0, Q - o), min(o, Q)
-            r = max(0, o - Q)
+        gain, over, r, started = _transition(run, a, mode, r)
+        tally.starts += started
         price = spot_price[a, t] if a < Z else od_price[a - Z]
-        if record:
+        if timeline is not None:
             timeline.append((k, a, p))
-        if p + gain >= W:
+        if p + gain >= W:  # done in this tick: billed for the quanta it used
             used = over + (W - p)
-            cost += price * node_tick_h * used / Q
-            billed_q += used
-            overhead_q += over
-            done = k + used / Q
-            break
-        cost += price * node_tick_h
-        billed_q += Q
-        overhead_q += over
+            tally.cost += price * node_tick_h * used / Q
+            tally.billed_q += used
+            tally.overhead_q += over
+            return k + used / Q
+        tally.cost += price * node_tick_h
+        tally.billed_q += Q
+        tally.overhead_q += over
         p += gain
         mode = a
         k += 1
-    od_work = W * sc.quantum_s / 3600.0 * job.nodes * float(od_price[cheapest_od_region(sc)])
-    return JobResult(
-        cost_usd=cost,
-        od_work_cost_usd=od_work,
-        done_ticks=done,
-        deadline_met=done <= job.deadline_ticks + 1e-9,
-        preemptions=run.preemptions,
-        overhead_q=overhead_q,
-        billed_q=billed_q,
-        starts=starts,
-        timeline=timeline,
-    )
+
+
+def _action(policy: Policy, run: Run, col: np.ndarray) -> int:
+    """The running mode of this tick (the policy's answer, resolved), or IDLE."""
+    modes, mode = run.modes, run.mode
+    Z, R = modes.Z, modes.R
+    # past the deadline: finish on on-demand
+    a = policy.act(run) if run.k < run.job.deadline_ticks else (mode if Z <= mode < Z + R else OD)
+    if a == OD:
+        src = modes.loc[mode]
+        a = Z + (src if src < R else cheapest_od_region(run.sc))
+    if 0 <= a < Z and not col[a]:
+        return IDLE  # launch fails: no capacity
+    if a == IDLE or a >= Z + R:
+        return IDLE
+    return a
+
+
+def _transition(run: Run, a: int, mode: int, r: int) -> tuple[int, int, int, int]:
+    """Running ``a`` for one tick after ``mode`` with ``r`` quanta of overhead left:
+    (progress gained, overhead paid, overhead left, 1 if ``a`` was started)."""
+    Q = run.sc.quanta_per_tick
+    if a == mode:
+        if r >= Q:
+            return 0, Q, r - Q, 0
+        return Q - r, r, 0, 0
+    Z = run.modes.Z
+    dst = int(run.sc.zone_region[a]) if a < Z else a - Z
+    o = run.ovq[run.modes.loc[mode]][dst]
+    return max(0, Q - o), min(o, Q), max(0, o - Q), 1

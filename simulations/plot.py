@@ -77,7 +77,7 @@ def plot_replay(
     # the job that sees the most preemptions under greedy_spot: the interesting one
     cands = make_jobs(sc, job_hours=job_hours, deadline_hours=deadline_hours, nodes=nodes, count=jobs)
     job = max(cands, key=lambda j: run_job(ONLINE["greedy_spot"](), sc, j, ov).preemptions)
-    for i, (name, pts) in enumerate(_job_timelines(sc, ov, job, [p for p in policies if p != "optimal"]).items()):
+    for name, pts in _job_timelines(sc, ov, job, [p for p in policies if p != "optimal"]).items():
         if not pts:
             continue
         xs = [x for x, _, _ in pts]

@@ -111,8 +111,8 @@ def _parallel(fn, n: int, workers: int, sc, jobs, ov, kw) -> list:
     finally:
         _CTX.clear()
     out: list = [None] * n
-    for idx, part in zip(chunks, parts):
-        for i, r in zip(idx, part):
+    for idx, part in zip(chunks, parts, strict=True):
+        for i, r in zip(idx, part, strict=True):
             out[i] = r
     return out
 

@@ -125,8 +125,8 @@ def format_results(rows: list[Row]) -> str:
             s = r.results[p]
             cells.append(f"{s.cost_ratio:.3f} ({s.deadline_met:.0%})")
         zones = ", ".join(r.zones)
-        lines.append(f"| {r.family} ({r.role}) | {r.setting}: {zones}{' x%d nodes' % r.nodes if r.nodes > 1 else ''} | "
-                     + " | ".join(cells) + " |")
+        nodes = f" x{r.nodes} nodes" if r.nodes > 1 else ""
+        lines.append(f"| {r.family} ({r.role}) | {r.setting}: {zones}{nodes} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append(orchd_goal_lines(rows))
     return "\n".join(lines)
@@ -163,7 +163,8 @@ def orchd_goal_lines(rows: list[Row]) -> str:
             if base in res and res[base].cost_ratio:
                 vs.append(f"vs {base} {res['orchd'].cost_ratio / res[base].cost_ratio - 1:+.1%}")
         out.append(f"- {r.family} / {r.setting}: {'MET' if ok else 'NOT MET'} "
-                   f"(deadlines {res['orchd'].deadline_met:.0%}, vs optimal {g['gap_to_optimal']:+.1%}, {', '.join(vs)})"
+                   f"(deadlines {res['orchd'].deadline_met:.0%}, vs optimal {g['gap_to_optimal']:+.1%}, "
+                   f"{', '.join(vs)})"
                    + (" WARNING: orchd below the offline bound (world/engine accounting drift)" if g["below_optimal"]
                       else ""))
     return "\n".join(out)

@@ -18,7 +18,6 @@ import numpy as np
 
 from simulations.traces import ON_DEMAND_USD_H, AvailabilityTrace, PriceBook
 
-
 ONE_NODE_SCALE = 1 << 16
 
 

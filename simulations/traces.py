@@ -19,7 +19,7 @@ import csv
 import json
 import re
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -171,7 +171,8 @@ def load_bamboo(
         raise TraceFormatError(f"{path}: empty")
     if re.match(r"^\d+,(add|remove),", rows[0]):
         alive: set[str] = set()
-        ts, counts = [], []
+        ts: list[float] = []
+        counts: list[int] = []
         for n, ln in enumerate(rows, 1):
             parts = ln.split(",")
             if len(parts) != 3 or parts[1] not in ("add", "remove"):
@@ -191,7 +192,7 @@ def load_bamboo(
             parts = [x.strip() for x in ln.split(",")]
             try:
                 dt = datetime.strptime(f"{parts[0]} {parts[1]}", "%Y-%m-%d %H:%M:%S")
-                pts.append((dt.replace(tzinfo=timezone.utc).timestamp(), int(parts[2])))
+                pts.append((dt.replace(tzinfo=UTC).timestamp(), int(parts[2])))
             except (IndexError, ValueError):
                 raise TraceFormatError(f"{path}:{n}: expected 'date, time, count': {ln!r}") from None
         pts.sort()  # several sampler runs are interleaved in some files
@@ -224,7 +225,7 @@ def _utc(ts: str) -> float:
     ts = ts.strip().replace("Z", "+00:00")
     dt = datetime.fromisoformat(ts)
     if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
+        dt = dt.replace(tzinfo=UTC)
     return dt.timestamp()
 
 

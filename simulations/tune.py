@@ -34,7 +34,7 @@ def tune(root: Path, *, jobs: int = 10, workers: int = 1) -> str:
     lines, best = [], None
     keys = list(GRID)
     for values in itertools.product(*(GRID[k] for k in keys)):
-        kw = dict(zip(keys, values))
+        kw = dict(zip(keys, values, strict=True))
         ratios, met = [], []
         for s in subs:
             js = make_jobs(s, job_hours=JOB_HOURS, deadline_hours=DEADLINE_HOURS, nodes=fam.nodes, count=jobs)

@@ -4,7 +4,7 @@ from trainer.signals import install_early
 
 install_early()  # before importing torch: a checkpoint request during start-up is kept, not fatal
 
-from trainer.gpt import main  # noqa: E402
-
 if __name__ == "__main__":
+    from trainer.gpt import main  # imports torch: only now, with the early signal handlers in place
+
     main()

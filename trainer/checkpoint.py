@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from trainer import store
 from trainer.dist import DistInfo
@@ -75,6 +76,12 @@ class ReusingStager(AsyncStager):
 
     def close(self) -> None:
         self._cache = None
+
+
+def _upload_future(fut: cf.Future | AsyncSaveResponse) -> cf.Future:
+    """The future of the written data: ``dcp.async_save`` answers an ``AsyncSaveResponse`` only when the
+    stager stages in the background (ours copies before it returns), a plain future otherwise."""
+    return fut.upload_completion if isinstance(fut, AsyncSaveResponse) else fut
 
 
 @dataclass
@@ -127,11 +134,14 @@ class CheckpointManager:
             cache_staged_state_dict=False,
         )
 
-    def _prepare(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> tuple[str, store.CommitWriter, dict]:
+    def _prepare(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 extra: dict[str, Any]) -> tuple[str, store.CommitWriter, dict[str, Any]]:
         dir_url = store.step_dir(self.root, step)
         writer = self._writer(dir_url)
-        payload = {**extra, "step": step, "world_size": self.info.world_size, "rank": self.info.rank, "rng": rng_state()}
+        payload = {**extra, "step": step, "world_size": self.info.world_size, "rank": self.info.rank,
+                   "rng": rng_state()}
         writer.write_extra(f"__extra_{self.info.rank}.pkl", pickle.dumps(payload))
+        state: dict[str, Any]
         if optimizer is not None:
             msd, osd = get_state_dict(model, optimizer)
             state = {"model": msd, "optim": osd}
@@ -139,7 +149,8 @@ class CheckpointManager:
             state = {"model": get_state_dict(model, [])[0]}
         return dir_url, writer, state
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any], *, reason: str = "final", started: float | None = None) -> CommitResult:
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any],
+             *, reason: str = "final", started: float | None = None) -> CommitResult:
         """Blocking save + commit (the emergency and final path). Every rank returns the same result
         or raises."""
         t0 = started if started is not None else time.monotonic()
@@ -147,7 +158,8 @@ class CheckpointManager:
         dcp.save(state, storage_writer=writer, process_group=self.info.save_group)
         return self._commit(step, dir_url, t0)
 
-    def save_async(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any]) -> None:
+    def save_async(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                   extra: dict[str, Any]) -> None:
         """Start a periodic save; returns after staging (a copy of the state in host memory)."""
         if self.pending is not None:
             raise RuntimeError("an async save is already pending")
@@ -159,9 +171,9 @@ class CheckpointManager:
         t0 = time.monotonic()
         dir_url, writer, state = self._prepare(step, model, optimizer, extra)
         kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
-        fut = dcp.async_save(state, storage_writer=writer, process_group=self.info.ckpt_group, async_checkpointer_type=kind,
-                             async_stager=self.stager)
-        self.pending = PendingSave(step, dir_url, fut, t0)
+        fut = dcp.async_save(state, storage_writer=writer, process_group=self.info.ckpt_group,
+                             async_checkpointer_type=kind, async_stager=self.stager)
+        self.pending = PendingSave(step, dir_url, _upload_future(fut), t0)
 
     def pending_status(self) -> tuple[bool, bool]:
         """(still writing, failed) for this rank's pending save: what the per-step agreement carries."""
@@ -231,9 +243,9 @@ class CheckpointManager:
 
         d = store.join(self.root, "_warmup", f"rank_{self.info.rank}")
         writer = store.CommitWriter(d, self.storage_options, sync_files=False)
-        fut = dcp.async_save({f"w{self.info.rank}": torch.zeros(1)}, storage_writer=writer, process_group=self.info.ckpt_group,
-                             async_checkpointer_type=AsyncCheckpointerType.PROCESS)
-        fut.result()
+        fut = dcp.async_save({f"w{self.info.rank}": torch.zeros(1)}, storage_writer=writer,
+                             process_group=self.info.ckpt_group, async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        _upload_future(fut).result()
         dist.barrier(group=self.info.ckpt_group)
         if self.info.rank == 0:
             fs = store.filesystem(self.root, self.storage_options)
@@ -283,7 +295,7 @@ class CheckpointManager:
         reader = store.make_reader(dir_url, self.storage_options)
         if optimizer is not None:
             msd, osd = get_state_dict(model, optimizer)
-            state = {"model": msd, "optim": osd}
+            state: dict[str, Any] = {"model": msd, "optim": osd}
             dcp.load(state, storage_reader=reader, process_group=self.info.ckpt_group)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:

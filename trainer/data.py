@@ -33,12 +33,14 @@ def decode(tokens: np.ndarray | list[int]) -> str:
     return bytes(np.asarray(tokens, dtype=np.uint8).tolist()).decode("utf-8", errors="replace")
 
 
-_WORDS = (
-    "the of and to in a is that for it as was with be by on not he this are or his from at which but "
-    "have an they you were her she there been one all we their has would when if so no will more out "
-    "ship sea wind sail harbour storm light night morning river stone field garden window letter road "
-    "winter summer silver cloud mountain bridge lantern engine signal market"
-).split()
+_WORDS = [
+    "the", "of", "and", "to", "in", "a", "is", "that", "for", "it", "as", "was", "with", "be", "by", "on", "not", "he",
+    "this", "are", "or", "his", "from", "at", "which", "but", "have", "an", "they", "you", "were", "her", "she",
+    "there", "been", "one", "all", "we", "their", "has", "would", "when", "if", "so", "no", "will", "more", "out",
+    "ship", "sea", "wind", "sail", "harbour", "storm", "light", "night", "morning", "river", "stone", "field", "garden",
+    "window", "letter", "road", "winter", "summer", "silver", "cloud", "mountain", "bridge", "lantern", "engine",
+    "signal", "market",
+]
 
 
 @lru_cache(maxsize=4)

@@ -58,7 +58,8 @@ def collective_timeout_s() -> float:
 def init(device: str = "auto") -> DistInfo:
     """Initialise the default process group (idempotent) and return this process's place in it."""
     if "RANK" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
     rank, ws = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
@@ -86,7 +87,8 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def wrap_fsdp(model: nn.Module, info: DistInfo, *, bf16: bool, cpu_offload: bool = False, blocks: str = "blocks") -> nn.Module:
+def wrap_fsdp(model: nn.Module, info: DistInfo, *, bf16: bool, cpu_offload: bool = False,
+              blocks: str = "blocks") -> nn.Module:
     """FSDP2: ``fully_shard`` every transformer block, then the root. bf16 params with fp32 gradient
     reduction on GPU (reduce_dtype set explicitly: its default changes in torch 2.15); fp32 on CPU."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -110,9 +112,11 @@ def wrap_ddp(model: nn.Module, info: DistInfo) -> nn.Module:
 
 def is_peer_lost(exc: BaseException) -> bool:
     """A collective failed because a peer vanished or timed out (gloo/NCCL wording varies by version)."""
-    if isinstance(exc, getattr(dist, "DistBackendError", ())) or isinstance(exc, getattr(dist, "DistNetworkError", ())):
+    if isinstance(exc, (getattr(dist, "DistBackendError", ()), getattr(dist, "DistNetworkError", ()))):
         return True
     text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("connection closed by peer", "timed out", "timeout", "connection reset", "broken pipe", "socket", "gloo", "nccl")
-    )
+    return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_LOST_WORDS)
+
+
+_PEER_LOST_WORDS = ("connection closed by peer", "timed out", "timeout", "connection reset", "broken pipe", "socket",
+                    "gloo", "nccl")

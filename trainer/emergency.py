@@ -50,7 +50,7 @@ class EmergencyState:
         self.received_ts: float | None = None
 
     @classmethod
-    def from_env(cls) -> "EmergencyState":
+    def from_env(cls) -> EmergencyState:
         return cls(
             os.environ.get(contract.ENV_CONTROL_DIR) or None,
             float(os.environ.get(contract.ENV_SIGTERM_GRACE_S) or contract.DEFAULT_SIGTERM_GRACE_S),
@@ -80,7 +80,8 @@ class EmergencyState:
         req = contract.read_checkpoint_request(self.control_dir) if self.control_dir else None
         if req is None:  # a bare signal (no file): checkpoint now, no deadline known
             now = time.time()
-            req = contract.CheckpointRequest(request_id=f"sigusr1-{uuid.uuid4().hex[:8]}", reason="admin", deadline_ts=None, issued_ts=now)
+            req = contract.CheckpointRequest(request_id=f"sigusr1-{uuid.uuid4().hex[:8]}", reason="admin",
+                                             deadline_ts=None, issued_ts=now)
         self._record(req)
 
     def _on_sigterm(self, signum: int, frame: object) -> None:
@@ -108,7 +109,8 @@ def agree(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
 ) -> Verdict:
-    """The per-step agreement: one all-reduce (SUM) of [stop, oom, save_pending, loss, deadline, has_deadline, save_failed, periodic_due].
+    """The per-step agreement: one all-reduce (SUM) of
+    [stop, oom, save_pending, loss, deadline, has_deadline, save_failed, periodic_due].
 
     Every rank gets the same stop/oom/saves_done verdict. The deadline is the mean of the ranks' deadlines
     (equal when relayed from one orchd request), capped by the local one; a rank without a request of
@@ -129,4 +131,5 @@ def agree(
     agreed_deadline = v[4] / v[5] if v[5] > 0 else None  # mean of the ranks' deadlines (equal when relayed)
     if deadline is not None:
         agreed_deadline = min(deadline, agreed_deadline) if agreed_deadline is not None else deadline
-    return Verdict(stop=v[0] > 0, oom=v[1] > 0, saves_done=v[2] == 0, save_failed=v[6] > 0, periodic_due=v[7] > 0, loss_sum=v[3], deadline_ts=agreed_deadline, world_size=ws)
+    return Verdict(stop=v[0] > 0, oom=v[1] > 0, saves_done=v[2] == 0, save_failed=v[6] > 0, periodic_due=v[7] > 0,
+                   loss_sum=v[3], deadline_ts=agreed_deadline, world_size=ws)

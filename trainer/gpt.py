@@ -14,11 +14,13 @@ and redo the step from the same data position and RNG state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,13 +64,13 @@ class TrainerArgs:
         return dataclasses.asdict(self)
 
 
-def parse_args(argv: list[str] | None = None, env: dict[str, str] | None = None) -> TrainerArgs:
-    env = os.environ if env is None else env
-    base = json.loads(env.get(contract.ENV_TRAINER_ARGS) or "{}")
+def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = None) -> TrainerArgs:
+    base = json.loads((os.environ if env is None else env).get(contract.ENV_TRAINER_ARGS) or "{}")
     unknown = set(base) - {f.name for f in dataclasses.fields(TrainerArgs)}
     if unknown:
         raise SystemExit(f"unknown trainer args in {contract.ENV_TRAINER_ARGS}: {sorted(unknown)}")
-    p = argparse.ArgumentParser(prog="python -m trainer", description="Built-in GPT trainer (FSDP2/DDP, DCP checkpoints)")
+    p = argparse.ArgumentParser(prog="python -m trainer",
+                                description="Built-in GPT trainer (FSDP2/DDP, DCP checkpoints)")
     for f in dataclasses.fields(TrainerArgs):
         flag = "--" + f.name.replace("_", "-")
         if f.name == "storage_options":
@@ -76,7 +78,8 @@ def parse_args(argv: list[str] | None = None, env: dict[str, str] | None = None)
         elif f.type in ("bool", "bool | None"):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
         else:
-            p.add_argument(flag, type=float if f.type == "float" else int if f.type in ("int", "int | None") else str, default=None)
+            kind = float if f.type == "float" else int if f.type in ("int", "int | None") else str
+            p.add_argument(flag, type=kind, default=None)
     ns = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     args = TrainerArgs(**{**base, **ns})
     if args.size not in SIZES:
@@ -99,7 +102,8 @@ def lr_lambda(args: TrainerArgs, total_steps: int):
 class StepRunner:
     """Forward/backward of one step's local share, micro-batched; returns (loss share, fed sample ids)."""
 
-    def __init__(self, sess: Session, model: torch.nn.Module, corpus: Corpus, sampler: ExactlyOnceSampler, args: TrainerArgs) -> None:
+    def __init__(self, sess: Session, model: torch.nn.Module, corpus: Corpus, sampler: ExactlyOnceSampler,
+                 args: TrainerArgs) -> None:
         self.sess, self.model, self.corpus, self.sampler, self.args = sess, model, corpus, sampler, args
         self.micro_batch = args.micro_batch
 
@@ -118,7 +122,8 @@ class StepRunner:
         scale = ws / (B * args.seq_len)  # grads are averaged over ranks: this makes them the global mean
         total = torch.zeros((), dtype=torch.float32, device=sess.device)
         fed: list[int] = []
-        fsdp = hasattr(self.model, "set_requires_gradient_sync")
+        model: Any = self.model  # FSDP2 / DDP methods are not in nn.Module's type
+        fsdp = hasattr(model, "set_requires_gradient_sync")
         for k, rg in enumerate(plan):
             last = k == len(plan) - 1
             mb = [rows[j - lo] for j in rg]
@@ -127,10 +132,10 @@ class StepRunner:
                 mb, weight = [(-1, self.sampler.order.corpus_index(0))], 0.0
             tokens = self._batch(mb)
             if fsdp:
-                self.model.set_requires_gradient_sync(last)
-            ctx = self.model.no_sync() if (not fsdp and not last and hasattr(self.model, "no_sync")) else _null()
+                model.set_requires_gradient_sync(last)
+            ctx = model.no_sync() if (not fsdp and not last and hasattr(model, "no_sync")) else _null()
             with ctx:
-                logits = self.model(tokens[:, :-1])
+                logits = model(tokens[:, :-1])
                 loss_sum = per_sample_loss(logits, tokens[:, 1:]).sum() * weight
                 (loss_sum * scale).backward()
             total += loss_sum.detach()
@@ -173,16 +178,16 @@ def build(args: TrainerArgs, sess: Session) -> Built:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     cfg = config_for(args.size, args.seq_len, args.activation_checkpointing)
     with torch.device(sess.device):
-        model = GPT(cfg)
+        gpt = GPT(cfg)
     if args.compile:
-        for block in model.blocks:
+        for block in gpt.blocks:
             block.compile()
     bf16 = sess.info.is_gpu if args.bf16 is None else args.bf16
-    model = sess.wrap(model, args.mode, bf16=bf16, cpu_offload=args.cpu_offload, blocks="blocks")
+    model = sess.wrap(gpt, args.mode, bf16=bf16, cpu_offload=args.cpu_offload, blocks="blocks")
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95), eps=1e-8)  # foreach (default): works with DTensor params
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)  # foreach (default): DTensor params
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, sess.total_steps))
     corpus = Corpus(load_tokens(args.corpus), args.seq_len)
     sampler = ExactlyOnceSampler(corpus.num_samples, args.global_batch, args.seed)
@@ -191,10 +196,12 @@ def build(args: TrainerArgs, sess: Session) -> Built:
 
 def train_step(sess: Session, b: Built, args: TrainerArgs, step: int) -> None:
     """One optimizer step with the agreement, OOM retry, and end_step (which may checkpoint or exit)."""
-    model, opt, sampler, runner = b.model, b.opt, b.sampler, b.runner
+    model: Any = b.model  # FSDP2's reset_iter_state is not in nn.Module's type
+    opt, sampler, runner = b.opt, b.sampler, b.runner
     while True:
         position, rng = sampler.position.next_sample, rng_state()
-        oom, loss_share, fed = False, 0.0, []
+        oom, loss_share = False, 0.0
+        fed: list[int] = []
         try:
             loss_share, fed = runner.run()
         except torch.OutOfMemoryError as e:
@@ -205,10 +212,9 @@ def train_step(sess: Session, b: Built, args: TrainerArgs, step: int) -> None:
             break
         opt.zero_grad(set_to_none=True)
         if hasattr(model, "reset_iter_state"):
-            try:
+            # torch 2.13 raises AttributeError when the comm context is not built yet (OOM before any forward)
+            with contextlib.suppress(AttributeError):
                 model.reset_iter_state()  # FSDP2: drop half-done all-gather/reduce-scatter state
-            except AttributeError:  # torch 2.13: comm context not built yet (OOM before any forward)
-                pass
         if sess.info.is_gpu:
             torch.cuda.empty_cache()
         if runner.micro_batch == 1:
@@ -238,8 +244,9 @@ def train(args: TrainerArgs) -> None:
     with sess.guard():
         b = build(args, sess)
         if sess.rank == 0:
-            print(f"trainer_start size={args.size} params={b.cfg.n_params()} world_size={sess.world_size} mode={args.mode} "
-                  f"device={sess.device} bf16={b.bf16} global_batch={args.global_batch} micro_batch={args.micro_batch}", flush=True)
+            print(f"trainer_start size={args.size} params={b.cfg.n_params()} world_size={sess.world_size} "
+                  f"mode={args.mode} device={sess.device} bf16={b.bf16} global_batch={args.global_batch} "
+                  f"micro_batch={args.micro_batch}", flush=True)
         for step in sess.steps(b.model, b.opt, scheduler=b.sched, sampler=b.sampler):
             train_step(sess, b, args, step)
 

@@ -22,7 +22,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(rank: int, world_size: int, port: int, base: dict[str, str] | None = None, addr: str = "127.0.0.1") -> dict[str, str]:
+def rank_env(rank: int, world_size: int, port: int, base: dict[str, str] | None = None,
+             addr: str = "127.0.0.1") -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     env.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                MASTER_ADDR=addr, MASTER_PORT=str(port))

@@ -27,8 +27,9 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -39,8 +40,8 @@ from trainer.checkpoint import CheckpointManager, CommitResult
 from trainer.emergency import EmergencyState, Verdict, agree
 
 # bf16 dense peak FLOP/s per device (vendor datasheets), matched on torch.cuda.get_device_name (no NVML)
-PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12), ("L40S", 362e12),
-                   ("A10G", 125e12), ("L4", 121e12))
+PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12),
+                   ("L40S", 362e12), ("A10G", 125e12), ("L4", 121e12))
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -91,7 +92,7 @@ class Session:
     @classmethod
     def from_env(cls, *, device: str = "auto", ckpt_every: int = 0, keep: int = 3, async_mode: str = "thread",
                  total_steps: int | None = None, storage_options: dict[str, Any] | None = None,
-                 config: dict[str, Any] | None = None, ckpt_threads: int = 4) -> "Session":
+                 config: dict[str, Any] | None = None, ckpt_threads: int = 4) -> Session:
         emergency = EmergencyState.from_env()
         emergency.install()  # before the (slow) process-group init: a request during start-up is kept
         info = tdist.init(device)
@@ -102,7 +103,8 @@ class Session:
             ckpt.warm()
         return cls(
             info, emergency, ckpt,
-            total_steps=total_steps if total_steps is not None else int(os.environ.get(contract.ENV_TOTAL_STEPS, "100")),
+            total_steps=(total_steps if total_steps is not None
+                         else int(os.environ.get(contract.ENV_TOTAL_STEPS, "100"))),
             ckpt_every=ckpt_every,
             resume_from=os.environ.get(contract.ENV_RESUME_FROM, ""),
             generation=int(os.environ.get(contract.ENV_GENERATION, "0")),
@@ -122,7 +124,8 @@ class Session:
     def device(self) -> torch.device:
         return self.info.device
 
-    def wrap(self, model: nn.Module, mode: str = "fsdp", *, bf16: bool | None = None, cpu_offload: bool = False, blocks: str | None = None) -> nn.Module:
+    def wrap(self, model: nn.Module, mode: str = "fsdp", *, bf16: bool | None = None, cpu_offload: bool = False,
+             blocks: str | None = None) -> nn.Module:
         """FSDP2 (per child of ``blocks``, e.g. "blocks", then the root) or DDP. bf16 defaults to GPU."""
         model = model.to(self.device)
         if mode == "ddp":
@@ -143,7 +146,7 @@ class Session:
         sys.stdout.write(contract.encode_report(report) + "\n")
         sys.stdout.flush()
 
-    def exit(self, code: int, reason: str | None = None) -> None:
+    def exit(self, code: int, reason: str | None = None) -> NoReturn:
         """Print the ExitReport and leave at once (no teardown that could wait on a dead peer)."""
         self._print(contract.ExitReport(rank=self.rank, generation=self.generation, exit_code=code,
                                         reason=reason or contract.EXIT_REASONS.get(code, "failed"),
@@ -160,13 +163,15 @@ class Session:
             yield
         except SystemExit:
             raise
-        except BaseException as e:  # noqa: BLE001 - every failure must become an exit code
+        except BaseException as e:  # every failure must become an exit code
             traceback.print_exc()
-            self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_FAILED, f"{type(e).__name__}: {e}"[:300])
+            self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_FAILED,
+                      f"{type(e).__name__}: {e}"[:300])
 
     # --- resume ----------------------------------------------------------------------------------
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, scheduler: Any = None, sampler: Any = None) -> int:
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, scheduler: Any = None,
+               sampler: Any = None) -> int:
         """Register what a checkpoint holds; load the newest valid one if asked. Returns the next step."""
         self._model, self._optimizer, self._scheduler, self._sampler = model, optimizer, scheduler, sampler
         start = 1
@@ -187,14 +192,20 @@ class Session:
         self._t_last = self._last_periodic = time.monotonic()
         return start
 
-    def steps(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, scheduler: Any = None, sampler: Any = None) -> Iterator[int]:
+    def steps(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, scheduler: Any = None,
+              sampler: Any = None) -> Iterator[int]:
         """resume(), then yield step numbers up to total_steps, then finish() (final checkpoint, exit 0)."""
         start = self.resume(model, optimizer, scheduler=scheduler, sampler=sampler)
-        for step in range(start, self.total_steps + 1):
-            yield step
+        yield from range(start, self.total_steps + 1)
         self.finish()
 
     # --- per step --------------------------------------------------------------------------------
+
+    def _saved(self) -> tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any]]:
+        """What a checkpoint saves: the model and optimizer registered by ``resume``, and the extra state."""
+        if self._model is None:
+            raise RuntimeError("no model to checkpoint: resume() (or steps()) registers it first")
+        return self._model, self._optimizer, self._extra()
 
     def _extra(self) -> dict[str, Any]:
         return {
@@ -210,16 +221,18 @@ class Session:
         return agree(self.emergency, oom=oom, save_pending=pending, save_failed=failed, periodic_due=due, loss=loss,
                      device=self.info.device if self.info.is_gpu else "cpu")
 
-    def step_done(self, step: int, *, loss: float, sample_ids: list[int] | tuple[int, ...] = (), grad_norm: float | None = None,
-                  tokens: int | None = None, flops_per_token: float | None = None) -> Verdict:
+    def step_done(self, step: int, *, loss: float, sample_ids: list[int] | tuple[int, ...] = (),
+                  grad_norm: float | None = None, tokens: int | None = None,
+                  flops_per_token: float | None = None) -> Verdict:
         """agree() + end_step() for scripts that do not need to act on the verdict before optimizer.step."""
         verdict = self.agree(loss=loss)
         self.end_step(step, verdict, loss_mean=verdict.loss_sum / verdict.world_size, sample_ids=sample_ids,
                       grad_norm=grad_norm, tokens=tokens, flops_per_token=flops_per_token)
         return verdict
 
-    def end_step(self, step: int, verdict: Verdict, *, loss_mean: float, sample_ids: list[int] | tuple[int, ...] = (),
-                 grad_norm: float | None = None, tokens: int | None = None, flops_per_token: float | None = None) -> None:
+    def end_step(self, step: int, verdict: Verdict, *, loss_mean: float,
+                 sample_ids: list[int] | tuple[int, ...] = (), grad_norm: float | None = None,
+                 tokens: int | None = None, flops_per_token: float | None = None) -> None:
         """After the optimizer step: report, log samples, commit/start checkpoints, and on an agreed stop
         save + commit + exit(EXIT_PREEMPTED). ``tokens`` counts the whole global batch."""
         now = time.monotonic()
@@ -227,12 +240,16 @@ class Session:
         self._t_last = now
         self.last_step = step
         tps = tokens / dt_s if tokens else None
-        mfu = (flops_per_token * tps / (self.peak_flops * self.world_size)) if (tps and flops_per_token and self.peak_flops) else None
-        self._print(contract.StepReport(rank=self.rank, generation=self.generation, step=step, loss=loss_mean, grad_norm=grad_norm,
-                                        tokens_per_s=tps, mfu=mfu, step_time_s=dt_s, ts=time.time()))
+        mfu = None
+        if tps and flops_per_token and self.peak_flops:
+            mfu = flops_per_token * tps / (self.peak_flops * self.world_size)
+        self._print(contract.StepReport(rank=self.rank, generation=self.generation, step=step, loss=loss_mean,
+                                        grad_norm=grad_norm, tokens_per_s=tps, mfu=mfu, step_time_s=dt_s,
+                                        ts=time.time()))
         if self.step_log:
-            rec = contract.StepRecord(generation=self.generation, step=step, rank=self.rank, world_size=self.world_size,
-                                      loss=loss_mean, sample_ids=tuple(int(i) for i in sample_ids), ts=time.time())
+            rec = contract.StepRecord(generation=self.generation, step=step, rank=self.rank,
+                                      world_size=self.world_size, loss=loss_mean,
+                                      sample_ids=tuple(int(i) for i in sample_ids), ts=time.time())
             line = json.dumps({f: getattr(rec, f) for f in rec.__struct_fields__}) + "\n"
             with open(self.step_log, "a") as f:
                 f.write(line)
@@ -243,16 +260,19 @@ class Session:
         if verdict.stop and step < self.total_steps:
             self._emergency(step, verdict)
         # every input here is agreed (verdict) or identical on all ranks (step, pending): all ranks decide alike
-        due = verdict.periodic_due if self.ckpt_interval_s > 0 else bool(self.ckpt_every and step % self.ckpt_every == 0)
+        if self.ckpt_interval_s > 0:
+            due = verdict.periodic_due
+        else:
+            due = bool(self.ckpt_every and step % self.ckpt_every == 0)
         if self.ckpt is not None and due and step < self.total_steps and self.ckpt.pending is None:
             self._last_periodic = time.monotonic()
-            self.ckpt.save_async(step, self._model, self._optimizer, self._extra())
+            self.ckpt.save_async(step, *self._saved())
 
     def _report_commit(self, res: CommitResult, *, emergency: bool, reason: str, deadline: float | None) -> None:
         self._print(contract.CheckpointReport(
-            rank=self.rank, generation=self.generation, step=res.step, checkpoint_id=f"step_{res.step:09d}", url=res.dir_url,
-            save_s=res.save_s, emergency=emergency, deadline_margin_s=(deadline - time.time()) if deadline else None,
-            reason=reason, ts=time.time()))
+            rank=self.rank, generation=self.generation, step=res.step, checkpoint_id=f"step_{res.step:09d}",
+            url=res.dir_url, save_s=res.save_s, emergency=emergency,
+            deadline_margin_s=(deadline - time.time()) if deadline else None, reason=reason, ts=time.time()))
 
     def _finish_pending(self, deadline: float | None) -> None:
         """Before a blocking save: wait for the periodic save in flight (bounded by the deadline), agree,
@@ -267,7 +287,8 @@ class Session:
         v = agree(self.emergency, save_pending=still, save_failed=failed,
                   device=self.info.device if self.info.is_gpu else "cpu")
         if not v.saves_done:
-            print(f"abandoning periodic checkpoint of step {self.ckpt.pending.step}: still writing at the deadline", flush=True)
+            print(f"abandoning periodic checkpoint of step {self.ckpt.pending.step}: still writing at the deadline",
+                  flush=True)
             self.ckpt.pending = None
             return
         res = self.ckpt.settle(True, v.save_failed)
@@ -283,8 +304,8 @@ class Session:
             self.exit(contract.EXIT_CHECKPOINT_FAILED)
         try:
             self._finish_pending(verdict.deadline_ts)
-            res = self.ckpt.save(step, self._model, self._optimizer, self._extra(), reason=reason, started=t0)
-        except Exception as e:  # noqa: BLE001
+            res = self.ckpt.save(step, *self._saved(), reason=reason, started=t0)
+        except Exception as e:  # a failed save or commit: the exit code says which kind
             traceback.print_exc()
             self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_CHECKPOINT_FAILED)
         self._report_commit(res, emergency=True, reason=reason, deadline=verdict.deadline_ts)
@@ -296,9 +317,9 @@ class Session:
             try:
                 self._finish_pending(None)
                 if self.ckpt.last_committed_step != self.last_step:
-                    res = self.ckpt.save(self.last_step, self._model, self._optimizer, self._extra(), reason="final")
+                    res = self.ckpt.save(self.last_step, *self._saved(), reason="final")
                     self._report_commit(res, emergency=False, reason="final", deadline=None)
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:  # a failed save or commit: the exit code says which kind
                 traceback.print_exc()
                 self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_CHECKPOINT_FAILED)
         self.exit(contract.EXIT_COMPLETED)

@@ -25,8 +25,9 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, cast
 
 import crc32c
 import fsspec
@@ -34,8 +35,7 @@ from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFS
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.filesystem import FileSystem as _LocalFS
-from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 
 from trainer import contract
 
@@ -141,7 +141,7 @@ class _HashingFS(FileSystemBase):
                 yield raw
                 return
             stream = _HashingStream(raw)
-            yield stream  # type: ignore[misc]
+            yield stream
             self.sink.record(os.path.basename(os.fspath(path)), stream.size, stream.crc)
 
     def concat_path(self, path: Any, suffix: str) -> Any:
@@ -187,16 +187,19 @@ class CommitWriter(FileSystemWriter):
             sync_files=sync_files and local,  # object stores: a completed PUT is durable
             cache_staged_state_dict=cache_staged_state_dict,
         )
-        inner: FileSystemBase = _LocalFS() if local else _FsspecFS()
+        inner: FileSystemBase = FileSystem() if local else _FsspecFS()
         self.sink = _ChecksumSink()
-        self.fs = _HashingFS(inner, self.sink)
+        self.hashing_fs = _HashingFS(inner, self.sink)
+        # FileSystemWriter declares ``fs`` as its local FileSystem but calls only FileSystemBase methods
+        self.fs = cast(FileSystem, self.hashing_fs)
         target = local_path(dir_url) if local else dir_url  # the base class mangled "s3://" into a Path
-        self.path = self.fs.init_path(target) if local else self.fs.init_path(target, **(storage_options or {}))
-        self.fs.mkdir(self.path)
+        hfs = self.hashing_fs
+        self.path = hfs.init_path(target) if local else hfs.init_path(target, **(storage_options or {}))
+        hfs.mkdir(self.path)
 
     def write_extra(self, name: str, payload: bytes) -> None:
         """A small side file (extra state), checksummed like the DCP files."""
-        with self.fs.create_stream(self.fs.concat_path(self.path, name), "wb") as f:
+        with self.hashing_fs.create_stream(self.hashing_fs.concat_path(self.path, name), "wb") as f:
             f.write(payload)
             f.flush()
             if self.sync_files:
@@ -204,7 +207,7 @@ class CommitWriter(FileSystemWriter):
 
     def _write_manifest(self, name: str, files: dict[str, tuple[int, int]]) -> None:
         body = json.dumps({n: list(v) for n, v in sorted(files.items())}).encode()
-        with self.fs.inner.create_stream(self.fs.concat_path(self.path, name), "wb") as f:
+        with self.hashing_fs.inner.create_stream(self.hashing_fs.concat_path(self.path, name), "wb") as f:
             f.write(body)
 
     def write_data(self, plan: Any, planner: Any) -> Any:
@@ -230,7 +233,8 @@ def make_reader(dir_url: str, storage_options: dict[str, Any] | None = None) -> 
 # --- commit, verify, list, rotate ------------------------------------------------------------------
 
 
-def commit(dir_url: str, world_size: int, meta: dict[str, Any], storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def commit(dir_url: str, world_size: int, meta: dict[str, Any],
+           storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank 0, after every rank's data is durable: merge manifests, write the commit marker last."""
     fs = filesystem(dir_url, storage_options)
     base = _path(dir_url)

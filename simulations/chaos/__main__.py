@@ -22,16 +22,18 @@ async def run_all(*, seed: int, iterations: int, n_fuzz: int, nats_restarts: int
     t0 = time.monotonic()
     kills = []
     for i in range(iterations):
-        r = await kill9.run_iteration(i, seed, workdir, max_kills=max_kills)
-        kills.append(r)
+        kr = await kill9.run_iteration(i, seed, workdir, max_kills=max_kills)
+        kills.append(kr)
         if progress:
-            progress(f"kill -9 iteration {i}: {r.kills} kill(s) at {r.kill_points}, {r.seconds} s, problems {r.problems}")
+            progress(f"kill -9 iteration {i}: {kr.kills} kill(s) at {kr.kill_points}, {kr.seconds} s, "
+                     f"problems {kr.problems}")
     nats = []
     for k in range(nats_restarts):
-        r = await natsrestart.run(seed + k, workdir)
-        nats.append(r)
+        nr = await natsrestart.run(seed + k, workdir)
+        nats.append(nr)
         if progress:
-            progress(f"NATS restart {k}: outage {r.outage_s} s, lost {r.lost_events}, spurious {r.spurious_recoveries}")
+            progress(f"NATS restart {k}: outage {nr.outage_s} s, lost {nr.lost_events}, "
+                     f"spurious {nr.spurious_recoveries}")
     fz = await fuzz.run(seed, workdir, n_messages=n_fuzz) if n_fuzz else None
     if progress and fz:
         progress(f"fuzz: {fz.fuzzed_messages} messages, counted {fz.rejected_counted}, deduplicated {fz.deduplicated}")

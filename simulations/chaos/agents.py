@@ -22,6 +22,7 @@ Concurrency contract: everything on the caller's asyncio loop (nats-py); ``run``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from dataclasses import dataclass, field
@@ -106,11 +107,8 @@ class SimFleet:
                 tg.start_soon(self._heartbeats)
                 task_status.started()
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await sub.unsubscribe()
-                except Exception:
-                    pass
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
     def _emit(self, event: Any) -> None:
         self.events.append(event)
@@ -168,10 +166,8 @@ class SimFleet:
                                   state=ev.AgentState.TRAINING if node.training else ev.AgentState.IDLE,
                                   job_id=ev.JobId(node.job_id) if node.job_id else None, generation=node.generation,
                                   step=step, fencing_token=node.fencing)
-                try:
+                with contextlib.suppress(Exception):  # disconnected: a lost heartbeat only delays liveness
                     await self.nc.publish(ev.subject_heartbeat(node.node_id), ev.encode(hb))
-                except Exception:
-                    pass  # disconnected: a lost heartbeat only delays liveness
             await anyio.sleep(self.hb_s)
 
     # --- commands --------------------------------------------------------------------------------
@@ -189,8 +185,8 @@ class SimFleet:
             node.garbage_sent[cmd.cmd_id] = sent + 1
             self.garbage_total += 1
             choice = (len(node.garbage_sent) + sent) % (len(GARBAGE_REPLIES) + 1)
-            data = (GARBAGE_REPLIES[choice] if choice < len(GARBAGE_REPLIES) else
-                    ev.encode(ev.CommandAck(cmd_id=cmd.cmd_id + "-other", node_id=cmd.node_id, ok=True, ts=time.time())))
+            other = ev.CommandAck(cmd_id=cmd.cmd_id + "-other", node_id=cmd.node_id, ok=True, ts=time.time())
+            data = GARBAGE_REPLIES[choice] if choice < len(GARBAGE_REPLIES) else ev.encode(other)
             await msg.respond(data)
             return
         cached = node.acks.get(cmd.cmd_id)
@@ -203,10 +199,8 @@ class SimFleet:
                 error = self._execute(node, cmd)
             cached = node.acks[cmd.cmd_id] = ev.encode(ev.CommandAck(cmd_id=cmd.cmd_id, node_id=cmd.node_id,
                                                                      ok=error is None, error=error, ts=time.time()))
-        try:
+        with contextlib.suppress(Exception):
             await msg.respond(cached)
-        except Exception:
-            pass
 
     def _execute(self, node: SimNode, cmd: Any) -> str | None:
         now = time.time()
@@ -223,7 +217,7 @@ class SimFleet:
                 node.job_id, node.generation, node.first_step, node.t0 = cmd.job_id, cmd.generation, first, now
                 node.total_steps, node.checkpoint_url, node.training = cmd.total_steps, cmd.checkpoint_url, True
                 self._emit(ev.GenerationStarted(id=f"gen-{cmd.job_id}-{cmd.generation}-{node.node_id}",
-                                                node_id=ev.NodeId(node.node_id), job_id=cmd.job_id,
+                                                node_id=ev.NodeId(node.node_id), job_id=ev.JobId(str(cmd.job_id)),
                                                 generation=cmd.generation, first_step=first, ts=now))
                 return None
             case ev.CheckpointCmd() | ev.StopCmd():
@@ -239,11 +233,12 @@ class SimFleet:
                     self._agreed[key] = min(node.total_steps, max(n.step(now, self.step_s) for n in members) + 1)
                 step = self._agreed[key]
                 cid = f"step_{step:09d}"
+                deadline = getattr(cmd, "deadline_ts", None)  # a CheckpointCmd's; a StopCmd has none
                 self._emit(ev.CheckpointCommitted(
                     id=f"ckpt-{node.job_id}-{node.generation}-{cid}-{node.node_id}", node_id=ev.NodeId(node.node_id),
                     job_id=ev.JobId(str(node.job_id)), generation=node.generation, step=step, checkpoint_id=cid,
                     url=f"{node.checkpoint_url.rstrip('/')}/{cid}", save_s=0.2,
-                    deadline_margin_s=(cmd.deadline_ts - now - 0.2) if getattr(cmd, "deadline_ts", None) else None,
+                    deadline_margin_s=(deadline - now - 0.2) if deadline else None,
                     emergency=getattr(cmd, "reason", "") == "preemption_notice", ts=now))
                 self._exit(node, "stopped" if isinstance(cmd, ev.StopCmd) else "emergency_checkpoint",
                            contract.EXIT_PREEMPTED, step)

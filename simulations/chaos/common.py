@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -65,8 +66,6 @@ async def shutdown(orchd: Any, server: Any, *conns: Any) -> None:
             await anyio.to_thread.run_sync(orchd.stop)
         for conn in conns:
             if conn is not None:
-                try:
+                with contextlib.suppress(Exception):  # a broken connection is already closed for our purpose
                     await conn.close()
-                except Exception:  # noqa: BLE001 - a broken connection is already closed for our purpose
-                    pass
         server.cleanup()

@@ -36,6 +36,7 @@ import anyio
 import msgspec
 
 import wire as ev
+from orchestrator.cli.client import AdminClient
 from orchestrator.natsserver import NatsServer
 from simulations.chaos import common
 from simulations.chaos.agents import SimFleet
@@ -43,7 +44,7 @@ from simulations.chaos.harness import POOL_A, Orchd, job_spec
 
 HUGE = 300 * 1024
 EVIL = "evil-n9"
-WRONG_TYPES = ("x", [], {}, True, 1.5, [1, 2])
+WRONG_TYPES: tuple[Any, ...] = ("x", [], {}, True, 1.5, [1, 2])
 TARGET_WEIGHTS = (("heartbeat", 35), ("node_event", 25), ("price", 13), ("notice", 12), ("admin", 10),
                   ("replay", 5))
 MUTATIONS = ("bad_json", "wrong_version", "wrong_type", "missing_field", "unknown_type", "bad_value",
@@ -103,27 +104,29 @@ class Generator:
     def base(self, target: str, node: str) -> tuple[type, dict]:
         now = time.time()
         r = self.rng
+        node_id, job_id = ev.NodeId(node), ev.JobId(self.job_id)
         if target == "price":
             m: Any = ev.PriceTick(id=f"fz-{self.n}", pool=self.pool, gpu_type="A100", gpus_per_node=1,
                                   price_usd_h=1.0, on_demand_usd_h=3.0, ts=now)
         elif target == "notice":
-            m = ev.PreemptionNotice(id=f"fz-{self.n}", node_id=node, cloud="fake", deadline_ts=now + 120,
+            m = ev.PreemptionNotice(id=f"fz-{self.n}", node_id=node_id, cloud="fake", deadline_ts=now + 120,
                                     observed_ts=now)
         elif target == "heartbeat":
-            m = ev.Heartbeat(node_id=node, seq=10**6 + self.n, ts=now, state=ev.AgentState.TRAINING,
-                             job_id=self.job_id, generation=1, step=5)
+            m = ev.Heartbeat(node_id=node_id, seq=10**6 + self.n, ts=now, state=ev.AgentState.TRAINING,
+                             job_id=job_id, generation=1, step=5)
         else:
             kind = r.randrange(5)
-            common_kw = dict(id=f"fz-{self.n}", node_id=node, ts=now)
+            common_kw: dict[str, Any] = dict(id=f"fz-{self.n}", node_id=node_id, ts=now)
             if kind == 0:
-                m = ev.NodeRegistered(instance_id="fake-999999", pool=self.pool, host="6.6.6.6", **common_kw)
+                m = ev.NodeRegistered(instance_id=ev.InstanceId("fake-999999"), pool=self.pool, host="6.6.6.6",
+                                      **common_kw)
             elif kind == 1:
-                m = ev.GenerationStarted(job_id=self.job_id, generation=1, first_step=0, **common_kw)
+                m = ev.GenerationStarted(job_id=job_id, generation=1, first_step=0, **common_kw)
             elif kind == 2:
-                m = ev.CheckpointCommitted(job_id=self.job_id, generation=1, step=10**6, checkpoint_id="evil",
+                m = ev.CheckpointCommitted(job_id=job_id, generation=1, step=10**6, checkpoint_id="evil",
                                            url="file:///evil", save_s=0.1, **common_kw)
             elif kind == 3:
-                m = ev.RanksExited(job_id=self.job_id, generation=1, exit_code=0, reason="completed",
+                m = ev.RanksExited(job_id=job_id, generation=1, exit_code=0, reason="completed",
                                    last_step=10**9, **common_kw)
             else:
                 m = ev.NodeLeaving(reason="evil", **common_kw)
@@ -204,6 +207,7 @@ class Generator:
 
     def _bad_value(self, target: str, cls: type, d: dict) -> None:
         r = self.rng
+        value: Any
         if target == "price":
             key, value = r.choice((("price_usd_h", -1.0), ("price_usd_h", -1e300), ("on_demand_usd_h", -3.0),
                                    ("capacity_hint", 7.0), ("capacity_hint", -0.5), ("gpus_per_node", 0),
@@ -331,115 +335,26 @@ async def run(seed: int, root: Path, *, n_messages: int = 100_000, garbage_repli
             await common.publish_prices(fleet.js, tag)
             client = await common.admin(server.url, timeout_s=20.0)
             status0 = await common.call(client, "status")
-            await common.call(client, "submit", job_spec(job_id, nodes=2, total_steps=10**6), job_id=job_id)
-            with anyio.fail_after(60):
-                while len([n for n in fleet.nodes.values() if n.training]) < 2 or not fleet.idle():
-                    await anyio.sleep(0.1)
-                while (await common.call(client, "job", job_id)).summary["phase"] != "running":
-                    await anyio.sleep(0.1)
-            await anyio.sleep(1.5)  # acks, liveness flush, gauges: a quiet state
+            await _start_job(client, fleet, job_id)
             nodes = sorted(fleet.nodes)
             before = await _snapshot(client)
-            base = sum(orchd.rejected().values())  # the hostile command replies of the setup are in here
             t_cmds = time.time()
-            gen = Generator(rng, job_id, nodes)
-            js = pub.jetstream(timeout=10.0)
-            by_target: Counter[str] = Counter()
-            by_mutation: Counter[str] = Counter()
-            admin_pending: list[Any] = []
-            js_pending: list[Any] = []
-            t_fuzz = time.monotonic()
-
-            async def admin_call(shot: Shot) -> None:
-                try:
-                    reply = await pub.request(shot.subject, shot.data, timeout=30.0)
-                except Exception as e:
-                    res.problems.append(f"admin {shot.subject} {shot.mutation}: no reply ({type(e).__name__})")
-                    return
-                if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
-                    res.admin_error_replies += 1
-                else:
-                    res.admin_accepted += 1
-                    res.problems.append(f"admin accepted {shot.mutation} on {shot.subject}: {shot.data[:120]!r}")
-
-            async def settle_js() -> None:
-                for fut in js_pending:
-                    try:
-                        ack = await fut
-                        if ack.duplicate:
-                            res.deduplicated += 1
-                    except Exception:
-                        res.publish_errors += 1
-                js_pending.clear()
-
-            async def settle_admin() -> None:
-                async with anyio.create_task_group() as atg:
-                    for shot in admin_pending:
-                        atg.start_soon(admin_call, shot)
-                admin_pending.clear()
-
-            for i in range(n_messages):
-                shot = gen.next()
-                by_target[shot.target] += 1
-                by_mutation[shot.mutation] += 1
-                if shot.target == "admin":
-                    admin_pending.append(shot)
-                    if len(admin_pending) >= 50:
-                        await settle_admin()
-                elif shot.target == "heartbeat":
-                    await pub.publish(shot.subject, shot.data)
-                else:
-                    js_pending.append(await js.publish_async(shot.subject, shot.data,
-                                                             headers={"Nats-Msg-Id": shot.msg_id}))
-                    if len(js_pending) >= 1000:
-                        await settle_js()
-                if i % 2000 == 1999:
-                    await pub.flush()
-                    await settle_js()
-                    if not orchd.alive():
-                        break
-            await settle_js()
-            await settle_admin()
-            await pub.flush()
-            res.fuzz_seconds = round(time.monotonic() - t_fuzz, 2)
-            res.fuzzed_messages = sum(by_target.values()) + fleet.garbage_total
-            by_target["command_ack"] = fleet.garbage_total
-            res.by_target, res.by_mutation = dict(by_target), dict(by_mutation)
+            shooter = _Shooter(pub, res)
+            await shooter.fire(Generator(rng, job_id, nodes), n_messages, orchd)
+            res.fuzzed_messages = sum(shooter.by_target.values()) + fleet.garbage_total
+            shooter.by_target["command_ack"] = fleet.garbage_total
+            res.by_target, res.by_mutation = dict(shooter.by_target), dict(shooter.by_mutation)
             expected = res.fuzzed_messages - res.deduplicated - res.publish_errors
-            # wait until the daemon has counted everything (or stops counting)
-            last, still = -1, time.monotonic()
-            deadline = time.monotonic() + settle_s
-            counted = 0
-            while time.monotonic() < deadline and orchd.alive():
-                counted = sum(orchd.rejected().values())
-                if counted >= expected:
-                    break
-                if counted != last:
-                    last, still = counted, time.monotonic()
-                elif time.monotonic() - still > 15:
-                    break
-                await anyio.sleep(0.5)
+            await _wait_counted(orchd, expected, settle_s)
             if orchd.crashed() or not orchd.alive():
                 res.problems.append("orchd died: " + orchd.tail(800))
             else:
                 await anyio.sleep(1.0)
-                reasons = orchd.rejected()
-                res.rejected_counted = sum(reasons.values())
-                res.rejected_by_reason = {f"{k}/{r}": v for (k, r), v in sorted(reasons.items())}
-                res.counters_add_up = res.rejected_counted == expected
-                if not res.counters_add_up:
-                    res.problems.append(f"rejected_counted {res.rejected_counted} != expected {expected} "
-                                        f"(sent {res.fuzzed_messages}, deduplicated {res.deduplicated}, "
-                                        f"publish errors {res.publish_errors})")
-                after = await _snapshot(client)
-                res.state_diff = _diff(before, after)[:20]
-                res.state_unchanged = not res.state_diff
-                status1 = await common.call(client, "status")
-                res.daemon_same_pid = status1.pid == status0.pid
+                _check_counted(orchd, expected, res)
+                await _check_unchanged(client, before, status0, res)
                 res.commands_during_fuzz = len([c for t, c in fleet.commands if t >= t_cmds])
                 if res.commands_during_fuzz:
                     res.problems.append(f"{res.commands_during_fuzz} command(s) decided during the fuzz")
-                _ = base
             await client.close()
             tg.cancel_scope.cancel()
         await anyio.to_thread.run_sync(orchd.stop)
@@ -448,6 +363,120 @@ async def run(seed: int, root: Path, *, n_messages: int = 100_000, garbage_repli
     res.daemon_crashes = orchd.crashes
     res.seconds = round(time.monotonic() - t_begin, 2)
     return res
+
+
+async def _start_job(client: AdminClient, fleet: SimFleet, job_id: str) -> None:
+    """The real job the fuzz is about: 2 nodes training, then a quiet state (acks, liveness flush, gauges)."""
+    await common.call(client, "submit", job_spec(job_id, nodes=2, total_steps=10**6), job_id=job_id)
+    with anyio.fail_after(60):
+        while len([n for n in fleet.nodes.values() if n.training]) < 2 or not fleet.idle():
+            await anyio.sleep(0.1)
+        while (await common.call(client, "job", job_id)).summary["phase"] != "running":
+            await anyio.sleep(0.1)
+    await anyio.sleep(1.5)
+
+
+class _Shooter:
+    """Sends the generator's shots: heartbeats as core NATS publishes, the rest to JetStream (acks
+    settled in batches: duplicates and publish errors counted) or as admin requests (50 at a time)."""
+
+    def __init__(self, pub: Any, res: FuzzResult) -> None:
+        self.pub, self.res = pub, res
+        self.js = pub.jetstream(timeout=10.0)
+        self.by_target: Counter[str] = Counter()
+        self.by_mutation: Counter[str] = Counter()
+        self.admin_pending: list[Shot] = []
+        self.js_pending: list[Any] = []
+
+    async def fire(self, gen: Generator, n_messages: int, orchd: Orchd) -> None:
+        t_fuzz = time.monotonic()
+        for i in range(n_messages):
+            shot = gen.next()
+            self.by_target[shot.target] += 1
+            self.by_mutation[shot.mutation] += 1
+            if shot.target == "admin":
+                self.admin_pending.append(shot)
+                if len(self.admin_pending) >= 50:
+                    await self.settle_admin()
+            elif shot.target == "heartbeat":
+                await self.pub.publish(shot.subject, shot.data)
+            else:
+                self.js_pending.append(await self.js.publish_async(shot.subject, shot.data,
+                                                                   headers={"Nats-Msg-Id": shot.msg_id}))
+                if len(self.js_pending) >= 1000:
+                    await self.settle_js()
+            if i % 2000 == 1999:
+                await self.pub.flush()
+                await self.settle_js()
+                if not orchd.alive():
+                    break
+        await self.settle_js()
+        await self.settle_admin()
+        await self.pub.flush()
+        self.res.fuzz_seconds = round(time.monotonic() - t_fuzz, 2)
+
+    async def admin_call(self, shot: Shot) -> None:
+        res = self.res
+        try:
+            reply = await self.pub.request(shot.subject, shot.data, timeout=30.0)
+        except Exception as e:
+            res.problems.append(f"admin {shot.subject} {shot.mutation}: no reply ({type(e).__name__})")
+            return
+        if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
+            res.admin_error_replies += 1
+        else:
+            res.admin_accepted += 1
+            res.problems.append(f"admin accepted {shot.mutation} on {shot.subject}: {shot.data[:120]!r}")
+
+    async def settle_js(self) -> None:
+        for fut in self.js_pending:
+            try:
+                ack = await fut
+                if ack.duplicate:
+                    self.res.deduplicated += 1
+            except Exception:
+                self.res.publish_errors += 1
+        self.js_pending.clear()
+
+    async def settle_admin(self) -> None:
+        async with anyio.create_task_group() as atg:
+            for shot in self.admin_pending:
+                atg.start_soon(self.admin_call, shot)
+        self.admin_pending.clear()
+
+
+async def _wait_counted(orchd: Orchd, expected: int, settle_s: float) -> None:
+    """Until the daemon has counted every rejection, stops counting for 15 s, dies, or ``settle_s`` passed."""
+    last, still = -1, time.monotonic()
+    deadline = time.monotonic() + settle_s
+    while time.monotonic() < deadline and orchd.alive():
+        counted = sum(orchd.rejected().values())
+        if counted >= expected:
+            return
+        if counted != last:
+            last, still = counted, time.monotonic()
+        elif time.monotonic() - still > 15:
+            return
+        await anyio.sleep(0.5)
+
+
+def _check_counted(orchd: Orchd, expected: int, res: FuzzResult) -> None:
+    reasons = orchd.rejected()
+    res.rejected_counted = sum(reasons.values())
+    res.rejected_by_reason = {f"{k}/{r}": v for (k, r), v in sorted(reasons.items())}
+    res.counters_add_up = res.rejected_counted == expected
+    if not res.counters_add_up:
+        res.problems.append(f"rejected_counted {res.rejected_counted} != expected {expected} "
+                            f"(sent {res.fuzzed_messages}, deduplicated {res.deduplicated}, "
+                            f"publish errors {res.publish_errors})")
+
+
+async def _check_unchanged(client: AdminClient, before: dict, status0: Any, res: FuzzResult) -> None:
+    after = await _snapshot(client)
+    res.state_diff = _diff(before, after)[:20]
+    res.state_unchanged = not res.state_diff
+    status1 = await common.call(client, "status")
+    res.daemon_same_pid = status1.pid == status0.pid
 
 
 def as_dict(r: FuzzResult) -> dict[str, Any]:

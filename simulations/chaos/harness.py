@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import wire as ev
-from simulations.fakecloud import read_fake_file
 from providers.base import Instance
+from simulations.fakecloud import read_fake_file
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_ID = "orch-chaos"

@@ -28,12 +28,13 @@ from typing import Any
 import anyio
 
 import wire as ev
+from orchestrator.cli.client import AdminClient
 from orchestrator.natsserver import NatsServer
-from simulations.fakecloud import FileFakeCloud
 from providers.reaper import Reaper
 from simulations.chaos import common
 from simulations.chaos.agents import SimFleet
 from simulations.chaos.harness import CLUSTER_ID, Orchd, count_cloud, job_spec
+from simulations.fakecloud import FileFakeCloud
 
 KILL_POINTS = ("placement", "mid_launch", "registration", "generation_start", "mid_generation",
                "emergency_checkpoint", "checkpoint_commit", "regrow", "completion")
@@ -104,109 +105,143 @@ async def run_iteration(i: int, seed: int, root: Path, *, max_kills: int = 3, co
     try:
         await anyio.to_thread.run_sync(orchd.start)
         nc = await common.connect(server.url, "chaos-agents")
-        fleet = SimFleet(nc, orchd.fake_file, step_s=step_s)
-        n_jobs = rng.choice((1, 1, 2))
-        specs = {f"chaos{i}-j{k}": job_spec(f"chaos{i}-j{k}", nodes=rng.randint(1, 3),
-                                            total_steps=rng.randint(80, 160)) for k in range(n_jobs)}
-        res.jobs = n_jobs
-        points = sorted(rng.sample(KILL_POINTS, rng.randint(1, max_kills)), key=KILL_POINTS.index)
-        plan = [(p, rng.uniform(0.0, 0.4), rng.uniform(0.0, 1.0)) for p in points]
-        state = {"submitting": False, "done": False}
-        first_job = next(iter(specs))
+        drill = _Drill(i, rng, res, orchd, SimFleet(nc, orchd.fake_file, step_s=step_s), max_kills)
         client = await common.admin(server.url)
-
-        async def injector() -> None:
-            for point, delay, down in plan:
-                while not _trigger(point, fleet, orchd, state):
-                    if state["done"]:
-                        res.skipped_points.append(point)
-                        break
-                    await anyio.sleep(0.02)
-                else:
-                    await anyio.sleep(delay)
-                    if state["done"]:
-                        res.skipped_points.append(point)
-                        continue
-                    await anyio.to_thread.run_sync(orchd.kill9)
-                    res.kills += 1
-                    res.kill_points.append(point)
-                    await anyio.sleep(down)
-                    await anyio.to_thread.run_sync(orchd.start)
-
-        async def noticer() -> None:
-            while not state["done"]:
-                now = time.time()
-                victims = [n for n in fleet.nodes.values() if n.training and n.job_id == first_job
-                           and n.step(now, fleet.step_s) >= n.total_steps * 0.25]
-                if victims:
-                    fleet.publish_notice(rng.choice(sorted(victims, key=lambda n: n.node_id)).node_id)
-                    res.notices += 1
-                    return
-                await anyio.sleep(0.05)
-
-        async with anyio.create_task_group() as tg:
-            await tg.start(fleet.run)
-            await common.publish_prices(fleet.js, tag)
-            tg.start_soon(injector)
-            tg.start_soon(noticer)
-            state["submitting"] = True
-            for job_id, spec in specs.items():
-                while True:  # a submit cut by a kill: the same job id again (idempotent)
-                    try:
-                        await common.call(client, "submit", spec, job_id=job_id)
-                        break
-                    except Exception:
-                        await anyio.sleep(0.2)
-            deadline = time.monotonic() + converge_s
-            while time.monotonic() < deadline:
-                if orchd.crashed():  # died without our SIGKILL: counted, and restarted like systemd would
-                    res.problems.append("orchd died on its own: " + orchd.tail(500))
-                    await anyio.to_thread.run_sync(orchd.start)
-                try:
-                    jobs = (await client.jobs()).jobs
-                except Exception:
-                    jobs = None
-                if jobs is not None:
-                    phases = {j["job_id"]: j["phase"] for j in jobs}
-                    if all(phases.get(j) in TERMINAL for j in specs) and count_cloud(orchd.fake_file).alive == 0:
-                        break
-                await anyio.sleep(0.3)
-            state["done"] = True
-            tg.cancel_scope.cancel()
-        # the final word of orchd (it may be restarting after the last kill)
-        jobs = {j["job_id"]: j for j in (await common.call(client, "jobs")).jobs}
-        nodes = (await common.call(client, "nodes")).nodes
-        await client.close()
-        for job_id in specs:
-            if job_id not in jobs:
-                res.lost_jobs += 1
-                res.problems.append(f"lost {job_id}")
-            elif jobs[job_id]["phase"] != "succeeded":
-                res.unfinished_jobs += 1
-                res.problems.append(f"{job_id} {jobs[job_id]['phase']} ({jobs[job_id]['reason']}) "
-                                    f"step {jobs[job_id]['step']}/{jobs[job_id]['total_steps']}")
-            if job_id in jobs:
-                res.generations[job_id] = jobs[job_id]["generation"]
+        await drill.run(client, tag, converge_s)
+        jobs, nodes = await _final_word(client, drill.specs, res)
         await anyio.to_thread.run_sync(orchd.stop)
-        # the reaper, with its grace elapsed, over the cloud as orchd left it
-        before = count_cloud(orchd.fake_file)
-        cloud = FileFakeCloud(orchd.fake_file)
-        known = {n["node_id"]: (jobs.get(n["job_id"], {}).get("phase", "deleted"), n["instance_id"]) for n in nodes}
-        reaper = Reaper({"fake": cloud}, cluster_id=CLUSTER_ID, grace_s=0.0)
-        report = reaper.reconcile(known, state_ok=True, allow_empty_state=True)
-        res.orphans_reaped = sum(len(v) for v in report.terminated.values())
-        if before.alive:
-            res.problems.append(f"{before.alive} instance(s) alive after convergence, before the reaper")
-        after = count_cloud(orchd.fake_file)
-        res.leaked_instances = after.alive
-        res.duplicate_launches = after.duplicate_launches
-        res.alive_duplicates = after.alive_duplicates
-        res.instances = after.instances
+        _reap(orchd, jobs, nodes, res)
     finally:
         await common.shutdown(orchd, server, nc)
     res.daemon_crashes = orchd.crashes
     res.seconds = round(time.monotonic() - t_begin, 2)
     return res
+
+
+class _Drill:
+    """One iteration on a running orchd: the jobs, the kill plan and the notice (all drawn from ``rng``
+    here, in this order), then submissions, kills and the notice concurrently until the jobs converge."""
+
+    def __init__(self, i: int, rng: random.Random, res: KillResult, orchd: Orchd, fleet: SimFleet,
+                 max_kills: int) -> None:
+        self.rng, self.res, self.orchd, self.fleet = rng, res, orchd, fleet
+        n_jobs = rng.choice((1, 1, 2))
+        self.specs = {f"chaos{i}-j{k}": job_spec(f"chaos{i}-j{k}", nodes=rng.randint(1, 3),
+                                                 total_steps=rng.randint(80, 160)) for k in range(n_jobs)}
+        res.jobs = n_jobs
+        points = sorted(rng.sample(KILL_POINTS, rng.randint(1, max_kills)), key=KILL_POINTS.index)
+        self.plan = [(p, rng.uniform(0.0, 0.4), rng.uniform(0.0, 1.0)) for p in points]
+        self.state = {"submitting": False, "done": False}
+        self.first_job = next(iter(self.specs))
+
+    async def run(self, client: AdminClient, tag: str, converge_s: float) -> None:
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.fleet.run)
+            await common.publish_prices(self.fleet.js, tag)
+            tg.start_soon(self.injector)
+            tg.start_soon(self.noticer)
+            self.state["submitting"] = True
+            await self.submit_all(client)
+            await self.converge(client, converge_s)
+            self.state["done"] = True
+            tg.cancel_scope.cancel()
+
+    async def injector(self) -> None:
+        """At each planned point: wait for it (skipped if it never comes), then kill -9, stay down, restart."""
+        res, orchd = self.res, self.orchd
+        for point, delay, down in self.plan:
+            while not _trigger(point, self.fleet, orchd, self.state):
+                if self.state["done"]:
+                    res.skipped_points.append(point)
+                    break
+                await anyio.sleep(0.02)
+            else:
+                await anyio.sleep(delay)
+                if self.state["done"]:
+                    res.skipped_points.append(point)
+                    continue
+                await anyio.to_thread.run_sync(orchd.kill9)
+                res.kills += 1
+                res.kill_points.append(point)
+                await anyio.sleep(down)
+                await anyio.to_thread.run_sync(orchd.start)
+
+    async def noticer(self) -> None:
+        """One preemption notice to a node of the first job, once it is a quarter through."""
+        fleet = self.fleet
+        while not self.state["done"]:
+            now = time.time()
+            victims = [n for n in fleet.nodes.values() if n.training and n.job_id == self.first_job
+                       and n.step(now, fleet.step_s) >= n.total_steps * 0.25]
+            if victims:
+                fleet.publish_notice(self.rng.choice(sorted(victims, key=lambda n: n.node_id)).node_id)
+                self.res.notices += 1
+                return
+            await anyio.sleep(0.05)
+
+    async def submit_all(self, client: AdminClient) -> None:
+        for job_id, spec in self.specs.items():
+            while True:  # a submit cut by a kill: the same job id again (idempotent)
+                try:
+                    await common.call(client, "submit", spec, job_id=job_id)
+                    break
+                except Exception:
+                    await anyio.sleep(0.2)
+
+    async def converge(self, client: AdminClient, converge_s: float) -> None:
+        """Until every job is terminal and no instance is alive (or ``converge_s`` passed)."""
+        orchd = self.orchd
+        deadline = time.monotonic() + converge_s
+        while time.monotonic() < deadline:
+            if orchd.crashed():  # died without our SIGKILL: counted, and restarted like systemd would
+                self.res.problems.append("orchd died on its own: " + orchd.tail(500))
+                await anyio.to_thread.run_sync(orchd.start)
+            try:
+                jobs = (await client.jobs()).jobs
+            except Exception:
+                jobs = None
+            if jobs is not None:
+                phases = {j["job_id"]: j["phase"] for j in jobs}
+                if all(phases.get(j) in TERMINAL for j in self.specs) and count_cloud(orchd.fake_file).alive == 0:
+                    return
+            await anyio.sleep(0.3)
+
+
+async def _final_word(client: AdminClient, specs: dict[str, ev.JobSpec],
+                      res: KillResult) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """The jobs and nodes as orchd (maybe restarting after the last kill) reports them; lost and
+    unfinished jobs counted."""
+    jobs = {j["job_id"]: j for j in (await common.call(client, "jobs")).jobs}
+    nodes = (await common.call(client, "nodes")).nodes
+    await client.close()
+    for job_id in specs:
+        if job_id not in jobs:
+            res.lost_jobs += 1
+            res.problems.append(f"lost {job_id}")
+        elif jobs[job_id]["phase"] != "succeeded":
+            res.unfinished_jobs += 1
+            res.problems.append(f"{job_id} {jobs[job_id]['phase']} ({jobs[job_id]['reason']}) "
+                                f"step {jobs[job_id]['step']}/{jobs[job_id]['total_steps']}")
+        if job_id in jobs:
+            res.generations[job_id] = jobs[job_id]["generation"]
+    return jobs, nodes
+
+
+def _reap(orchd: Orchd, jobs: dict[str, dict[str, Any]], nodes: list[dict[str, Any]], res: KillResult) -> None:
+    """The reaper, with its grace elapsed, over the cloud as the stopped orchd left it; then the count."""
+    before = count_cloud(orchd.fake_file)
+    cloud = FileFakeCloud(orchd.fake_file)
+    known = {n["node_id"]: (jobs.get(n["job_id"], {}).get("phase", "deleted"), n["instance_id"]) for n in nodes}
+    reaper = Reaper({"fake": cloud}, cluster_id=CLUSTER_ID, grace_s=0.0)
+    report = reaper.reconcile(known, state_ok=True, allow_empty_state=True)
+    res.orphans_reaped = sum(len(v) for v in report.terminated.values())
+    if before.alive:
+        res.problems.append(f"{before.alive} instance(s) alive after convergence, before the reaper")
+    after = count_cloud(orchd.fake_file)
+    res.leaked_instances = after.alive
+    res.duplicate_launches = after.duplicate_launches
+    res.alive_duplicates = after.alive_duplicates
+    res.instances = after.instances
 
 
 def as_dict(r: KillResult) -> dict[str, Any]:

@@ -90,7 +90,7 @@ class UniformProgressPolicy(Policy):
 
     def reset(self, run: Run) -> None:
         self.final_od = False
-        self.d_q = run.O[0][0] if run.modes.R else 0  # restart overhead d, in quanta
+        self.d_q = run.ovq[0][0] if run.modes.R else 0  # restart overhead d, in quanta
 
     def _ep(self, run: Run, k: float) -> float:
         return run.job.work_q * min(1.0, k / run.job.deadline_ticks)
