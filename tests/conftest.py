@@ -1,6 +1,8 @@
-"""Shared fixtures: a real nats-server per test module, free ports, CI strictness.
+"""Shared fixtures: a real nats-server per test module, free ports, CI strictness, the async backend.
 
-Services a test needs are started here on loopback with free ports and stopped after.
+Services a test needs are started here on loopback with free ports and stopped after. Async tests are
+``async def`` functions marked ``pytest.mark.anyio`` (usually a module's ``pytestmark``); they run on the
+``anyio_backend`` defined here, once for the whole suite.
 """
 
 from __future__ import annotations
@@ -31,6 +33,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (``pytest.mark.anyio``) run on anyio's asyncio backend: nats-py is asyncio-only."""
+    return "asyncio"
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import StreamConfig
 
-from orchestrator.security.nats_auth import render_server_config
 from orchestrator.natsserver import NatsServer
+from orchestrator.security.nats_auth import render_server_config
 from tests.conftest import free_port
 
 JS_NOT_READY = (nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError, nats.js.errors.APIError,

@@ -83,8 +83,8 @@ def dashboard() -> dict:
         ("histogram_quantile(0.99, sum by (le) (rate(orchd_notice_to_command_seconds_bucket[$__rate_interval])))",
          "p99")], unit="s")
     add("Emergency checkpoint margin (deadline - commit)", [
-        ("histogram_quantile(0.05, sum by (le) (rate(orchd_emergency_checkpoint_margin_seconds_bucket[$__rate_interval])))",
-         "p5"),
+        ("histogram_quantile(0.05, sum by (le) "
+         "(rate(orchd_emergency_checkpoint_margin_seconds_bucket[$__rate_interval])))", "p5"),
         ("sum(increase(orchd_emergency_checkpoint_missed_total[1h]))", "missed / h"),
     ], unit="s")
     add("Spot price / on-demand", [

@@ -30,7 +30,7 @@ from orchestrator.cli.demo_report import load_step_logs, loss_by_step
 STEPS = 150  # enough steps after the spike for the new zone's nodes to boot while training goes on
 LOSS_TOL = 1e-4
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _reference_losses(tmp: Path, steps: int, seed: int) -> dict[int, float]:
@@ -43,10 +43,10 @@ def _reference_losses(tmp: Path, steps: int, seed: int) -> dict[int, float]:
     return loss_by_step(load_step_logs(sorted(tmp.glob("steps-*.jsonl"))))
 
 
-def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
+async def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
     opts = DemoOptions(steps=STEPS, notice_s=10.0, notice_at=0.1, vanish_at=0.3, spike_at=0.45, timeout_s=240.0,
                        state_dir=str(tmp_path / "demo"), keep=True, ckpt_interval_s=2.0)
-    result = anyio.run(run_demo, opts)
+    result = await run_demo(opts)
     r = result.report
     assert r["job_succeeded"], r
     assert r["steps_completed"] == STEPS, r
@@ -74,7 +74,7 @@ def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
     assert zones[0] == {"local-a"} and len(zones[-1]) == 1 and zones[-1] != {"local-a"}, zones
     assert r["cost_usd"] > 0 and r["on_demand_cost_usd"] > r["cost_usd"], r
     # the losses are those of an uninterrupted run of the same seed
-    ref = _reference_losses(tmp_path / "ref", STEPS, opts.seed)
+    ref = await anyio.to_thread.run_sync(_reference_losses, tmp_path / "ref", STEPS, opts.seed)
     got = loss_by_step(recs)
     assert sorted(got) == sorted(ref) == list(range(1, STEPS + 1))
     worst = max(abs(got[s] - ref[s]) for s in ref)

@@ -6,6 +6,7 @@ The simulated agent is a real NATS subscriber on ``orch.cmd.>`` that acknowledge
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from pathlib import Path
@@ -122,7 +123,8 @@ async def wait_for(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> 
             await anyio.sleep(interval)
 
 
-async def start_enrolling_agent(tg: Any, d: Any, inst: Any, token: str, url: str, work_dir: Path) -> tuple[anyio.CancelScope, dict]:
+async def start_enrolling_agent(tg: Any, d: Any, inst: Any, token: str, url: str,
+                                work_dir: Path) -> tuple[anyio.CancelScope, dict]:
     """A real orch-agent for ``inst`` that enrols with ``token`` (per-node credentials), started in
     ``tg``; returns once orchd has its heartbeats: (the agent's cancel scope, its stored credential)."""
     import json
@@ -135,11 +137,8 @@ async def start_enrolling_agent(tg: Any, d: Any, inst: Any, token: str, url: str
     scope = anyio.CancelScope()
 
     async def run_agent() -> None:
-        with scope:
-            try:
-                await agent.run()
-            except ConnectionResetError:  # its credential revoked under it
-                pass
+        with scope, contextlib.suppress(ConnectionResetError):  # its credential revoked under it
+            await agent.run()
 
     tg.start_soon(run_agent)
     await wait_for(lambda: d.state.nodes.get(inst.node_id) is not None and d.state.nodes[inst.node_id].last_seen > 0,

@@ -20,6 +20,7 @@ import nats
 import nats.errors
 import pytest
 
+from orchestrator.natsserver import NatsServer
 from orchestrator.security.authcallout import AuthCallout, CalloutCredentials, CredentialStore, StaticUser
 from orchestrator.security.nats_auth import (
     User,
@@ -28,7 +29,6 @@ from orchestrator.security.nats_auth import (
     render_callout_authorization,
     render_server_config,
 )
-from orchestrator.natsserver import NatsServer
 from orchestrator.security.nkeys import KeyPair
 from tests.ha_cluster import JS_NOT_READY, nats_cluster
 

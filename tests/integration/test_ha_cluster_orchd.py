@@ -22,6 +22,7 @@ ending its initial values early; ``Store.load`` no longer uses it (regression te
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import itertools
 import json
@@ -40,13 +41,13 @@ import nats.errors
 import nats.js.errors
 import pytest
 
-from orchestrator import bus
 import wire as ev
+from orchestrator import bus
 from orchestrator.cli.client import AdminClient, AdminUnreachable
-from orchestrator.jobspec import parse_jobspec
 from orchestrator.daemon.lease import LEASE_BUCKET, LEASE_KEY
-from simulations.fakecloud import FileFakeCloud, read_fake_file
+from orchestrator.jobspec import parse_jobspec
 from providers.base import Instance
+from simulations.fakecloud import FileFakeCloud, read_fake_file
 from tests.ha_cluster import connect, nats_cluster, wait_jetstream
 from tests.integration import helpers as h
 
@@ -103,8 +104,8 @@ def orchd_main(argv: list[str]) -> int:
     """``python -m tests.integration.test_ha_cluster_orchd CONFIG FAKE_FILE``: the orchd command
     (signals, exit codes) with the shared fake cloud as its only provider."""
     from orchestrator.daemon import run as daemon
-    from wire.logs import configure
     from orchestrator.settings import load_settings
+    from wire.logs import configure
 
     settings = load_settings(argv[0])
     configure(settings.log.level, settings.log.format)
@@ -151,7 +152,8 @@ def _config(tmp: Path, urls: list[str], fake_file: Path) -> Path:
     cfg = h.write_config(tmp, urls[0], extra=f'[providers]\nenabled = ["fake"]\n'
                                              f'[providers.fake]\nstate_file = "{fake_file}"\n')
     text = cfg.read_text()
-    text = text.replace(f'urls = ["{urls[0]}"]', "urls = [" + ", ".join(f'"{u}"' for u in urls) + "]\nstream_replicas = 3")
+    all_urls = ", ".join(f'"{u}"' for u in urls)
+    text = text.replace(f'urls = ["{urls[0]}"]', f"urls = [{all_urls}]\nstream_replicas = 3")
     # no heartbeats in this test (the simulated agent only acks commands): keep nodes from turning suspect
     text = text.replace("heartbeat_timeout_s = 5.0", "heartbeat_timeout_s = 60.0")
     text = text.replace("[daemon]\n", f"[daemon]\nha = true\nlease_ttl_s = {TTL}\n")
@@ -212,10 +214,8 @@ async def _separate_state_from_lease(nc: Any, js: Any, timeout_s: float = 30.0) 
             leaders = await _stream_leaders(js)
             if leaders.get(state) and leaders.get(lease) and leaders[state] != leaders[lease]:
                 return leaders
-            try:
+            with contextlib.suppress(nats.errors.Error):
                 await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{state}", b"", timeout=5)
-            except nats.errors.Error:
-                pass
             await _wait_stream_leaders(js)
 
 

@@ -10,6 +10,7 @@ closed, new connects refused).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shlex
 import stat
@@ -21,16 +22,23 @@ import nats
 import pytest
 from nats.errors import NoServersError
 
+import wire as ev
 from agent.config import AgentConfig
 from agent.main import Agent
-import wire as ev
 from orchestrator.core.commands import Launch, Terminate
 from orchestrator.core.inputs import NodeGone, NodeLaunched
-from orchestrator.security.credentials import EnrollingIssuer, NodeCredentials, enrol_user
 from orchestrator.daemon.executor import Executor, Result
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.security.nats_auth import User, hash_password, node_user, orchd_permissions, render_server_config, signal_reload
 from orchestrator.natsserver import NatsServer
+from orchestrator.security.credentials import EnrollingIssuer, NodeCredentials, enrol_user
+from orchestrator.security.nats_auth import (
+    User,
+    hash_password,
+    node_user,
+    orchd_permissions,
+    render_server_config,
+    signal_reload,
+)
 from orchestrator.settings import Settings
 from providers.base import LaunchRequest
 from providers.bootstrap import render_user_data
@@ -162,11 +170,9 @@ async def test_node_credential_lifecycle_through_the_executor(secured: Server, t
             agent_scope = anyio.CancelScope()
 
             async def run_agent() -> None:
-                with agent_scope:
-                    try:
-                        await agent.run()
-                    except ConnectionResetError:  # closing a connection the server dropped (revoked)
-                        pass
+                # ConnectionResetError: closing a connection the server dropped (revoked)
+                with agent_scope, contextlib.suppress(ConnectionResetError):
+                    await agent.run()
 
             tg.start_soon(run_agent)
             with anyio.fail_after(10):

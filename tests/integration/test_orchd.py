@@ -20,11 +20,11 @@ from orchestrator import bus
 from orchestrator.cli import main as cli
 from orchestrator.cli.client import AdminClient
 from orchestrator.daemon.run import run_daemon
-from orchestrator.jobspec import parse_jobspec
-from orchestrator.settings import load_settings
 from orchestrator.daemon.store import Store
-from providers.base import LaunchRequest
+from orchestrator.jobspec import parse_jobspec
 from orchestrator.natsserver import NatsServer
+from orchestrator.settings import load_settings
+from providers.base import LaunchRequest
 from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
 

@@ -4,6 +4,7 @@ no duplicate launch - counted on the cloud side, in the file-backed fake cloud),
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -52,12 +53,13 @@ class Orchd:
         self.cfg, self.log = cfg, log
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "Orchd":
+    def start(self) -> Orchd:
         disc = Path(json.loads(json.dumps(str(self.cfg.parent / "state" / "orchd.json"))))
         if disc.exists():
             disc.unlink()
-        self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.daemon", "--config", str(self.cfg)],
-                                     cwd=ROOT, stdout=subprocess.DEVNULL, stderr=open(self.log, "a"))
+        with open(self.log, "a") as err:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen([sys.executable, "-m", "orchestrator.daemon", "--config", str(self.cfg)],
+                                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
         deadline = time.time() + 30
         while not disc.exists():
             assert self.proc.poll() is None, self.log.read_text()[-3000:]
@@ -85,7 +87,8 @@ class Orchd:
 async def test_kill9_mid_job_restart_same_state_no_duplicate_launch(server, tmp_path):
     url = server.url
     fake_file = tmp_path / "fake.json"
-    cfg = h.write_config(tmp_path, url, extra=f'[providers]\nenabled = ["fake"]\n[providers.fake]\nstate_file = "{fake_file}"\n')
+    cfg = h.write_config(tmp_path, url,
+                         extra=f'[providers]\nenabled = ["fake"]\n[providers.fake]\nstate_file = "{fake_file}"\n')
     nc = await nats.connect(url)
     js = nc.jetstream()
     agent = await h.SimAgent(nc).start()
@@ -271,10 +274,8 @@ async def test_nats_outage_longer_than_heartbeat_timeout_is_not_node_failure(tmp
                     for c in starts:
                         hb = ev.Heartbeat(node_id=c.node_id, seq=seq, ts=time.time(), state=ev.AgentState.TRAINING,
                                           job_id=c.job_id, generation=c.generation, step=seq)
-                        try:
+                        with contextlib.suppress(Exception):
                             await nc.publish(ev.subject_heartbeat(c.node_id), ev.encode(hb))
-                        except Exception:
-                            pass
                     await anyio.sleep(1.0)
 
             tg.start_soon(heartbeats)

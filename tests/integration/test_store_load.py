@@ -8,6 +8,8 @@ cluster missed keys in 48 of 300 runs (some loads came back empty); ``Store.load
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 import nats
 import nats.errors
@@ -89,10 +91,8 @@ async def test_load_on_an_r3_cluster_misses_no_key_under_concurrent_writes(tmp_p
 
 
 async def _step_down(nc, stream: str) -> None:
-    try:
+    with contextlib.suppress(nats.errors.TimeoutError):
         await nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", b"", timeout=5)
-    except nats.errors.TimeoutError:
-        pass
 
 
 async def _load_retrying(store: Store):

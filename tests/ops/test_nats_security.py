@@ -20,16 +20,26 @@ import nats
 import nats.micro
 import pytest
 import structlog
-from nats.errors import NoServersError, TimeoutError as NatsTimeoutError
+from nats.errors import NoServersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
-from wire import logs
-from orchestrator.security.nats_auth import (
-    NodeCredentialIssuer, TlsFiles, User, agent_permissions, connect_options, hash_password, node_user,
-    orchctl_permissions, orchd_permissions, render_server_config, signal_reload,
-)
 from orchestrator.natsserver import NatsServer
+from orchestrator.security.nats_auth import (
+    NodeCredentialIssuer,
+    TlsFiles,
+    User,
+    agent_permissions,
+    connect_options,
+    hash_password,
+    node_user,
+    orchctl_permissions,
+    orchd_permissions,
+    render_server_config,
+    signal_reload,
+)
 from orchestrator.settings import NatsSettings
 from tests.conftest import IN_CI
+from wire import logs
 
 pytestmark = pytest.mark.anyio
 
@@ -313,7 +323,7 @@ def _make_pki(d: Path) -> dict[str, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    now = dt.datetime.now(dt.timezone.utc)
+    now = dt.datetime.now(dt.UTC)
 
     def key():
         return ec.generate_private_key(ec.SECP256R1())

@@ -59,8 +59,8 @@ def test_synth_is_seeded_and_shaped():
     b = synth_traces(days=45, zones=9, seed=3)
     c = synth_traces(days=45, zones=9, seed=4)
     assert len(a) == 9 and len(a[0].values) == 45 * 144
-    assert all(np.array_equal(x.values, y.values) for x, y in zip(a, b))
-    assert not all(np.array_equal(x.values, y.values) for x, y in zip(a, c))
+    assert all(np.array_equal(x.values, y.values) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x.values, y.values) for x, y in zip(a, c, strict=True))
     assert len({t.region for t in a}) == 3
     # correlated outages: all zones of a region down together happens
     sc = build(a, spot_price_ratio=0.3)

@@ -77,7 +77,7 @@ def test_optimal_never_above_any_policy(sc_args, work_ticks, slack):
     jobs = [Job(start_tick=s, work_q=W, deadline_ticks=D) for s in (0, 17, 41)]
     opt = optimal_costs(sc, jobs, OV)
     for name, P in ONLINE.items():
-        for j, o in zip(jobs, opt):
+        for j, o in zip(jobs, opt, strict=True):
             r = run_job(P(), sc, j, OV)
             if r.deadline_met:
                 assert o <= r.cost_usd + 1e-9, (name, j)

@@ -63,7 +63,8 @@ class Generation:
             time.sleep(0.005)
         raise AssertionError(f"timeout waiting for step {step}:\n" + self.log())
 
-    def request_checkpoint(self, control_dir: Path, *, ranks: list[int] | None = None, deadline_s: float = 30.0, sig: int = signal.SIGUSR1) -> None:
+    def request_checkpoint(self, control_dir: Path, *, ranks: list[int] | None = None, deadline_s: float = 30.0,
+                           sig: int = signal.SIGUSR1) -> None:
         now = time.time()
         contract.write_checkpoint_request(str(control_dir), contract.CheckpointRequest(
             request_id=f"t{now}", reason="preemption_notice", deadline_ts=now + deadline_s, issued_ts=now))
@@ -75,10 +76,10 @@ class Generation:
         for r in self.ranks:
             try:
                 codes.append(r.proc.wait(timeout=timeout))
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired as e:
                 for x in self.ranks:
                     x.proc.kill()
-                raise AssertionError("generation did not exit:\n" + self.log())
+                raise AssertionError("generation did not exit:\n" + self.log()) from e
             assert r.reader is not None
             r.reader.join(timeout=10)
         return codes
@@ -90,8 +91,8 @@ class Generation:
         return [x for r in self.ranks for x in r.reports() if isinstance(x, kind)]
 
 
-def trainer_env(tmp: Path, *, total_steps: int, args: dict, resume: str = "", generation: int = 0, ckpt_url: str | None = None,
-                extra: dict[str, str] | None = None) -> dict[str, str]:
+def trainer_env(tmp: Path, *, total_steps: int, args: dict, resume: str = "", generation: int = 0,
+                ckpt_url: str | None = None, extra: dict[str, str] | None = None) -> dict[str, str]:
     control = tmp / f"control{generation}"
     control.mkdir(exist_ok=True)
     return {
@@ -113,7 +114,8 @@ GPT_CMD = [sys.executable, "-m", "trainer"]
 def step_records(path: Path) -> list[contract.StepRecord]:
     import msgspec
 
-    return [msgspec.json.decode(line, type=contract.StepRecord) for line in path.read_text().splitlines() if line.strip()]
+    return [msgspec.json.decode(line, type=contract.StepRecord)
+            for line in path.read_text().splitlines() if line.strip()]
 
 
 def load_checkpoint_tensors(dir_path: Path, out: Path) -> dict:

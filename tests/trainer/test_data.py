@@ -8,8 +8,16 @@ import numpy as np
 import pytest
 
 from trainer import contract
-from trainer.data import (Corpus, ExactlyOnceSampler, GlobalOrder, decode, encode, micro_batch_plan, rank_slice,
-                          synthetic_corpus)
+from trainer.data import (
+    Corpus,
+    ExactlyOnceSampler,
+    GlobalOrder,
+    decode,
+    encode,
+    micro_batch_plan,
+    rank_slice,
+    synthetic_corpus,
+)
 from trainer.gpt import TrainerArgs, parse_args
 from trainer.model import SIZES, config_for
 

@@ -34,7 +34,8 @@ def test_non_gpt_script_on_s3_with_process_async(tmp_path: Path, moto_s3: dict) 
     stop = emergency[0].step
     assert store.verify(store.step_dir(root, stop), moto_s3) is None
 
-    g = Generation(SCRIPT, 1, trainer_env(tmp_path, total_steps=total, args={**args, "async_mode": "thread", "ckpt_every": 3},
+    g = Generation(SCRIPT, 1, trainer_env(tmp_path, total_steps=total,
+                                          args={**args, "async_mode": "thread", "ckpt_every": 3},
                                           ckpt_url=root, resume="latest", generation=1))
     assert g.wait() == [0], g.log()
     records = step_records(tmp_path / "steps.jsonl")

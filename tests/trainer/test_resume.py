@@ -164,8 +164,8 @@ def test_launcher_forwards_sigterm(tmp_path: Path) -> None:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
            **trainer_env(tmp_path, total_steps=100000, args=ARGS)}
-    proc = subprocess.Popen([sys.executable, "-m", "trainer.launch", "--nproc", "2", "--", sys.executable, "-m", "trainer"],
-                            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    argv = [sys.executable, "-m", "trainer.launch", "--nproc", "2", "--", sys.executable, "-m", "trainer"]
+    proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     lines = []
     for line in proc.stdout:

@@ -16,7 +16,8 @@ from trainer import store
 
 def _state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)}, "step": torch.tensor(seed)}
+    return {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g)},
+            "step": torch.tensor(seed)}
 
 
 def _save(dir_url: str, seed: int = 0, storage_options: dict | None = None) -> None:
@@ -79,7 +80,8 @@ def moto_s3():
     server = ThreadedMotoServer(port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
-    opts = {"key": "testing", "secret": "testing", "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
+    opts = {"key": "testing", "secret": "testing",
+            "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
     import boto3
 
     boto3.client("s3", endpoint_url=opts["client_kwargs"]["endpoint_url"], region_name="us-east-1",

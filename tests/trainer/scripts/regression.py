@@ -25,7 +25,8 @@ def main() -> None:
     X = torch.randn(512, 8, generator=g)
     y = X @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(512, 1, generator=g)
     torch.manual_seed(0)
-    model = sess.wrap(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)), mode=a.get("mode", "ddp"))
+    net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    model = sess.wrap(net, mode=a.get("mode", "ddp"))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sampler = ExactlyOnceSampler(len(X), global_batch=8, seed=1)
 

@@ -1,0 +1,81 @@
+"""The job's step that orchctl and the ``orchd_job_step`` gauge report: ``orchestrator.core.job_step``,
+the current step - after a generation is lost and the job resumes from an earlier checkpoint, the step
+goes back to the committed step plus the new generation's progress, not the highest step ever seen."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from orchestrator.core import Decision, JobPhase, job_step
+from orchestrator.core.inputs import JobSubmitted, NodeGone, Tick
+from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.state import job_summary, refresh_gauges
+from tests.core.harness import (
+    AgentState,
+    CheckpointCommitted,
+    Driver,
+    GenerationStarted,
+    Heartbeat,
+    RanksExited,
+    StartGenerationCmd,
+    cmds,
+    pool,
+    price,
+    spec,
+)
+
+A = pool("p4d.24xlarge", "us-east-1a")
+B = pool("p4de.24xlarge", "us-east-1a")
+
+
+def _beat(drv: Driver, node_ids: list[str], step: int) -> None:
+    for node_id in node_ids:
+        node = drv.state.nodes[node_id]
+        drv(Heartbeat(node_id=node_id, seq=node.hb_seq + 1, ts=drv.now, state=AgentState.TRAINING, job_id="j1",
+                      generation=node.generation, step=step, step_time_s=1.0))
+    drv(Tick(), dt=1.0)
+
+
+def _started(drv: Driver, d: Decision) -> int:
+    """The generation that decision ``d`` started, confirmed by the trainer."""
+    starts = cmds(d, StartGenerationCmd)
+    assert starts, "a generation is started"
+    gen = starts[0].generation
+    drv(GenerationStarted(id=f"g{gen}", node_id=starts[0].node_id, job_id="j1", generation=gen, first_step=1,
+                          ts=drv.now), dt=1.0)
+    assert drv.job().phase == JobPhase.RUNNING
+    return gen
+
+
+def test_a_job_resumed_from_an_earlier_checkpoint_reports_its_current_step() -> None:
+    drv = Driver()
+    drv(price(A, 10.0))
+    drv(price(B, 12.0))
+    ids = drv.launched(drv(JobSubmitted(job_id="j1", spec=spec(nodes=2, nodes_min=2, nodes_max=2))))
+    assert _started(drv, drv.register(ids)) == 1
+    for step in range(1, 41):
+        _beat(drv, ids, step)
+    drv(CheckpointCommitted(id="c40", node_id=ids[0], job_id="j1", generation=1, step=40, checkpoint_id="40",
+                            url="file:///ckpt/j1/40", save_s=2.0, ts=drv.now))
+    for step in range(41, 101):
+        _beat(drv, ids, step)
+    assert job_step(drv.state, "j1") == 100
+
+    # One node vanishes without a notice: the generation is abandoned at step 100, and the next one
+    # resumes from the checkpoint of step 40 (steps 41..100 are lost).
+    lost = drv(NodeGone(node_id=ids[1], reason="provider_missing"))
+    drv(RanksExited(id="x1", node_id=ids[0], job_id="j1", generation=1, exit_code=77, reason="abandoned",
+                    last_step=100, ts=drv.now))
+    assert drv.job().step == 100 and drv.job().committed_step == 40  # the highest step seen, the committed one
+    assert job_step(drv.state, "j1") == 40  # between generations: where the next one resumes
+    (replacement,) = drv.launched(lost)
+    assert _started(drv, drv.register([replacement])) == 2
+    for step in range(41, 46):
+        _beat(drv, [ids[0], replacement], step)
+
+    state = drv.state
+    assert job_step(state, "j1") == 45  # committed 40 + 5 steps of generation 2, not the old maximum 100
+    assert job_summary(state, state.jobs["j1"], drv.now)["step"] == 45
+    metrics = Metrics()
+    refresh_gauges(SimpleNamespace(state=state, metrics=metrics, fencing_token=1))  # what the gauges read of a Daemon
+    assert metrics.registry.get_sample_value("orchd_job_step", {"job_id": "j1"}) == 45
