@@ -150,16 +150,23 @@ class Topology:
     outbox_kv: KeyValue
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+async def _ensure_stream(js: JetStreamContext, name: str, cfg: StreamConfig) -> None:
     try:
-        await js.stream_info(cfg.name)
+        await js.stream_info(name)
     except NotFoundError:
         await js.add_stream(cfg)
         return
     try:
         await js.update_stream(cfg)
     except BadRequestError as e:  # e.g. a change the server refuses (storage type): keep the old one
-        log.warning("stream_update_refused", stream=cfg.name, error=str(e))
+        log.warning("stream_update_refused", stream=name, error=str(e))
+
+
+def _stream_config(name: str, subjects: list[str], max_age_s: float, replicas: int) -> StreamConfig:
+    """A file stream limited by age and 1 GiB, de-duplicating on ``Nats-Msg-Id`` (``DUPLICATE_WINDOW_S``)."""
+    return StreamConfig(name=name, subjects=subjects, retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
+                        num_replicas=replicas, duplicate_window=DUPLICATE_WINDOW_S, discard=DiscardPolicy.OLD,
+                        max_age=max_age_s, max_bytes=1 << 30)
 
 
 async def _ensure_kv(js: JetStreamContext, bucket: str, replicas: int, history: int = 1) -> KeyValue:
@@ -172,19 +179,12 @@ async def _ensure_kv(js: JetStreamContext, bucket: str, replicas: int, history: 
 async def ensure_topology(nc: Client, replicas: int = 1) -> Topology:
     """Create (or update) streams, consumers and KV buckets; return the handles."""
     js = nc.jetstream(timeout=5.0)
-    common = dict(
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
-        num_replicas=replicas,
-        duplicate_window=DUPLICATE_WINDOW_S,
-        discard=DiscardPolicy.OLD,
-    )
-    await _ensure_stream(js, StreamConfig(name=STREAM_EVENTS, subjects=list(SUBJECTS_EVENTS),
-                                          max_age=7 * 86400.0, max_bytes=1 << 30, **common))
-    await _ensure_stream(js, StreamConfig(name=STREAM_MARKET, subjects=list(SUBJECTS_MARKET),
-                                          max_age=86400.0, max_bytes=1 << 30, **common))
-    await _ensure_stream(js, StreamConfig(name=STREAM_AUDIT, subjects=[f"{SUBJECT_AUDIT_PREFIX}.>"],
-                                          max_age=30 * 86400.0, max_bytes=1 << 30, **common))
+    for name, subjects, max_age_s in (
+        (STREAM_EVENTS, list(SUBJECTS_EVENTS), 7 * 86400.0),
+        (STREAM_MARKET, list(SUBJECTS_MARKET), 86400.0),
+        (STREAM_AUDIT, [f"{SUBJECT_AUDIT_PREFIX}.>"], 30 * 86400.0),
+    ):
+        await _ensure_stream(js, name, _stream_config(name, subjects, max_age_s, replicas))
     state_kv = await _ensure_kv(js, KV_STATE, replicas)
     outbox_kv = await _ensure_kv(js, KV_OUTBOX, replicas)
     return Topology(nc=nc, js=js, state_kv=state_kv, outbox_kv=outbox_kv)

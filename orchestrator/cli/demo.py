@@ -179,7 +179,7 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
                     try:
                         reply = await client.job(JOB_ID)
                         view.job, view.nodes = reply.summary, reply.nodes
-                    except Exception:  # noqa: BLE001 - the daemon is busy or stopping: keep the last view
+                    except Exception:  # the daemon is busy or stopping: keep the last view
                         pass
                     if d.state is not None:
                         for nid, node in d.state.nodes.items():
@@ -238,7 +238,7 @@ async def _wait_for_prices(client: Any, finished: anyio.Event, timeout_s: float 
             try:
                 if (await client.prices()).pools:
                     return
-            except Exception:  # noqa: BLE001 - orchd still starting
+            except Exception:  # orchd still starting
                 pass
             await anyio.sleep(0.2)
 
@@ -322,7 +322,8 @@ def render(view: _View) -> Any:
 def format_report(r: dict[str, Any]) -> str:
     lines = [
         f"job {'SUCCEEDED' if r['job_succeeded'] else 'DID NOT SUCCEED'} in {r['wall_s']}s: "
-        f"{r['steps_completed']}/{r['total_steps']} steps, final loss {r['final_loss']}, {r['generations']} generations",
+        f"{r['steps_completed']}/{r['total_steps']} steps, final loss {r['final_loss']}, "
+        f"{r['generations']} generations",
         f"cost ${r['cost_usd']:.4f} (local cloud bill; orchd's estimate ${r['orchd_cost_estimate_usd']}) vs "
         f"${r['on_demand_cost_usd']:.4f} for the same node-hours on-demand",
         f"steps executed twice: {r['steps_executed_twice']}; sample order exact: {r['sample_order_exact']}",
@@ -336,7 +337,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append("  generations:")
     for g in r["generation_table"]:
         where = ", ".join(f"{n} {p}" for n, p in g["nodes"].items())
-        lines.append(f"    g{g['generation']}: world size {g['world_size']}, steps {g['first_step']}-{g['last_step']} on {where}")
+        lines.append(f"    g{g['generation']}: world size {g['world_size']}, "
+                     f"steps {g['first_step']}-{g['last_step']} on {where}")
     return "\n".join(lines) + "\n"
 
 
@@ -390,8 +392,9 @@ def run(args: argparse.Namespace) -> int:
         elif time.time() - last[0] > 5:
             last[0] = time.time()
             j = view.job
-            sys.stderr.write(f"[{time.time() - view.t0:5.1f}s] {j.get('phase', 'starting')} gen {j.get('generation', 0)} "
-                             f"step {j.get('step', 0)}/{opts.steps} " + (view.events[-1][1] if view.events else "") + "\n")
+            sys.stderr.write(f"[{time.time() - view.t0:5.1f}s] {j.get('phase', 'starting')} "
+                             f"gen {j.get('generation', 0)} step {j.get('step', 0)}/{opts.steps} "
+                             + (view.events[-1][1] if view.events else "") + "\n")
 
     try:
         result = anyio.run(lambda: run_demo(opts, progress=progress), backend="asyncio")

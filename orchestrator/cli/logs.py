@@ -17,6 +17,8 @@ from typing import Any
 
 import anyio
 
+from orchestrator.cli.common import EXIT_OK, EXIT_USAGE, resolve_server
+from orchestrator.settings import SettingsError
 from wire import LogLine, WireError, decode
 
 LOGS_STREAM = "ORCH_LOGS"
@@ -87,9 +89,6 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from orchestrator.cli.main import EXIT_OK, EXIT_USAGE, resolve_server
-    from orchestrator.settings import SettingsError
-
     try:
         urls, ns = resolve_server(args)
     except SettingsError as e:
@@ -110,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
                   backend="asyncio")
     except KeyboardInterrupt:
         return EXIT_OK
-    except Exception as e:  # noqa: BLE001 - nats' NoServersError, OSError: unreachable
+    except Exception as e:  # nats' NoServersError, OSError: unreachable
         sys.stderr.write(f"orchctl: NATS unreachable at {','.join(urls)}: {e!r}\n")
         return EXIT_USAGE
     return EXIT_OK

@@ -21,23 +21,21 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
 import yaml
 
+from orchestrator.cli import demo
+from orchestrator.cli import logs as logs_cmd
 from orchestrator.cli.client import AdminClient, AdminError, AdminUnreachable
+from orchestrator.cli.common import EXIT_DAEMON, EXIT_OK, EXIT_USAGE, resolve_server
 from orchestrator.jobspec import JobSpecError, load_jobspec
-from orchestrator.settings import NatsSettings, SettingsError, load_settings
-
-EXIT_OK, EXIT_DAEMON, EXIT_USAGE = 0, 1, 2
-
+from orchestrator.settings import NatsSettings, SettingsError
 
 # --- pure formatting -------------------------------------------------------------------------------
 
@@ -161,35 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--dry-run", action="store_true", help="plan and report only")
     g.add_argument("--yes", action="store_true", help="terminate orphans past their grace period")
-    from orchestrator.cli.main import demo, logs as logs_cmd  # subcommands that live in their own modules (args.run)
-
+    # subcommands that live in their own modules (args.run)
     logs_cmd.add_parser(sub, common)
     demo.add_parser(sub, common)
     return p
-
-
-def resolve_server(args: argparse.Namespace, env: dict[str, str] | os._Environ[str] = os.environ) -> tuple[
-        list[str], NatsSettings | None]:
-    """Where orchd's NATS is (see the module docstring). Raises SettingsError on a bad --config."""
-    nats_settings = None
-    state_dir = args.state_dir
-    if args.config:
-        settings = load_settings(args.config, env={})
-        nats_settings = settings.nats
-        state_dir = state_dir or settings.daemon.state_dir
-    if args.server:
-        return [u.strip() for u in args.server.split(",") if u.strip()], nats_settings
-    if env.get("ORCH_SERVER"):
-        return [u.strip() for u in env["ORCH_SERVER"].split(",") if u.strip()], nats_settings
-    if nats_settings and nats_settings.urls:
-        return list(nats_settings.urls), nats_settings
-    disc = Path(state_dir or "./var/orchd") / "orchd.json"
-    if disc.exists():
-        try:
-            return json.loads(disc.read_text())["nats_url"].split(","), nats_settings
-        except (ValueError, KeyError):
-            pass
-    return ["nats://127.0.0.1:4222"], nats_settings
 
 
 # --- commands --------------------------------------------------------------------------------------
@@ -217,8 +190,7 @@ async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | Non
 
         if (cmd, verb) == ("jobs", "submit"):
             assert spec is not None
-            reply = await c.submit(spec, args.job_id)
-            out(format_reply("submit", reply, fmt))
+            out(format_reply("submit", await c.submit(spec, args.job_id), fmt))
             return EXIT_OK
         if (cmd, verb) == ("jobs", "cancel"):
             out(format_reply("ok", await c.cancel(args.job_id, args.reason), fmt))
@@ -236,11 +208,11 @@ async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | Non
             after = 0
             first = True
             while True:
-                reply = await c.events(after_seq=after, limit=args.limit)
-                if reply.events or first:
-                    out(format_reply("events", reply, fmt))
+                page = await c.events(after_seq=after, limit=args.limit)
+                if page.events or first:
+                    out(format_reply("events", page, fmt))
                 first = False
-                after = reply.last_seq
+                after = page.last_seq
                 if not args.follow:
                     return EXIT_OK
                 await anyio.sleep(args.interval)
@@ -255,10 +227,17 @@ async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | Non
             await anyio.sleep(args.interval)
 
 
-def main(argv: list[str] | None = None, *, out: Callable[[str], None] | None = None,
-         err: Callable[[str], None] | None = None) -> int:
-    out = out or (lambda s: (sys.stdout.write(s), sys.stdout.flush()))
-    err = err or (lambda s: sys.stderr.write(s))
+def _stdout(s: str) -> None:
+    sys.stdout.write(s)
+    sys.stdout.flush()
+
+
+def _stderr(s: str) -> None:
+    sys.stderr.write(s)
+
+
+def main(argv: list[str] | None = None, *, out: Callable[[str], None] = _stdout,
+         err: Callable[[str], None] = _stderr) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

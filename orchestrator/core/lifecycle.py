@@ -192,7 +192,8 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
     interval = checkpoint_interval_s(job, tx.pools.get(members[0].pool_name), nn, cfg, tx.now)
     ids = []
     for rank, node in enumerate(members):
-        node = tx.node_phase(node, N.RUNNING, generation=gen, rank=rank)
+        # the generation resumes after the committed step: a member's step starts there again
+        node = tx.node_phase(node, N.RUNNING, generation=gen, rank=rank, step=job.committed_step)
         tx.send(
             node,
             StartGenerationCmd(

@@ -23,9 +23,10 @@ def job_step(state: State, job_id: str) -> int:
 
     Not the highest step ever seen: a generation resumes from the last committed checkpoint, so the
     steps a lost generation ran past it are not progress. While a generation runs, the step all of its
-    ranks have reached (the lowest step its members report in this generation; the ranks of a
-    synchronous job move together), never below the committed step it resumed from. Between
-    generations, the committed step (where the next one resumes); a job that completed, its last step."""
+    ranks have reached: the lowest step its members report (the ranks of a synchronous job move
+    together; every member's step starts again at the committed step when a generation starts, in
+    ``lifecycle.start_generation``). Between generations, the committed step (where the next one
+    resumes); a job that completed, its last step."""
     from orchestrator.core.model import GEN_PHASES, JobPhase
 
     job = state.jobs[job_id]
@@ -35,4 +36,4 @@ def job_step(state: State, job_id: str) -> int:
         return job.committed_step
     reported = [n.step for nid in job.gen_nodes
                 if (n := state.nodes.get(nid)) is not None and n.generation == job.generation]
-    return max(job.committed_step, min(reported, default=0))
+    return max(job.committed_step, min(reported, default=job.committed_step))

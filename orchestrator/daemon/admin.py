@@ -28,7 +28,6 @@ from nats.micro.request import Request
 
 import wire as ev
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
-from orchestrator.jobspec import spec_problems
 from orchestrator.daemon.state import (
     counts,
     job_summary,
@@ -38,6 +37,7 @@ from orchestrator.daemon.state import (
     pool_summary,
     record_dict,
 )
+from orchestrator.jobspec import spec_problems
 
 log = structlog.get_logger("orchd.admin")
 
@@ -85,7 +85,7 @@ def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitabl
             try:
                 # An empty body means the defaults; a request type with required fields then fails
                 # as a bad_schema 400 (not as a TypeError 500).
-                req = ev.decode(request.data or b"{}", req_type)
+                req: msgspec.Struct = ev.decode(request.data or b"{}", req_type)
             except ev.WireError as e:
                 raise AdminFailure(400, f"bad {resource}.{verb} request: {e.detail}", e.reason) from None
             ctx = {k: getattr(req, k) for k in ("job_id", "node_id") if getattr(req, k, None)}

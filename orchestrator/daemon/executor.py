@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar, TypeVarTuple
 
 import anyio
 import nats.errors
@@ -36,12 +37,15 @@ from nats.aio.client import Client
 import wire as ev
 from orchestrator.core.commands import CheckInstance, Command, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import CommandFailed, CoreEvent, LaunchFailed, NodeGone, NodeLaunched
-from orchestrator.security.credentials import NodeCredentials
 from orchestrator.daemon.metrics import Metrics
+from orchestrator.security.credentials import Credentials
 from orchestrator.settings import Settings
 from providers.base import CloudProvider, InstanceState, LaunchRequest, NodeBootstrap, ProviderError
 
 log = structlog.get_logger("orchd.executor")
+
+T = TypeVar("T")
+Args = TypeVarTuple("Args")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +68,7 @@ class Executor:
     may_act: Callable[[], bool] = lambda: True
     """False while this daemon does not hold a valid leader lease (HA): commands are then left in the
     outbox for the leader, never executed (clouds know nothing of fencing tokens)."""
-    credentials: NodeCredentials | None = None
+    credentials: Credentials | None = None
     """Per-node NATS credentials (orchestrator/credentials.py): enrolment tokens into the launch's
     bootstrap, revoked on NodeGone and for launch nodes that got no instance. None: no credentials."""
     _tg: TaskGroup | None = None
@@ -110,32 +114,24 @@ class Executor:
         finally:
             self.in_flight.discard(key)
         if self.credentials is not None:
-            await self._revoke_departed(events)
+            await _revoke_departed(self.credentials, events)
         self.feed(Result(key, tuple(events)))
 
-    async def _revoke_departed(self, events: tuple[CoreEvent, ...] | list[CoreEvent]) -> None:
-        gone = [e.node_id for e in events if isinstance(e, NodeGone)]
-        gone += [n for e in events if isinstance(e, LaunchFailed) for n in e.node_ids]
-        for node_id in gone:
-            try:
-                await anyio.to_thread.run_sync(self.credentials.on_gone, node_id)  # type: ignore[union-attr]
-            except Exception as e:  # noqa: BLE001 - a failed revoke must not lose the event; logged
-                log.error("credential_revoke_failed", node=node_id, error=repr(e))
-
-    def _limiter(self, cloud: str) -> anyio.CapacityLimiter:
+    def limiter(self, cloud: str) -> anyio.CapacityLimiter:
+        """The CapacityLimiter of a cloud's provider calls (shared with its price feed)."""
         lim = self._limiters.get(cloud)
         if lim is None:
             lim = self._limiters[cloud] = anyio.CapacityLimiter(self.settings.executor.concurrency_per_cloud)
         return lim
 
-    async def _call(self, cloud: str, op: str, fn: Callable, *args: object) -> object:
+    async def _call(self, cloud: str, op: str, fn: Callable[[*Args], T], *args: *Args) -> T:
         """Call a provider method in a thread; retry TransientError with backoff (same arguments)."""
         xs = self.settings.executor
         attempt = 0
         while True:
             attempt += 1
             try:
-                out = await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter(cloud))
+                out = await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter(cloud))
                 self.metrics.provider_calls.labels(cloud, op, "ok").inc()
                 return out
             except ProviderError as e:
@@ -167,7 +163,7 @@ class Executor:
             return _failure_events(cmd, e.reason, str(e))
         out: list[CoreEvent] = []
         got = set()
-        for inst in result.instances:  # type: ignore[attr-defined]
+        for inst in result.instances:
             if inst.node_id is None:
                 continue
             got.add(inst.node_id)
@@ -175,9 +171,9 @@ class Executor:
                                     pool=inst.pool, token=cmd.token))
         rest = tuple(n for n in cmd.node_ids if n not in got)
         if rest:
-            reason = result.failure or ev.FailureReason.CAPACITY  # type: ignore[attr-defined]
+            reason = result.failure or ev.FailureReason.CAPACITY
             out.append(LaunchFailed(node_ids=rest, job_id=cmd.job_id, pool=cmd.pool, token=cmd.token,
-                                    reason=reason, message=result.message))  # type: ignore[attr-defined]
+                                    reason=reason, message=result.message))
         log.info("launched", job=cmd.job_id, pool=cmd.pool.name, nodes=len(got), missing=len(rest))
         return tuple(out)
 
@@ -203,7 +199,7 @@ class Executor:
         except ProviderError as e:
             log.warning("check_instance_failed", node=cmd.node_id, error=str(e))
             return ()
-        insts = [i for i in found if i.instance_id == cmd.instance_id]  # type: ignore[attr-defined]
+        insts = [i for i in found if i.instance_id == cmd.instance_id]
         if not insts:
             return (NodeGone(node_id=cmd.node_id, instance_id=cmd.instance_id, reason="provider_missing"),)
         if insts[0].state in (InstanceState.TERMINATED, InstanceState.STOPPING):
@@ -215,7 +211,7 @@ class Executor:
         subject = ev.subject_command(c.node_id)
         payload = ev.encode(c)
         ds = self.settings.daemon
-        kind = type(c).__struct_config__.tag  # type: ignore[attr-defined]
+        kind = agent_command_kind(c)
         tries = 0
         first = True
         while tries <= ds.command_retries:
@@ -257,8 +253,22 @@ def _failure_events(cmd: Command, reason: ev.FailureReason, message: str) -> tup
                                  reason=reason, message=message[:500]),)
         case SendToAgent():
             c = cmd.command
-            return (CommandFailed(node_id=c.node_id, cmd_id=c.cmd_id,
-                                  kind=type(c).__struct_config__.tag),)  # type: ignore[attr-defined]
+            return (CommandFailed(node_id=c.node_id, cmd_id=c.cmd_id, kind=agent_command_kind(c)),)
         case _:
             return ()
 
+
+def agent_command_kind(c: ev.AgentCommand) -> str:
+    """The wire tag of an agent command (``checkpoint``, ``start_generation``...): CommandFailed's kind."""
+    return str(type(c).__struct_config__.tag)
+
+
+async def _revoke_departed(credentials: Credentials, events: tuple[CoreEvent, ...]) -> None:
+    """Revoke the credentials of every node that left (NodeGone) or never got an instance (LaunchFailed)."""
+    gone = [e.node_id for e in events if isinstance(e, NodeGone)]
+    gone += [n for e in events if isinstance(e, LaunchFailed) for n in e.node_ids]
+    for node_id in gone:
+        try:
+            await anyio.to_thread.run_sync(credentials.on_gone, node_id)
+        except Exception as e:  # a failed revoke must not lose the event; logged
+            log.error("credential_revoke_failed", node=node_id, error=repr(e))

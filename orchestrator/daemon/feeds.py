@@ -1,8 +1,8 @@
 """Price feeds inside orchd: poll a provider's prices, publish ``PriceTick`` on JetStream.
 
 Role: every ``interval_s`` call ``provider.prices()`` in a worker thread and publish one ``PriceTick``
-per quote on ``orch.price.<cloud>.<region>`` (stream ORCH_MARKET, defined in orchestrator/bus.py), exactly as an external publisher
-would, so the core cannot tell (and need not care) where a price came from.
+per quote on ``orch.price.<cloud>.<region>`` (stream ORCH_MARKET, defined in orchestrator/bus.py), exactly
+as an external publisher would, so the core cannot tell (and need not care) where a price came from.
 
 De-duplication: each tick's id - and its ``Nats-Msg-Id`` - is derived from (pool, ts). A publish
 that timed out is retried with the same id (a timed-out publish may still have been stored), and a
@@ -25,8 +25,8 @@ from typing import Any
 import anyio
 import structlog
 
-from wire import PoolKey, PriceTick, encode, subject_price
 from providers.base import CloudProvider, PriceQuote, ProviderError
+from wire import PoolKey, PriceTick, encode, subject_price
 
 log = structlog.get_logger("orch.feeds")
 
@@ -93,7 +93,7 @@ async def feed_once(js: Any, provider: CloudProvider, *, pools: Sequence[PoolKey
     except ProviderError as e:
         log.warning("price_feed_failed", cloud=provider.cloud, error=str(e), reason=e.reason, retryable=e.retryable)
         return FeedRound(provider.cloud, error=f"{type(e).__name__}: {e}")
-    except Exception as e:  # noqa: BLE001 - a provider bug must not take the daemon's task group down
+    except Exception as e:  # a provider bug must not take the daemon's task group down
         log.exception("price_feed_crashed", cloud=provider.cloud)
         return FeedRound(provider.cloud, error=f"{type(e).__name__}: {e}")
     published, duplicates, failed = await publish_quotes(js, quotes)

@@ -17,16 +17,23 @@ block), the single consumer is the decide loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 import structlog
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 
+import wire as ev
+from orchestrator.core.inputs import CoreEvent
 from orchestrator.daemon.metrics import Metrics
+
+if TYPE_CHECKING:
+    from orchestrator.daemon.executor import Result
 
 log = structlog.get_logger("orchd.ingest")
 
@@ -35,8 +42,8 @@ log = structlog.get_logger("orchd.ingest")
 class ShellItem:
     """An input from the shell: a core event (optionally answered after persist) or an executor result."""
 
-    event: Any
-    reply: asyncio.Future | None = None
+    event: CoreEvent | Result
+    reply: asyncio.Future[None] | None = None
 
 
 @dataclass
@@ -97,7 +104,7 @@ class Intake:
         self._room.set()
         return batch
 
-    async def pull_forever(self, nc: Any, stream: str, consumer: str, kind: str, batch: int = 1000,
+    async def pull_forever(self, nc: Client, stream: str, consumer: str, kind: str, batch: int = 1000,
                            expires_s: float = 5.0) -> None:
         """Pull from one durable consumer until cancelled; survives server restarts and outages.
 
@@ -106,19 +113,19 @@ class Intake:
         latency to a lone notice): messages go to the buffer as they arrive; a new request is issued
         when the previous one is fulfilled, expired (408), or found nothing."""
         inbox = nc.new_inbox()
-        state = {"delivered": 0, "done": anyio.Event()}
+        state = _PullRequest()
 
         async def on_msg(msg: Msg) -> None:
             status = msg.headers.get("Status") if msg.headers else None
             if status and not msg.data:
                 if status != "100":  # 100 = idle heartbeat / flow control; others end the request
-                    state["done"].set()
+                    state.done.set()
                 return
             self.js.append((kind, msg))
             self._wake.set()
-            state["delivered"] += 1
-            if state["delivered"] >= batch:
-                state["done"].set()
+            state.delivered += 1
+            if state.delivered >= batch:
+                state.done.set()
 
         sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=10 * batch + 1000)
         subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
@@ -129,8 +136,8 @@ class Intake:
                     self._room = anyio.Event()
                     await self._room.wait()
                     continue
-                state["delivered"] = 0
-                state["done"] = anyio.Event()
+                state.delivered = 0
+                state.done = anyio.Event()
                 try:
                     await nc.publish(subject, request, reply=inbox)
                 except Exception as e:  # disconnected: wait for the reconnect
@@ -138,13 +145,18 @@ class Intake:
                     await anyio.sleep(0.25)
                     continue
                 with anyio.move_on_after(expires_s + 1.0):  # a lost request (server restart) is re-issued
-                    await state["done"].wait()
+                    await state.done.wait()
         finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await sub.unsubscribe()
-                except Exception:
-                    pass
+            with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+
+@dataclass(slots=True)
+class _PullRequest:
+    """The outstanding pull request of ``pull_forever``: messages delivered for it, and whether it ended."""
+
+    delivered: int = 0
+    done: anyio.Event = field(default_factory=anyio.Event)
 
 
 # --- screening: what a schema cannot say -----------------------------------------------------------
@@ -160,7 +172,7 @@ def _finite(x: float | None, *, lo: float | None = 0.0, hi: float | None = None,
     return (lo is None or x >= lo) and (hi is None or x <= hi)
 
 
-def screen(subject: str, msg: Any) -> str | None:
+def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent) -> str | None:
     """A rejection reason for a decoded JetStream message, or None when it may reach the core.
 
     Decoding checks the shape; this checks what the shape cannot: the subject names the publisher
@@ -168,9 +180,8 @@ def screen(subject: str, msg: Any) -> str | None:
     per-node NATS permissions mean nothing otherwise; ``orch.price.<cloud>.<region>`` only that
     cloud/region's pools) -> ``subject_mismatch``; numbers that no honest publisher sends (negative or
     non-finite prices, times, steps, generations; capacity hints outside 0..1; gpus_per_node < 1) and
-    empty ids -> ``bad_value``. Pure and cheap: called once per message by the decide loop."""
-    import wire as ev
-
+    empty ids -> ``bad_value``. Pure and cheap: called once per message by the decide pipeline
+    (``pipeline.screen_js``)."""
     parts = subject.split(".")
     if isinstance(msg, ev.PriceTick):
         p = msg.pool
@@ -202,7 +213,7 @@ def screen(subject: str, msg: Any) -> str | None:
     return None
 
 
-def screen_heartbeat(subject: str, hb: Any) -> str | None:
+def screen_heartbeat(subject: str, hb: ev.Heartbeat) -> str | None:
     """``screen`` for a heartbeat (the hot path: two comparisons): its subject must name its node."""
     if subject[10:-3] != hb.node_id:  # "orch.node." + node + ".hb"
         return "subject_mismatch"

@@ -15,6 +15,13 @@ class Metrics:
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        # In this order on /metrics:
+        self._define_daemon_metrics(r)
+        self._define_job_and_pool_metrics(r)
+        self._define_dashboard_metrics(r)
+
+    def _define_daemon_metrics(self, r: CollectorRegistry) -> None:
+        """Up, bus, state counts, the events through decide() and their latencies."""
         self.up = Gauge("orchd_up", "1 while orchd runs and holds the leader lease (0 on standby)", registry=r)
         self.nats_connected = Gauge("orchd_nats_connected", "1 while orchd is connected to NATS", registry=r)
         self.jobs = Gauge("orchd_jobs", "Jobs by state", ["state"], registry=r)
@@ -38,6 +45,9 @@ class Metrics:
             "orchd_notice_to_command_seconds", "Preemption notice publish to checkpoint command sent",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r,
         )
+
+    def _define_job_and_pool_metrics(self, r: CollectorRegistry) -> None:
+        """Per job (cost, budget, step, recovery, checkpoints), per pool (prices), per node, per provider."""
         self.cost = Gauge("orchd_job_cost_usd", "Accrued cost per job", ["job_id"], registry=r)
         self.on_demand_cost = Gauge(
             "orchd_job_on_demand_cost_usd", "What the same node-hours would have cost on demand", ["job_id"], registry=r
@@ -53,18 +63,20 @@ class Metrics:
             buckets=(-30, -10, -1, 0, 1, 5, 10, 20, 30, 60, 120), registry=r,
         )
         self.checkpoint_missed = Counter(
-            "orchd_emergency_checkpoint_missed", "Emergency checkpoints that missed their deadline", ["job_id"], registry=r
+            "orchd_emergency_checkpoint_missed", "Emergency checkpoints that missed their deadline", ["job_id"],
+            registry=r,
         )
         self.pool_price = Gauge(
-            "orchd_pool_price_usd_per_hour", "Latest price per pool", ["cloud", "region", "zone", "instance_type", "market"],
-            registry=r,
+            "orchd_pool_price_usd_per_hour", "Latest price per pool",
+            ["cloud", "region", "zone", "instance_type", "market"], registry=r,
         )
         self.pool_on_demand_price = Gauge(
             "orchd_pool_on_demand_price_usd_per_hour", "On-demand price for the pool's instance type",
             ["cloud", "region", "zone", "instance_type"], registry=r,
         )
         self.node_heartbeat_age = Gauge(
-            "orchd_node_heartbeat_age_seconds", "Seconds since each node's last heartbeat", ["node", "job_id"], registry=r
+            "orchd_node_heartbeat_age_seconds", "Seconds since each node's last heartbeat", ["node", "job_id"],
+            registry=r,
         )
         self.gpu_util = Gauge("orchd_node_gpu_utilization_ratio", "GPU utilisation 0..1", ["node", "gpu"], registry=r)
         self.gpu_temp = Gauge("orchd_node_gpu_temperature_celsius", "GPU temperature", ["node", "gpu"], registry=r)
@@ -72,7 +84,10 @@ class Metrics:
             "orchd_provider_calls", "Provider calls by cloud, op and outcome", ["cloud", "op", "outcome"], registry=r
         )
         self.goodput = Gauge("orchd_job_goodput_ratio", "Useful steps / executed steps per job", ["job_id"], registry=r)
-        # Added for the alert rules (config/prometheus/alerts.yml) and the dashboard:
+
+    def _define_dashboard_metrics(self, r: CollectorRegistry) -> None:
+        """Added for the alert rules (config/prometheus/alerts.yml) and the dashboard, and the decide
+        loop's own cost."""
         self.job_phase = Gauge(
             "orchd_job_phase", "1 for each job's current phase (JobPhase value), 0 for the others it had",
             ["job_id", "phase"], registry=r,
@@ -85,7 +100,7 @@ class Metrics:
             "orchd_lease_revision", "Revision (fencing token) of the leader lease this orchd holds; 0 on standby",
             registry=r,
         )
-        # Added by the shell (orchestrator/daemon.py): the decide loop's own cost.
+        # The decide loop's own cost (orchestrator/daemon/loop.py):
         self.batch_seconds = Histogram(
             "orchd_batch_seconds", "Wall time of one decide batch (decide + persist + ack), by part",
             ["part"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r,

@@ -13,30 +13,38 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 import wire as ev
+from orchestrator.core import AuditEntry, Decision, Job, Node, PoolStats, State, job_cost_usd, job_step
+from orchestrator.core.inputs import CoreEvent
 from orchestrator.settings import Settings
+
+if TYPE_CHECKING:
+    from orchestrator.daemon.loop import Daemon
+    from providers.reaper import KnownNode
 
 _enc = msgspec.json.Encoder()
 
 
 @dataclass(frozen=True)
 class CoreApi:
-    decide: Callable[[Any, Any, float], Any]
-    state_to_records: Callable[..., dict[str, bytes]]
-    state_from_records: Callable[[Mapping[str, bytes]], Any]
-    empty_state: Callable[[], Any]
-    encode_audit: Callable[[Any], bytes] = _enc.encode
-    configure: Callable[[Any], Any] | None = None
+    """The functions of the decision core the daemon calls (``orchestrator.core``'s, or a test's)."""
+
+    decide: Callable[[State, CoreEvent, float], Decision]
+    state_to_records: Callable[[State, Iterable[str]], dict[str, bytes]]
+    state_from_records: Callable[[Mapping[str, bytes]], State]
+    empty_state: Callable[[], State]
+    encode_audit: Callable[[AuditEntry], bytes] = _enc.encode
+    configure: Callable[[State], State] | None = None
     """Applied to a state restored from records, so the settings of this run (not the persisted
     ones) drive the policy; None leaves the restored state as it is."""
 
-    def restore(self, records: Mapping[str, bytes]) -> Any:
+    def restore(self, records: Mapping[str, bytes]) -> State:
         state = self.state_from_records(records)
         return self.configure(state) if self.configure is not None else state
 
@@ -57,7 +65,7 @@ def default_core(settings: Settings) -> CoreApi:
     )
 
 
-def summarize_event(event: Any) -> dict[str, str]:
+def summarize_event(event: CoreEvent) -> dict[str, str]:
     """job/node context of an event, for bound_contextvars."""
     out: dict[str, str] = {"event": type(event).__name__}
     job = getattr(event, "job_id", None)
@@ -73,11 +81,9 @@ def _s(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
-def job_summary(state: Any, job: Any, now: float) -> dict[str, Any]:
-    """A job for orchctl: ``cost_usd`` is accrued up to ``now`` (closed nodes plus the live ones)."""
-    from orchestrator.core import job_cost_usd
-
-    nodes = state.nodes
+def job_summary(state: State, job: Job, now: float) -> dict[str, Any]:
+    """A job for orchctl: ``cost_usd`` is accrued up to ``now`` (closed nodes plus the live ones);
+    ``step`` is the job's current step (``orchestrator.core.job_step``)."""
     spec = job.spec
     live = len(job.nodes)
     return {
@@ -88,7 +94,7 @@ def job_summary(state: Any, job: Any, now: float) -> dict[str, Any]:
         "nodes": live,
         "target_nodes": job.target_nodes,
         "generation": job.generation,
-        "step": _job_step(job, nodes),
+        "step": job_step(state, job.job_id),
         "total_steps": spec.total_steps,
         "committed_step": job.committed_step,
         "zone": job.zone,
@@ -97,17 +103,7 @@ def job_summary(state: Any, job: Any, now: float) -> dict[str, Any]:
     }
 
 
-def _job_step(job: Any, nodes: Mapping[str, Any] | None) -> int:
-    step = job.step
-    if nodes is not None:
-        for nid in job.gen_nodes:
-            n = nodes.get(nid)
-            if n is not None and n.step > step:
-                step = n.step
-    return step
-
-
-def node_summary(node: Any, now: float) -> dict[str, Any]:
+def node_summary(node: Node, now: float) -> dict[str, Any]:
     return {
         "node_id": node.node_id,
         "job_id": node.job_id,
@@ -122,7 +118,7 @@ def node_summary(node: Any, now: float) -> dict[str, Any]:
     }
 
 
-def pool_summary(pool: Any) -> dict[str, Any]:
+def pool_summary(pool: PoolStats) -> dict[str, Any]:
     return {
         "pool": pool.pool.name,
         "gpu_type": pool.gpu_type,
@@ -142,13 +138,13 @@ def record_dict(record: Any) -> Any:
     return msgspec.to_builtins(record)
 
 
-def counts(state: Any) -> dict[str, Any]:
+def counts(state: State) -> dict[str, Any]:
     jobs = Counter(_s(j.phase) for j in state.jobs.values())
     nodes = Counter(_s(n.phase) for n in state.nodes.values())
     return {"jobs": dict(jobs), "nodes": dict(nodes), "pools": len(state.pools)}
 
 
-def refresh_gauges(d: Any) -> None:
+def refresh_gauges(d: Daemon) -> None:
     """Set the state gauges from the daemon's current state (on each Tick)."""
     state, m = d.state, d.metrics
     if state is None:
@@ -161,8 +157,6 @@ def refresh_gauges(d: Any) -> None:
         (n.pool.cloud, n.pool_name, _s(n.phase)) for n in state.nodes.values()
     ).items():
         m.nodes.labels(cloud, pool, phase).set(n)
-    from orchestrator.core import job_cost_usd
-
     now = time.time()
     m.job_phase.clear()
     m.job_nodes.clear()
@@ -171,20 +165,20 @@ def refresh_gauges(d: Any) -> None:
         if job.spec.budget_usd is not None:
             m.budget.labels(job.job_id).set(job.spec.budget_usd)
         m.job_phase.labels(job.job_id, _s(job.phase)).set(1)
-        m.job_step.labels(job.job_id).set(_job_step(job, state.nodes))
-        per_pool: Counter[Any] = Counter()
+        m.job_step.labels(job.job_id).set(job_step(state, job.job_id))
+        per_pool: Counter[ev.PoolKey] = Counter()
         for nid in job.nodes:
             node = state.nodes.get(nid)
             if node is not None:
                 per_pool[node.pool] += 1
         for p, n in per_pool.items():
             m.job_nodes.labels(job.job_id, p.cloud, p.region, p.zone, p.instance_type, _s(p.market)).set(n)
-    for pool in state.pools.values():
-        p = pool.pool
-        if pool.price_usd_h is not None:
-            m.pool_price.labels(p.cloud, p.region, p.zone, p.instance_type, _s(p.market)).set(pool.price_usd_h)
-        if pool.on_demand_usd_h is not None:
-            m.pool_on_demand_price.labels(p.cloud, p.region, p.zone, p.instance_type).set(pool.on_demand_usd_h)
+    for stats in state.pools.values():
+        p = stats.pool
+        if stats.price_usd_h is not None:
+            m.pool_price.labels(p.cloud, p.region, p.zone, p.instance_type, _s(p.market)).set(stats.price_usd_h)
+        if stats.on_demand_usd_h is not None:
+            m.pool_on_demand_price.labels(p.cloud, p.region, p.zone, p.instance_type).set(stats.on_demand_usd_h)
     m.lease_revision.set(d.fencing_token)
 
 
@@ -194,11 +188,11 @@ def new_job_id(spec: ev.JobSpec, entropy: str) -> str:
     return f"{safe_token(spec.name)[:40]}-{entropy}"
 
 
-def known_nodes(state: Any) -> dict[str, Any]:
+def known_nodes(state: State) -> dict[str, KnownNode]:
     """node id -> providers.reaper.KnownNode(job phase, instance id): what the reaper matches against."""
     from providers.reaper import KnownNode
 
-    known = {}
+    known: dict[str, KnownNode] = {}
     for node in state.nodes.values():
         job = state.jobs.get(node.job_id)
         known[node.node_id] = KnownNode(job_state=_s(job.phase) if job is not None else "deleted",

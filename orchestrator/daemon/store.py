@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeAlias
 
 import anyio
 import msgspec
 import structlog
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from orchestrator import bus
 from orchestrator.core.commands import Command
@@ -40,6 +43,9 @@ _MARKER = "Nats-Marker-Reason"  # nats-server 2.11+: a server-placed removal (TT
 _command_codec_enc = msgspec.json.Encoder()
 _command_codec_dec = msgspec.json.Decoder(Command)
 _AUDIT_ANY = "_"
+
+_Write: TypeAlias = tuple[str, bytes, dict[str, str] | None]
+"""One publish of a write round: subject, payload, headers."""
 
 
 def encode_command(cmd: Command) -> bytes:
@@ -62,7 +68,7 @@ def audit_subject(job_id: str | None) -> str:
 
 
 class Store:
-    def __init__(self, topo: bus.Topology, *, writer: Any = None, write_timeout_s: float = 5.0) -> None:
+    def __init__(self, topo: bus.Topology, *, writer: Client | None = None, write_timeout_s: float = 5.0) -> None:
         self.topo = topo
         self.js = topo.js
         self.write_timeout_s = write_timeout_s
@@ -96,7 +102,7 @@ class Store:
         outbox_pre = f"$KV.{bus.KV_OUTBOX}."
         if outbox_put:
             await self._write([(outbox_pre + k, encode_command(c), None) for k, c in outbox_put.items()])
-        phase2: list[tuple[str, bytes, dict | None]] = []
+        phase2: list[_Write] = []
         for key, value in records.items():
             if value:
                 phase2.append((state_pre + key, value, None))
@@ -109,7 +115,7 @@ class Store:
         if phase2:
             await self._write(phase2)
 
-    async def _write(self, items: list[tuple[str, bytes, dict | None]]) -> None:
+    async def _write(self, items: list[_Write]) -> None:
         """Publish all items pipelined; retry the ones not acknowledged until every one is stored.
 
         A retried KV put may be stored twice (the first one was stored but its ack lost): harmless,
@@ -119,21 +125,22 @@ class Store:
         while pending:
             failed = await self._pipe.write(pending, self.write_timeout_s)
             self.writes += len(pending) - len(failed)
-            pending = failed
+            pending = [pending[i] for i in failed]
             if pending:
                 attempt += 1
                 log.warning("store_write_retry", pending=len(pending), attempt=attempt)
                 await anyio.sleep(min(0.1 * 2**attempt, 2.0))
 
-    async def write_records_background(self, keys: set[str], encode: Any) -> None:
+    async def write_records_background(self, keys: set[str],
+                                       encode: Callable[[tuple[str, ...]], Mapping[str, bytes]]) -> None:
         """Write state records off the decide loop (liveness flushes): ``encode(keys)`` gives the
         CURRENT value of each key when it is published, and a key not acknowledged is encoded again
         from the then-current state on retry, so a background write never overwrites a newer record
         with an older one."""
         state_pre = f"$KV.{bus.KV_STATE}."
 
-        def item(key: str) -> Any:
-            def make() -> tuple[str, bytes, dict | None]:
+        def item(key: str) -> Callable[[], _Write]:
+            def make() -> _Write:
                 value = encode((key,))[key]
                 return (state_pre + key, value, None if value else {_KV_OP: "DEL"})
             return make
@@ -167,7 +174,7 @@ class Store:
         return out[-limit:]
 
 
-async def _load_bucket(js: Any, bucket: str, idle_timeout_s: float = 5.0) -> dict[str, bytes]:
+async def _load_bucket(js: JetStreamContext, bucket: str, idle_timeout_s: float = 5.0) -> dict[str, bytes]:
     """Every live key of a KV bucket: each key stored before the call, at its latest value.
 
     Not ``kv.watchall()`` / ``kv.keys()`` (nats-py): they end the initial values at a ``None`` marker
@@ -225,13 +232,13 @@ class _Pipeline:
     rounds may be in flight at once (the decide loop's batch and a background liveness flush);
     publishes leave in call order on one connection, so the server applies them in that order."""
 
-    def __init__(self, nc: Any) -> None:
+    def __init__(self, nc: Client) -> None:
         self.nc = nc
         self.prefix = ""
         self.rounds: dict[str, _Round] = {}
         self.seq = 0
 
-    async def _on_ack(self, msg: Any) -> None:
+    async def _on_ack(self, msg: Msg) -> None:
         token = msg.subject[len(self.prefix):]
         rnd = self.rounds.get(token.split("-", 1)[0])
         if rnd is None:
@@ -245,7 +252,9 @@ class _Pipeline:
         if not rnd.pending:
             rnd.done.set()
 
-    async def write(self, items: list[tuple[str, bytes, dict | None]], timeout_s: float) -> list:
+    async def write(self, items: Sequence[_Write | Callable[[], _Write]], timeout_s: float) -> list[int]:
+        """Publish every item (a callable one is encoded at its publish), wait up to ``timeout_s`` for the
+        acks; the indices of the items not stored, in order."""
         if not self.prefix:
             self.prefix = self.nc.new_inbox() + "."
             await self.nc.subscribe(self.prefix + "*", cb=self._on_ack, pending_msgs_limit=1_000_000)
@@ -272,4 +281,4 @@ class _Pipeline:
             lost = set(rnd.pending.values()) | rnd.failed | failed_now
         finally:
             del self.rounds[rid]
-        return [items[i] for i in sorted(lost)] if not (items and callable(items[0])) else sorted(lost)
+        return sorted(lost)

@@ -32,13 +32,19 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import structlog
 
 from orchestrator.security.nats_auth import (
-    NodeCredentialIssuer, Permissions, User, agent_permissions, check_token, hash_password, node_user,
+    NodeCredentialIssuer,
+    Permissions,
+    User,
+    agent_permissions,
+    check_token,
+    hash_password,
+    node_user,
     render_authorization,
 )
 from providers.bootstrap import ENROL_TTL_S, EnrolmentBroker, EnrolmentError
@@ -105,6 +111,17 @@ class _IssuerAdapter:
 
     def revoke(self, node_id: str) -> None:
         self.issuer.revoke(node_id)
+
+
+class Credentials(Protocol):
+    """What the executor and orchd's start-up need of a credentials mode: ``NodeCredentials`` (the
+    ``file`` mode) or ``authcallout.CalloutCredentials`` (the ``callout`` mode)."""
+
+    def on_launch(self, node_ids: Iterable[str]) -> dict[str, str]: ...
+
+    def on_gone(self, node_id: str) -> None: ...
+
+    async def serve(self, nc: Any) -> Any: ...
 
 
 class NodeCredentials:

@@ -375,7 +375,8 @@ def example_files() -> dict[str, str]:
              permissions=orchd_permissions()),
         User(name="ops-alice", password_hash="$2b$10$REPLACE.WITH.bcrypt.HASH.OF.OPERATOR.PASSWORD.xxxxxxxx",
              permissions=orchctl_permissions()),
-        User(name=node_user("example-node"), password_hash="$2b$10$ISSUED.BY.orchd.NodeCredentialIssuer.xxxxxxxxxxxxxxx",
+        User(name=node_user("example-node"),
+             password_hash="$2b$10$ISSUED.BY.orchd.NodeCredentialIssuer.xxxxxxxxxxxxxxx",
              permissions=agent_permissions("example-node")),
     ]
     header = ("# Example users include. In production orchd's NodeCredentialIssuer owns this file: it keeps\n"

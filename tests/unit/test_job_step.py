@@ -79,3 +79,27 @@ def test_a_job_resumed_from_an_earlier_checkpoint_reports_its_current_step() -> 
     metrics = Metrics()
     refresh_gauges(SimpleNamespace(state=state, metrics=metrics, fencing_token=1))  # what the gauges read of a Daemon
     assert metrics.registry.get_sample_value("orchd_job_step", {"job_id": "j1"}) == 45
+
+
+def test_members_that_carry_over_into_the_resumed_generation_report_its_step() -> None:
+    """Every member of the resumed generation ran the lost one too: their steps start again at the
+    committed step (the core resets them at the generation's start), so the job reports 45, not 100."""
+    drv = Driver()
+    drv(price(A, 10.0))
+    ids = drv.launched(drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1))))
+    assert _started(drv, drv.register(ids)) == 1
+    for step in range(1, 41):
+        _beat(drv, ids, step)
+    drv(CheckpointCommitted(id="c40", node_id=ids[0], job_id="j1", generation=1, step=40, checkpoint_id="40",
+                            url="file:///ckpt/j1/40", save_s=2.0, ts=drv.now))
+    for step in range(41, 101):
+        _beat(drv, ids, step)
+    d = drv(RanksExited(id="x1", node_id=ids[0], job_id="j1", generation=1, exit_code=1, reason="failed",
+                        last_step=100, ts=drv.now), dt=1.0)
+    while not cmds(d, StartGenerationCmd):  # the job restarts on the same node after its backoff
+        d = drv(Tick(), dt=1.0)
+    assert _started(drv, d) == 2
+    assert job_step(drv.state, "j1") == 40
+    for step in range(41, 46):
+        _beat(drv, ids, step)
+    assert job_step(drv.state, "j1") == 45
