@@ -47,18 +47,22 @@ def _started(drv: Driver, d: Decision) -> int:
     return gen
 
 
-def test_a_job_resumed_from_an_earlier_checkpoint_reports_its_current_step() -> None:
-    drv = Driver()
-    drv(price(A, 10.0))
-    drv(price(B, 12.0))
-    ids = drv.launched(drv(JobSubmitted(job_id="j1", spec=spec(nodes=2, nodes_min=2, nodes_max=2))))
-    assert _started(drv, drv.register(ids)) == 1
+def _run_to_100_committed_at_40(drv: Driver, ids: list[str]) -> None:
     for step in range(1, 41):
         _beat(drv, ids, step)
     drv(CheckpointCommitted(id="c40", node_id=ids[0], job_id="j1", generation=1, step=40, checkpoint_id="40",
                             url="file:///ckpt/j1/40", save_s=2.0, ts=drv.now))
     for step in range(41, 101):
         _beat(drv, ids, step)
+
+
+def test_a_job_resumed_from_an_earlier_checkpoint_reports_its_current_step() -> None:
+    drv = Driver()
+    drv(price(A, 10.0))
+    drv(price(B, 12.0))
+    ids = drv.launched(drv(JobSubmitted(job_id="j1", spec=spec(nodes=2, nodes_min=2, nodes_max=2))))
+    assert _started(drv, drv.register(ids)) == 1
+    _run_to_100_committed_at_40(drv, ids)
     assert job_step(drv.state, "j1") == 100
 
     # One node vanishes without a notice: the generation is abandoned at step 100, and the next one
@@ -88,12 +92,7 @@ def test_members_that_carry_over_into_the_resumed_generation_report_its_step() -
     drv(price(A, 10.0))
     ids = drv.launched(drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1))))
     assert _started(drv, drv.register(ids)) == 1
-    for step in range(1, 41):
-        _beat(drv, ids, step)
-    drv(CheckpointCommitted(id="c40", node_id=ids[0], job_id="j1", generation=1, step=40, checkpoint_id="40",
-                            url="file:///ckpt/j1/40", save_s=2.0, ts=drv.now))
-    for step in range(41, 101):
-        _beat(drv, ids, step)
+    _run_to_100_committed_at_40(drv, ids)
     d = drv(RanksExited(id="x1", node_id=ids[0], job_id="j1", generation=1, exit_code=1, reason="failed",
                         last_step=100, ts=drv.now), dt=1.0)
     while not cmds(d, StartGenerationCmd):  # the job restarts on the same node after its backoff
