@@ -1,7 +1,10 @@
 """Ship the ranks' log lines to NATS (and keep a local copy), so ``orchctl logs JOB`` shows them.
 
 Role: every non-report line a rank prints becomes a ``LogLine`` on ``orch.logs.<job>.<node>``, stored by
-the JetStream stream ORCH_LOGS (created here when missing: limits-based, bounded in age and bytes). Lines
+the JetStream stream ORCH_LOGS (limits-based, bounded in age and bytes). orchd creates it at start-up
+(``orchestrator.bus.ensure_topology`` calls ``ensure_logs_stream``); an agent does too, but only on an
+open server (``creates_logs_stream``): under its per-node credential (``agent_permissions``) the agent
+has no ``$JS.API`` rights and needs none, its plain publishes on its own job's subject are stored. Lines
 are also appended to ``<work_dir>/logs/<job>/gen<G>-rank<R>.log`` so nothing is lost in an outage.
 
 Shipping is best effort: lines go out as plain publishes (the stream stores them; no per-line ack
@@ -23,6 +26,7 @@ import anyio
 import structlog
 from nats.aio.client import Client as NATS
 
+from agent.config import AgentConfig
 from wire import JobId, LogLine, NodeId, encode, subject_logs
 
 log = structlog.get_logger("agent.logship")
@@ -31,10 +35,12 @@ LOGS_STREAM = "ORCH_LOGS"
 LOGS_SUBJECTS = ["orch.logs.>"]
 
 
-async def ensure_logs_stream(nc: NATS, *, max_age_s: float = 7 * 86400, max_bytes: int = 256 * 2**20) -> None:
-    """Create ORCH_LOGS if missing; an existing stream (maybe configured by an operator) is left as is."""
+async def ensure_logs_stream(nc: NATS, *, replicas: int = 1, max_age_s: float = 7 * 86400,
+                             max_bytes: int = 256 * 2**20) -> None:
+    """Create ORCH_LOGS if missing; an existing stream (maybe configured by an operator) is left as is.
+    Raises on timeouts and permission errors (orchd retries; the agent logs and goes on)."""
     from nats.js.api import StreamConfig
-    from nats.js.errors import NotFoundError
+    from nats.js.errors import BadRequestError, NotFoundError
 
     js = nc.jetstream()
     try:
@@ -44,9 +50,16 @@ async def ensure_logs_stream(nc: NATS, *, max_age_s: float = 7 * 86400, max_byte
         pass
     try:
         await js.add_stream(StreamConfig(name=LOGS_STREAM, subjects=LOGS_SUBJECTS, max_age=max_age_s,
-                                         max_bytes=max_bytes))
-    except Exception as e:  # any failure: created concurrently by another agent, or no permission
+                                         max_bytes=max_bytes, num_replicas=replicas))
+    except BadRequestError as e:  # created concurrently with another config: that one stays
         log.debug("logs_stream_not_created", error=repr(e))
+
+
+def creates_logs_stream(cfg: AgentConfig) -> bool:
+    """Whether the agent should create ORCH_LOGS itself: only on an open server (no credential of any
+    kind). Under a credential the stream is orchd's, and a ``$JS.API.STREAM.INFO`` request would be a
+    permissions violation of the agent role."""
+    return not (cfg.enrol_token or cfg.nats_user or cfg.nats_token or cfg.nats_creds_file)
 
 
 class LogShipper:

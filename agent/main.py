@@ -49,7 +49,7 @@ from agent.config import AgentConfig, ConfigError, load_config
 from agent.connection import connect
 from agent.generations import GenerationRunner
 from agent.heartbeat import Heartbeats
-from agent.logship import LogShipper, ensure_logs_stream
+from agent.logship import LogShipper, creates_logs_stream, ensure_logs_stream
 from agent.notices import NoticeRelay
 from agent.outbox import NodePublisher, Outbox
 from agent.ranks import RankGroup
@@ -138,7 +138,8 @@ class Agent:
         self.relay.attach(tg)
         await tg.start(outbox.run)
         tg.start_soon(logs.run)
-        tg.start_soon(_ensure_logs_stream_quietly, nc)
+        if creates_logs_stream(self.cfg):  # under a credential the stream is orchd's (no $JS.API rights)
+            tg.start_soon(_ensure_logs_stream_quietly, nc)
         if self.warm is not None:
             await self.warm.refill()  # before commands can arrive: the first generation starts warm
         sub = await nc.subscribe(subject_command(self.node_id), cb=self.commands.on_msg)
@@ -205,8 +206,8 @@ class Agent:
 
 
 async def _ensure_logs_stream_quietly(nc: nats.NATS) -> None:
-    """A node user (per-node credential, agent_permissions) has no $JS.API access: the stream info
-    request times out. The stream is then the operator's or orchd's to create; the agent goes on."""
+    """On an open server only (``creates_logs_stream``): orchd creates the stream too, so any failure
+    here is logged and the agent goes on."""
     try:
         await ensure_logs_stream(nc)
     except Exception as e:  # any failure: not ours to fix, the agent goes on

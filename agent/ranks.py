@@ -48,7 +48,8 @@ OnLog = Callable[[int, str, str], None]  # (rank, stream, line)
 @dataclass(slots=True)
 class GenerationResult:
     exit_codes: dict[int, int]  # global rank -> exit code
-    reason: str  # completed | emergency_checkpoint | checkpoint_failed | peer_lost | failed | abandoned | stopped
+    reason: str  # completed | emergency_checkpoint | checkpoint_failed | storage_error | no_usable_checkpoint
+    #              | peer_lost | failed | abandoned | stopped
     exit_code: int
     last_step: int
 
@@ -63,8 +64,10 @@ def rank_base_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("ORCH_AGENT_") and k not in _AGENT_ONLY}
 
 
-def classify(codes: list[int], *, abandoned: bool = False, stopped: bool = False) -> tuple[str, int]:
-    """How a generation ended on this node, from its ranks' exit codes."""
+def classify(codes: list[int], *, abandoned: bool = False, stopped: bool = False,
+             storage_error: bool = False) -> tuple[str, int]:
+    """How a generation ended on this node, from its ranks' exit codes (``storage_error``: a rank's ExitReport
+    said its EXIT_CHECKPOINT_FAILED was a storage error)."""
     nonzero = [c for c in codes if c != 0]
     code = nonzero[0] if nonzero else 0
     if abandoned:
@@ -73,20 +76,28 @@ def classify(codes: list[int], *, abandoned: bool = False, stopped: bool = False
         return contract.EXIT_REASONS[contract.EXIT_COMPLETED], 0
     if all(c in (0, contract.EXIT_PREEMPTED) for c in codes):
         return (("stopped" if stopped else contract.EXIT_REASONS[contract.EXIT_PREEMPTED]), contract.EXIT_PREEMPTED)
-    for special in (contract.EXIT_PEER_LOST, contract.EXIT_CHECKPOINT_FAILED):
+    for special in (contract.EXIT_PEER_LOST, contract.EXIT_NO_CHECKPOINT, contract.EXIT_CHECKPOINT_FAILED):
         if special in codes:
+            if special == contract.EXIT_CHECKPOINT_FAILED and storage_error:
+                return contract.STORAGE_ERROR_REASON, special
             return contract.EXIT_REASONS[special], special
     return contract.EXIT_REASONS[contract.EXIT_FAILED], code
 
 
 def resume_step(resume_from: str | None) -> int | None:
-    """The step a checkpoint URL holds when it names one (``.../step_000000123``); None if unknown."""
+    """The step the commit marker of a local checkpoint URL names (0 for a fresh start); None when unknown
+    (no or malformed marker, ``latest``, an object store). Never the directory's name: a directory called
+    ``step_000000123`` proves nothing, and the trainer refuses (exit 78) when no checkpoint verifies."""
     if not resume_from:
         return 0
-    name = resume_from.rstrip("/").rsplit("/", 1)[-1]
-    if name.startswith("step_") and name[5:].isdigit():
-        return int(name[5:])
-    return None
+    if ("://" in resume_from and not resume_from.startswith("file://")) or resume_from == "latest":
+        return None
+    path = Path(resume_from.removeprefix("file://")) / contract.CHECKPOINT_COMMIT_MARKER
+    try:
+        with open(path, "rb") as f:
+            return contract.commit_marker_step(f.read(1 << 20))
+    except OSError:
+        return None
 
 
 @dataclass(slots=True)
@@ -116,6 +127,7 @@ class RankGroup:
     first_step_ts: float | None = None
     abandoned: bool = False
     stopped: bool = False
+    storage_error: bool = False  # some rank's ExitReport reason is "storage_error: ..."
     checkpoint_requested: bool = False
     result: GenerationResult | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
@@ -197,7 +209,8 @@ class RankGroup:
                 self.result = GenerationResult(codes, "failed", contract.EXIT_FAILED, self.last_step)
                 self.done.set()
         codes = {r.rank: (r.exit_code if r.exit_code is not None else -9) for r in self.ranks}
-        reason, code = classify(list(codes.values()), abandoned=self.abandoned, stopped=self.stopped)
+        reason, code = classify(list(codes.values()), abandoned=self.abandoned, stopped=self.stopped,
+                                storage_error=self.storage_error)
         self.result = GenerationResult(codes, reason, code, self.last_step)
         self.done.set()
         log.info("ranks_exited", job_id=self.job_id, generation=c.generation, reason=reason, exit_codes=codes)
@@ -255,6 +268,8 @@ class RankGroup:
                 self.last_loss = report.loss
                 self.tokens_per_s = report.tokens_per_s
                 self.step_time_s = report.step_time_s
+        elif isinstance(report, contract.ExitReport) and report.reason.startswith(contract.STORAGE_ERROR_REASON):
+            self.storage_error = True
         self.on_report(r.rank, report)
 
     # --- control ---------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import msgspec
 import nats
 
 import wire as ev
@@ -196,7 +197,8 @@ interval_s = 3600
 
         async def submit(i: int) -> None:
             async with sem:
-                await client.submit(spec, job_id=f"bench-{i:05d}")
+                own = msgspec.structs.replace(spec.checkpoint, url=f"file:///tmp/bench-ckpt/{i:05d}")  # one root a job
+                await client.submit(msgspec.structs.replace(spec, checkpoint=own), job_id=f"bench-{i:05d}")
 
         await asyncio.gather(*(submit(i) for i in range(n_jobs)))
         log(f"submitted {n_jobs} jobs in {time.time() - t0:.1f}s")

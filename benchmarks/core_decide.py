@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.core import CoreEvent, State, decide
@@ -61,7 +63,8 @@ def build(n_nodes: int, per_job: int) -> tuple[State, float]:
                    checkpoint=CheckpointPolicy(url="s3://b/ckpt"))
     for j in range(n_nodes // per_job):
         jid = JobId(f"job{j}")
-        d = decide(state, JobSubmitted(job_id=jid, spec=spec), now)
+        job_spec = msgspec.structs.replace(spec, checkpoint=CheckpointPolicy(url=f"s3://b/ckpt/{jid}"))  # one root each
+        d = decide(state, JobSubmitted(job_id=jid, spec=job_spec), now)
         state = d.state
         for c in d.commands:
             if isinstance(c, Launch):

@@ -7,8 +7,8 @@ What comes from where:
   the enums with their values;
 - the subjects table from the functions of ``wire.subjects`` (publisher and payload notes are kept
   here, in ``SUBJECTS``, and must name every subject function);
-- streams, consumers and KV buckets by running ``orchestrator.bus.ensure_topology`` /
-  ``ensure_consumers``, ``orchestrator.daemon.lease.lease_bucket`` and ``agent.logship.ensure_logs_stream``
+- streams, consumers and KV buckets by running ``orchestrator.bus.ensure_topology`` (ORCH_LOGS through
+  ``agent.logship.ensure_logs_stream``) / ``ensure_consumers``, ``orchestrator.daemon.lease.lease_bucket``
   against a recording fake JetStream (nothing connects anywhere);
 - the admin endpoints from ``wire.ADMIN_ENDPOINTS``.
 
@@ -78,8 +78,14 @@ STREAM_NOTES: dict[str, str] = {
     bus.STREAM_EVENTS: "agents' node events and preemption notices",
     bus.STREAM_MARKET: "price ticks",
     bus.STREAM_AUDIT: "the core's decision audit (`AuditEntry` records), append-only; read by `orchctl explain`",
-    agent.logship.LOGS_STREAM: ("trainer log lines; created by the agent when missing (an existing stream, maybe "
-                                "configured by an operator, is left as is); read by `orchctl logs`"),
+    bus.STREAM_DEAD: (f"dead letters: JetStream messages orchd gave up on (the core raised on it, or delivered "
+                      f"`daemon.dead_after_deliveries` times), subject `{bus.SUBJECT_DEAD_PREFIX}.<kind>`, the "
+                      f"original subject, reason and delivery count in the headers `{bus.HDR_DEAD_SUBJECT}`, "
+                      f"`{bus.HDR_DEAD_REASON}`, `{bus.HDR_DEAD_DELIVERIES}`; read by `orchctl dead list`, "
+                      "republished by `orchctl dead replay SEQ`"),
+    agent.logship.LOGS_STREAM: ("trainer log lines; created by orchd when missing (an existing stream, maybe "
+                                "configured by an operator, is left as is); agents only publish to it, an agent "
+                                "on an open server also creates it; read by `orchctl logs`"),
 }
 
 KV_NOTES: dict[str, str] = {
@@ -148,7 +154,6 @@ def recorded_topology() -> _RecordingJetStream:
     _drive(bus.ensure_topology(js, replicas))  # type: ignore[arg-type]
     _drive(bus.ensure_consumers(js))  # type: ignore[arg-type]
     _drive(orchestrator.daemon.lease.lease_bucket(js, ttl_s=DaemonSettings().lease_ttl_s, replicas=replicas))
-    _drive(agent.logship.ensure_logs_stream(js))  # type: ignore[arg-type]
     return js
 
 
@@ -223,6 +228,8 @@ def _default(f: msgspec.structs.FieldInfo) -> str:
         value = f.default_factory()
     else:
         return ""
+    if value is msgspec.UNSET:  # an optional field left out of the encoding when unset
+        return "unset"
     return msgspec.json.encode(value).decode()
 
 
@@ -355,6 +362,9 @@ def subjects(js: _RecordingJetStream) -> list[str]:
     audit = subject_pattern(orchestrator.daemon.store.audit_subject)
     rows.append((f"`{audit}` (`{orchestrator.daemon.store.audit_subject(None)}` for entries without a job)", "orchd",
                  _transport(audit, js, ""), "the core's `AuditEntry` records"))
+    dead = f"{bus.SUBJECT_DEAD_PREFIX}.<kind>"
+    rows.append((f"`{dead}` (kind: price, notice, node_event, other)", "orchd (pipeline `acknowledge`)",
+                 _transport(f"{bus.SUBJECT_DEAD_PREFIX}.x", js, ""), "the parked message's bytes, unchanged"))
     return _table(("subject", "publisher", "transport", "payload"), rows)
 
 
@@ -437,7 +447,7 @@ def render() -> str:
         "## Streams, consumers and KV buckets",
         "",
         *_para("Created (idempotently) by orchd at start-up (`orchestrator/bus.py`; the lease bucket by "
-               "`orchestrator/daemon/lease.py`), `ORCH_LOGS` by the agents (`agent/logship.py`). See "
+               "`orchestrator/daemon/lease.py`; `ORCH_LOGS` through `agent/logship.py`). See "
                "[architecture.md](architecture.md)."),
         "",
         *topology(js),

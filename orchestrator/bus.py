@@ -8,6 +8,8 @@ Objects (all created idempotently; a changed config is applied with ``update_str
     stream ORCH_EVENTS    orch.notice.>, orch.node.*.event     durable consumer "orchd-events"
     stream ORCH_MARKET    orch.price.>                          durable consumer "orchd-market"
     stream ORCH_AUDIT     orch.audit.>    decision audit (append-only, limited by age/bytes)
+    stream ORCH_DEAD      orch.dead.>     dead letters: JetStream messages orchd gave up on (``park``),
+                                          with their original subject, reason and delivery count
     KV ORCH_STATE         the core's records: job.<id>, node.<id>, pool.<name>, meta
     KV ORCH_OUTBOX        commands decided and persisted but not yet completed
     KV orch_lease         the leader lease (orchestrator.daemon.lease); its revision is the fencing token
@@ -21,6 +23,7 @@ through ``on_state(connected: bool)`` so the daemon can feed ``BusState`` to the
 
 from __future__ import annotations
 
+import contextlib
 import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 import nats
 import structlog
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -41,6 +45,7 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
+from agent.logship import ensure_logs_stream
 from orchestrator.settings import NatsSettings
 
 log = structlog.get_logger("orchd.bus")
@@ -56,6 +61,18 @@ SUBJECTS_EVENTS = ("orch.notice.>", "orch.node.*.event")
 SUBJECTS_MARKET = ("orch.price.>",)
 SUBJECT_HEARTBEATS = "orch.node.*.hb"
 SUBJECT_AUDIT_PREFIX = "orch.audit"
+STREAM_DEAD = "ORCH_DEAD"
+SUBJECT_DEAD_PREFIX = "orch.dead"
+DEAD_MAX_BYTES = 256 << 20
+DEAD_MAX_AGE_S = 14 * 86400.0
+DEAD_AFTER_DELIVERIES = 5
+"""A JetStream message delivered this many times without being acked is parked in ``ORCH_DEAD`` and
+terminated instead of being handled again (``orchd``: ``daemon.dead_after_deliveries``); must stay
+below ``MAX_DELIVER``, after which the server stops redelivering on its own."""
+HDR_DEAD_SUBJECT = "Orch-Dead-Subject"
+HDR_DEAD_REASON = "Orch-Dead-Reason"
+HDR_DEAD_DELIVERIES = "Orch-Dead-Deliveries"
+HDR_DEAD_STREAM_SEQ = "Orch-Dead-Stream-Seq"
 DUPLICATE_WINDOW_S = 120.0
 MAX_DELIVER = 20
 ACK_WAIT_S = 30.0
@@ -185,6 +202,10 @@ async def ensure_topology(nc: Client, replicas: int = 1) -> Topology:
         (STREAM_AUDIT, [f"{SUBJECT_AUDIT_PREFIX}.>"], 30 * 86400.0),
     ):
         await _ensure_stream(js, name, _stream_config(name, subjects, max_age_s, replicas))
+    dead = _stream_config(STREAM_DEAD, [f"{SUBJECT_DEAD_PREFIX}.>"], DEAD_MAX_AGE_S, replicas)
+    dead.max_bytes = DEAD_MAX_BYTES  # bounded: a flood of poison cannot fill the disk, the oldest go
+    await _ensure_stream(js, STREAM_DEAD, dead)
+    await ensure_logs_stream(nc, replicas=replicas)  # agents publish their logs with no $JS.API rights
     state_kv = await _ensure_kv(js, KV_STATE, replicas)
     outbox_kv = await _ensure_kv(js, KV_OUTBOX, replicas)
     return Topology(nc=nc, js=js, state_kv=state_kv, outbox_kv=outbox_kv)
@@ -233,3 +254,92 @@ def message_kind(subject: str) -> str:
     if subject.endswith(".event"):
         return "node_event"
     return "other"
+
+
+# --- dead letters ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeadLetter:
+    """One parked message of ``ORCH_DEAD``: its sequence there, when it was parked, and what it was."""
+
+    seq: int
+    ts: float
+    subject: str  # the original subject (``replay`` publishes ``data`` there again)
+    reason: str
+    deliveries: int
+    stream_seq: int  # its sequence in the ingestion stream it came from (0: unknown)
+    data: bytes
+
+
+def dead_subject(subject: str) -> str:
+    """``orch.dead.<kind>`` of a message that arrived on ``subject`` (``message_kind``)."""
+    return f"{SUBJECT_DEAD_PREFIX}.{message_kind(subject)}"
+
+
+async def park(js: JetStreamContext, subject: str, data: bytes, *, reason: str, deliveries: int,
+               stream_seq: int = 0) -> int:
+    """Store a message orchd gives up on in ``ORCH_DEAD`` (headers: original subject, reason, delivery
+    count); return its sequence there. Raises what ``js.publish`` raises (the caller then does not
+    ``term`` the message, so it comes back and is parked again)."""
+    headers = {HDR_DEAD_SUBJECT: subject, HDR_DEAD_REASON: reason, HDR_DEAD_DELIVERIES: str(deliveries),
+               HDR_DEAD_STREAM_SEQ: str(stream_seq)}
+    ack = await js.publish(dead_subject(subject), data, stream=STREAM_DEAD, headers=headers)
+    return int(ack.seq)
+
+
+def num_delivered(msg: Msg) -> int:
+    """How often JetStream delivered ``msg`` (1 the first time); 0 for a message without metadata."""
+    try:
+        return int(msg.metadata.num_delivered or 0)
+    except Exception:  # not a JetStream message (no metadata in its reply subject)
+        return 0
+
+
+async def park_msg(msg: Msg, reason: str) -> int:
+    """``park`` a message of a pull consumer, on the connection it came in on (``msg._client``)."""
+    try:
+        stream_seq = int(msg.metadata.sequence.stream or 0)
+    except Exception:
+        stream_seq = 0
+    return await park(msg._client.jetstream(), msg.subject, msg.data, reason=reason,
+                      deliveries=num_delivered(msg), stream_seq=stream_seq)
+
+
+def _int(text: str | None) -> int:
+    return int(text) if text and text.isdigit() else 0
+
+
+async def dead_get(js: JetStreamContext, seq: int) -> DeadLetter:
+    """The parked message ``seq``. Raises ``NotFoundError`` (no such sequence, or aged out)."""
+    raw = await js.get_msg(STREAM_DEAD, seq)
+    hdrs = raw.headers or {}
+    return DeadLetter(seq=int(raw.seq or seq), ts=raw.time.timestamp() if raw.time else 0.0,
+                      subject=str(hdrs.get(HDR_DEAD_SUBJECT, "")), reason=str(hdrs.get(HDR_DEAD_REASON, "")),
+                      deliveries=_int(hdrs.get(HDR_DEAD_DELIVERIES)),
+                      stream_seq=_int(hdrs.get(HDR_DEAD_STREAM_SEQ)), data=raw.data or b"")
+
+
+async def dead_list(js: JetStreamContext, limit: int = 100) -> list[DeadLetter]:
+    """The newest ``limit`` parked messages, oldest first."""
+    info = await js.stream_info(STREAM_DEAD)
+    first, last = info.state.first_seq, info.state.last_seq
+    out: list[DeadLetter] = []
+    seq = last
+    while seq >= max(first, 1) and len(out) < limit:
+        with contextlib.suppress(NotFoundError):  # deleted in between (limits)
+            out.append(await dead_get(js, seq))
+        seq -= 1
+    out.reverse()
+    return out
+
+
+async def replay(js: JetStreamContext, seq: int) -> DeadLetter:
+    """Publish the parked message ``seq`` to its original subject again (no ``Nats-Msg-Id``: the
+    ingestion stream must not drop it as a duplicate of the original); it stays parked. Raises
+    ``NotFoundError``, ``ValueError`` (no original subject) or what ``js.publish`` raises."""
+    dead = await dead_get(js, seq)
+    if not dead.subject or dead.subject.startswith(SUBJECT_DEAD_PREFIX + "."):
+        raise ValueError(f"dead letter {seq} has no original subject")
+    await js.publish(dead.subject, dead.data)
+    return dead

@@ -16,7 +16,9 @@ File layout (see config/jobs/*.toml|yaml)::
     clouds, regions, zones, instance_types, market (spot | on_demand | spot_with_fallback),
     deadline (TOML/YAML date-time or ISO-8601 string; no zone = UTC) or deadline_ts (unix seconds), budget_usd
     [trainer]    command = [...] | config = "path" (passed as args.config), args = {...}, env = {...}
-    [checkpoint] url (file:// s3:// gs:// az:// abfs://), interval_s, keep, save_s_estimate
+    [checkpoint] url (file:// s3:// gs:// az:// abfs://; one job, one root: orchd refuses a url equal to,
+                 inside or containing another job's), interval_s, keep, save_s_estimate,
+                 start_from (a committed checkpoint, e.g. another job's, to resume from; written under url)
     [price]      pause_above_ratio, resume_below_ratio, migrate_min_saving
 
 Pure apart from reading the file; no clock.
@@ -36,6 +38,7 @@ from typing import Any, Literal
 import msgspec
 import yaml
 
+from orchestrator.core.roots import relation
 from wire import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrainerSpec
 from wire.config import SettingsError, load_dataclass, merge, problem_path, without_problems
 
@@ -83,6 +86,9 @@ class CheckpointTable:
     """Omitted: orchd derives it from the pool's preemption rate (Young/Daly)."""
     keep: int = field(default=_wire_default(CheckpointPolicy, "keep"), metadata={"ge": 1})
     save_s_estimate: float = _wire_default(CheckpointPolicy, "save_s_estimate")
+    start_from: str | None = None
+    """A committed checkpoint (``.../step_000000200`` of another job) this job resumes from before its own
+    first commit. Omitted: start fresh. The job still writes only under ``url``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -150,7 +156,8 @@ class JobFile:
             budget_usd=self.budget_usd,
             trainer=TrainerSpec(command=t.command or (), args=args, env=dict(t.env)),
             checkpoint=CheckpointPolicy(url=c.url, interval_s=c.interval_s, keep=c.keep,
-                                        save_s_estimate=c.save_s_estimate),
+                                        save_s_estimate=c.save_s_estimate,
+                                        start_from=msgspec.UNSET if c.start_from is None else c.start_from),
             price=PricePolicy(pause_above_ratio=p.pause_above_ratio, resume_below_ratio=p.resume_below_ratio,
                               migrate_min_saving=p.migrate_min_saving),
         )
@@ -225,6 +232,14 @@ def _touches(rule: str, failed: list[str]) -> bool:
                for i in _RULE_INPUTS.get(rule, (rule,)) for f in failed)
 
 
+def _checkpoint_url_problems(key: str, url: str) -> list[str]:
+    if not url.startswith(CHECKPOINT_SCHEMES):
+        return [f"{key}: must start with one of {', '.join(CHECKPOINT_SCHEMES)}, got {url!r}"]
+    if url.startswith("file://") and not url.startswith("file:///"):
+        return [f"{key}: a file:// path must be absolute (file:///path), got {url!r}"]
+    return []
+
+
 def spec_problems(spec: JobSpec) -> list[str]:
     """Rules of a JobSpec (also applied by orchd to specs that arrive over the wire)."""
     p: list[str] = []
@@ -247,8 +262,13 @@ def spec_problems(spec: JobSpec) -> list[str]:
     if spec.budget_usd is not None and spec.budget_usd <= 0:
         p.append(f"budget_usd: must be > 0, got {spec.budget_usd}")
     ck = spec.checkpoint
-    if not ck.url.startswith(CHECKPOINT_SCHEMES):
-        p.append(f"checkpoint.url: must start with one of {', '.join(CHECKPOINT_SCHEMES)}, got {ck.url!r}")
+    p += _checkpoint_url_problems("checkpoint.url", ck.url)
+    start = ck.start_from
+    if isinstance(start, str):
+        p += _checkpoint_url_problems("checkpoint.start_from", start)
+        if start.startswith(CHECKPOINT_SCHEMES) and relation(start, ck.url) is not None:
+            p.append(f"checkpoint.start_from: must lie outside checkpoint.url (the job's own root, which it "
+                     f"rotates), got {start!r}")
     if ck.interval_s is not None and ck.interval_s <= 0:
         p.append(f"checkpoint.interval_s: must be > 0, got {ck.interval_s}")
     if ck.keep < 1:

@@ -59,6 +59,9 @@ class DaemonSettings:
     heartbeat_timeout_s: float = field(default=10.0, metadata={"gt": 0})
     tick_s: float = field(default=1.0, metadata={"gt": 0})
     """Period of the Tick event that drives timers (timeouts, periodic price/budget checks)."""
+    price_confirm_s: float = field(default=60.0, metadata={"ge": 0})
+    """A new pool price moves money (pause, migration, scale-up, cost accrual, budget stops) only once
+    it has held this long (docs/core.md, "Price confirmation"); 0 = at once."""
     shutdown_grace_s: float = 10.0
     command_ack_timeout_s: float = 2.0
     command_retries: int = 5
@@ -75,6 +78,9 @@ class DaemonSettings:
     lease_ttl_s: float = field(default=6.0, metadata={"gt": 0})
     """HA leader lease TTL; the revision is the fencing token."""
     ha: bool = False
+    dead_after_deliveries: int = field(default=5, metadata={"gt": 1})
+    """A JetStream message delivered this many times without an ack is parked in ``ORCH_DEAD``
+    (``orchctl dead list``) and terminated instead of handled again; below ``bus.MAX_DELIVER`` (20)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -129,7 +135,8 @@ class CredentialsSettings:
     auth_file: str = ""
     """The nats-server users include orchd owns and rewrites (``include "auth.conf"`` in its config)."""
     static_users_file: str = ""
-    """JSON list of ``{"name", "password_hash" (bcrypt), "role": "orchd" | "orchctl"}``, always rendered."""
+    """JSON list of ``{"name", "password_hash" (bcrypt), "role"}``, always rendered; role: ``orchd``,
+    ``orchctl``, ``feed`` (price publisher) or ``feed:<cloud>`` (``nats_auth.role_permissions``)."""
     server_pid_file: str = ""
     """nats-server's ``pid_file``: orchd sends it SIGHUP after each change (same host)."""
     enrol_ttl_s: float = field(default=1800.0, metadata={"gt": 0})

@@ -48,7 +48,9 @@ from providers.base import (
     ProviderError,
     QuotaError,
     TransientError,
+    check_owned,
     launch_each,
+    raise_refused,
 )
 from providers.bootstrap import render_user_data
 from wire import InstanceId, Market, NodeId, PoolKey
@@ -314,16 +316,21 @@ class AwsProvider:
 
     # --- terminate / list / describe ----------------------------------------------------------------
 
-    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
+    def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
+        """Describe first, terminate only what carries this cluster's tag; refuse (and raise) the rest."""
         if not instance_ids:
             return
+        refused: list[InstanceId] = []
         for region in self.config.regions:
             # Filter first: terminate_instances fails the whole call on one unknown id.
             by_id = [{"Name": "instance-id", "Values": list(instance_ids)}]
-            found = [i["InstanceId"] for i in self._describe(region, by_id) if i["State"]["Name"] != "terminated"]
+            described = [self._to_instance(i, region) for i in self._describe(region, by_id)]
+            found, not_ours = check_owned(CLOUD, cluster_id, described, log.warning)
+            refused += not_ours
             if found:
                 self._call(region, "terminate_instances", InstanceIds=found)
                 log.info("instances_terminated", region=region, instances=found)
+        raise_refused(CLOUD, cluster_id, refused)
 
     def list_instances(self, cluster_id: str) -> list[Instance]:
         out = []

@@ -49,7 +49,9 @@ from providers.base import (
     ProviderError,
     QuotaError,
     TransientError,
+    check_owned,
     launch_each,
+    raise_refused,
 )
 from providers.bootstrap import render_user_data
 from wire import InstanceId, Market, NodeId, PoolKey
@@ -329,11 +331,13 @@ class AzureProvider:
 
     # --- terminate / list / describe ----------------------------------------------------------------
 
-    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
+    def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
+        """Get each VM first, delete only what carries this cluster's tag; refuse (and raise) the rest."""
         from azure.core.exceptions import ResourceNotFoundError
 
+        ours, refused = check_owned(CLOUD, cluster_id, self.describe(instance_ids), log.warning)
         pollers = []
-        for name in instance_ids:
+        for name in ours:
             try:
                 pollers.append(self._vms().begin_delete(self.config.resource_group, name))
             except ResourceNotFoundError:
@@ -348,7 +352,8 @@ class AzureProvider:
             except Exception as e:
                 raise map_error(e) from e
         if pollers:
-            log.info("instances_terminated", instances=list(instance_ids))
+            log.info("instances_terminated", instances=ours)
+        raise_refused(CLOUD, cluster_id, refused)
 
     def list_instances(self, cluster_id: str) -> list[Instance]:
         try:

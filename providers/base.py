@@ -9,6 +9,13 @@ from worker threads with a per-cloud concurrency limit; implementations must be 
 Idempotency contract: ``launch`` with an ``idempotency_token`` already used returns the instances of
 the first call instead of creating new ones (EC2 ClientToken, GCP requestId, Azure deterministic names,
 or a describe-by-token-tag before launching where the cloud does not enforce it).
+
+Ownership contract: ``terminate(ids, cluster_id)`` describes the ids first and terminates only the
+instances carrying ``TAG_CLUSTER == cluster_id`` (exact value). Any other existing, not yet terminated
+instance (no cluster tag, another cluster's tag) is refused: left alone, logged (``terminate_refused``),
+and reported by raising ``ForeignInstanceError`` after the cluster's own instances were terminated. A
+confused or hostile state can then never hit another workload in the same account. Ids the cloud does
+not know (or knows only as terminated) stay a no-op, so a retried terminate is idempotent.
 """
 
 from __future__ import annotations
@@ -179,6 +186,47 @@ class NotFound(ProviderError):
     retryable = False
 
 
+class ForeignInstanceError(ProviderError):
+    """``terminate`` was asked for instances that do not carry this cluster's tag: they were left alone.
+
+    Raised after the cluster's own instances in the same call were terminated. Not retryable: the
+    state that asked for them is wrong, and an operator must look (``instance_ids`` are the refused)."""
+
+    reason = FailureReason.NOT_FOUND  # no instance of this cluster has these ids
+    retryable = False
+
+    def __init__(self, instance_ids: Sequence[InstanceId], cluster_id: str, *, cloud: str = "") -> None:
+        self.instance_ids = tuple(instance_ids)
+        self.cluster_id = cluster_id
+        super().__init__(f"refused to terminate {list(self.instance_ids)} on {cloud or 'the cloud'}: "
+                         f"not tagged {TAG_CLUSTER}={cluster_id!r}")
+
+
+def check_owned(cloud: str, cluster_id: str, described: Sequence[Instance],
+                log: Callable[..., object]) -> tuple[list[InstanceId], list[InstanceId]]:
+    """Split described instances into (ours to terminate, refused). Terminated ones are in neither.
+
+    ``log`` is the provider's structlog ``warning``: each refusal is logged as ``terminate_refused``."""
+    ours: list[InstanceId] = []
+    refused: list[InstanceId] = []
+    for inst in described:
+        if inst.state is InstanceState.TERMINATED:
+            continue
+        if cluster_id and inst.tags.get(TAG_CLUSTER) == cluster_id:
+            ours.append(inst.instance_id)
+        else:
+            refused.append(inst.instance_id)
+            log("terminate_refused", cloud=cloud, instance=inst.instance_id, cluster=cluster_id,
+                instance_cluster=inst.tags.get(TAG_CLUSTER))
+    return ours, refused
+
+
+def raise_refused(cloud: str, cluster_id: str, refused: Sequence[InstanceId]) -> None:
+    """Report refusals (after the rest were terminated): ``ForeignInstanceError`` when there are any."""
+    if refused:
+        raise ForeignInstanceError(refused, cluster_id, cloud=cloud)
+
+
 @runtime_checkable
 class CloudProvider(Protocol):
     """One cloud (or the local machine). See the module docstring for the contracts."""
@@ -187,8 +235,10 @@ class CloudProvider(Protocol):
 
     def launch(self, request: LaunchRequest) -> LaunchResult: ...
 
-    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
-        """Terminate; unknown or already terminated ids are not an error."""
+    def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
+        """Terminate those of these instances that carry ``TAG_CLUSTER == cluster_id``; unknown or already
+        terminated ids are not an error. Existing instances without that tag are not touched: logged
+        (``terminate_refused``) and raised as ``ForeignInstanceError`` after the others were terminated."""
         ...
 
     def list_instances(self, cluster_id: str) -> list[Instance]:

@@ -53,7 +53,9 @@ from providers.base import (
     PriceQuote,
     ProviderError,
     TransientError,
+    check_owned,
     launch_each,
+    raise_refused,
 )
 from providers.bootstrap import render_user_data
 from providers.gcp_errors import map_error, operation_error, reasons
@@ -308,12 +310,15 @@ class GcpProvider:
 
     # --- terminate / list / describe ----------------------------------------------------------------
 
-    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
+    def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
+        """Get each instance first, delete only what carries this cluster's tag; refuse (and raise) the rest."""
         from google.api_core import exceptions as gx
 
         instances, _ = self._clients()
+        # Exact tags from metadata (a label value may be mangled), as list_instances compares them.
+        ours, refused = check_owned(CLOUD, cluster_id, self.describe(instance_ids), log.warning)
         pending = []
-        for iid in instance_ids:
+        for iid in ours:
             zone, _, name = iid.partition("/")
             try:
                 op = instances.delete_unary(project=self.config.project, zone=zone, instance=name)
@@ -326,7 +331,8 @@ class GcpProvider:
             where = PoolKey(cloud=CLOUD, region=region_of(zone), zone=zone, instance_type="", market=Market.SPOT)
             self._wait(op, where)
         if pending:
-            log.info("instances_terminated", instances=list(instance_ids))
+            log.info("instances_terminated", instances=ours)
+        raise_refused(CLOUD, cluster_id, refused)
 
     def list_instances(self, cluster_id: str) -> list[Instance]:
         instances, _ = self._clients()

@@ -222,7 +222,7 @@ class Reaper:
                                 orphan_for_s=round(self._clock() - o.first_seen_ts, 1), dry_run=dry_run)
                 if ids and not dry_run:
                     try:
-                        provider.terminate(ids)
+                        provider.terminate(ids, self.cluster_id)
                     except ProviderError as e:
                         errors[cloud] = f"terminate_failed: {type(e).__name__}: {e}"
                         log.error("reaper_terminate_failed", cloud=cloud, error=str(e), instances=list(ids))

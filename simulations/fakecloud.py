@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import structlog
 
 from providers.base import (
     TAG_CLUSTER,
@@ -38,9 +39,13 @@ from providers.base import (
     PriceQuote,
     ProviderError,
     TransientError,
+    check_owned,
+    raise_refused,
 )
 from wire import FailureReason, InstanceId, Market, NodeId, PoolKey
 from wire.config import load_checked
+
+log = structlog.get_logger("orch.simulations.fakecloud")
 
 __all__ = ["FakeCloud", "FakeConfig", "FileFakeCloud", "TransientError", "from_settings", "read_fake_file"]
 
@@ -132,13 +137,24 @@ class FakeCloud:
                 message=f"{missing} short in {request.pool.name}" if missing else "",
             )
 
-    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
+    def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
+        """Like a cloud with a tag-conditioned terminate: only instances tagged with ``cluster_id``."""
         with self._lock:
             self.terminate_calls += 1
-            for iid in instance_ids:
-                inst = self._instances.get(iid)
-                if inst is not None and inst.alive:
-                    self._instances[iid] = _with_state(inst, InstanceState.TERMINATED)
+            described = [self._instances[i] for i in instance_ids if i in self._instances]
+            ours, refused = check_owned(self.cloud, cluster_id, described, log.warning)
+            for iid in ours:
+                self._instances[iid] = _with_state(self._instances[iid], InstanceState.TERMINATED)
+        raise_refused(self.cloud, cluster_id, refused)
+
+    def add_instance(self, pool: PoolKey, tags: Mapping[str, str] | None = None) -> Instance:
+        """An instance created outside orchd (another workload in the same account): tagged as given."""
+        with self._lock:
+            iid = InstanceId(f"{self.cloud}-{next(self._ids):06d}")
+            inst = Instance(instance_id=iid, node_id=None, pool=pool, state=InstanceState.RUNNING,
+                            tags=dict(tags or {}), launched_ts=self._clock())
+            self._instances[iid] = inst
+            return inst
 
     def list_instances(self, cluster_id: str) -> list[Instance]:
         with self._lock:
@@ -215,9 +231,16 @@ class FileFakeCloud(FakeCloud):
         finally:
             self._save()
 
-    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
-        super().terminate(instance_ids)
+    def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
+        try:
+            super().terminate(instance_ids, cluster_id)
+        finally:
+            self._save()
+
+    def add_instance(self, pool: PoolKey, tags: Mapping[str, str] | None = None) -> Instance:
+        out = super().add_instance(pool, tags)
         self._save()
+        return out
 
     def preempt(self, instance_id: InstanceId) -> Instance:
         out = super().preempt(instance_id)

@@ -9,49 +9,65 @@ checkpoint when one is corrupt or partial. Rotation keeps the newest ``keep`` co
 
 Concurrency: one pending async save at a time. Its completion is agreed at a step boundary (the
 per-step all-reduce carries "my save is done / failed"), then rank 0 commits; a save that failed on any
-rank is abandoned (no marker, removed by a later rotation). All checkpoint collectives run on the
-dedicated gloo groups: ``DistInfo.ckpt_group`` for background saves and loading, ``save_group`` for
-blocking saves, so an abandoned background save can never collide with the emergency save.
+rank is abandoned (no marker, removed by a later rotation) and the session exits
+EXIT_CHECKPOINT_FAILED. All checkpoint collectives run on the dedicated gloo groups:
+``DistInfo.ckpt_group`` for background saves and loading, ``save_group`` for blocking saves, so an
+abandoned background save can never collide with the emergency save.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import io
 import logging
-import pickle
-import random
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from trainer import store
+from trainer import contract, extra_state, store
+from trainer import dist as tdist
 from trainer.dist import DistInfo
+from trainer.extra_state import rng_state, set_rng_state
+
+__all__ = ["CheckpointManager", "CommitResult", "NoUsableCheckpoint", "StorageError", "rng_state", "set_rng_state"]
 
 log = logging.getLogger("trainer.checkpoint")
 
 
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+class StorageError(Exception):
+    """A save or commit failed on storage (ENOSPC, a DCP ``CheckpointException``, a failed commit)."""
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+class NoUsableCheckpoint(Exception):
+    """Asked to resume, but no checkpoint under the job's root verified (the reasons are the message)."""
+
+
+def save_failure(e: BaseException) -> StorageError | None:
+    """The StorageError a failed save stands for; None when a peer was lost (that is EXIT_PEER_LOST). Its
+    text starts with ``storage_error`` for DCP's ``CheckpointException`` (described by the first rank's
+    underlying error, e.g. ENOSPC) and any OSError, ``checkpoint_failed`` for anything else."""
+    if isinstance(e, StorageError):
+        return e
+    if tdist.is_peer_lost(e):
+        return None
+    inner: BaseException = e
+    if isinstance(e, CheckpointException) and e.failures:
+        first = next(iter(e.failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+        if tdist.is_peer_lost(inner):
+            return None
+    text = " ".join(str(inner).split())[:240]
+    storage = isinstance(e, (CheckpointException, OSError)) or isinstance(inner, OSError)
+    kind = contract.STORAGE_ERROR_REASON if storage else contract.EXIT_REASONS[contract.EXIT_CHECKPOINT_FAILED]
+    return StorageError(f"{kind}: {type(inner).__name__}: {text}")
 
 
 class ReusingStager(AsyncStager):
@@ -112,6 +128,7 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         thread_count: int = 1,
         sync_files: bool = True,
+        job_id: str = "",
     ) -> None:
         if async_mode not in ("thread", "process", "off"):
             raise ValueError(f"async_mode must be thread|process|off, not {async_mode!r}")
@@ -125,6 +142,7 @@ class CheckpointManager:
         self.pending: PendingSave | None = None
         self.stager = ReusingStager()
         self.last_committed_step: int | None = None
+        self.job_id = job_id  # written into every commit marker; another job's checkpoint is refused
 
     # --- saving ----------------------------------------------------------------------------------
 
@@ -140,7 +158,7 @@ class CheckpointManager:
         writer = self._writer(dir_url)
         payload = {**extra, "step": step, "world_size": self.info.world_size, "rank": self.info.rank,
                    "rng": rng_state()}
-        writer.write_extra(f"__extra_{self.info.rank}.pkl", pickle.dumps(payload))
+        writer.write_extra(f"__extra_{self.info.rank}.pt", extra_state.encode(payload))
         state: dict[str, Any]
         if optimizer is not None:
             msd, osd = get_state_dict(model, optimizer)
@@ -152,11 +170,18 @@ class CheckpointManager:
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any],
              *, reason: str = "final", started: float | None = None) -> CommitResult:
         """Blocking save + commit (the emergency and final path). Every rank returns the same result
-        or raises."""
+        or raises: a lost peer as itself, anything else (ENOSPC, DCP's ``CheckpointException``, which is a
+        ``BaseException``, a failed commit) as :class:`StorageError`."""
         t0 = started if started is not None else time.monotonic()
         dir_url, writer, state = self._prepare(step, model, optimizer, extra)
-        dcp.save(state, storage_writer=writer, process_group=self.info.save_group)
-        return self._commit(step, dir_url, t0)
+        try:
+            dcp.save(state, storage_writer=writer, process_group=self.info.save_group)
+            return self._commit(step, dir_url, t0)
+        except (Exception, CheckpointException) as e:
+            err = save_failure(e)
+            if err is None:
+                raise
+            raise err from e
 
     def save_async(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                    extra: dict[str, Any]) -> None:
@@ -207,12 +232,13 @@ class CheckpointManager:
                 self.pending.future.result(timeout=timeout_s)
             except cf.TimeoutError:
                 pass
-            except Exception:
+            except (Exception, CheckpointException):  # DCP's is a BaseException; the status reports it
                 pass
         return self.pending_status()
 
     def _commit_rank0(self, step: int, dir_url: str, t0: float) -> CommitResult:
-        marker = store.commit(dir_url, self.info.world_size, {"step": step}, self.storage_options)
+        meta: dict[str, Any] = {"step": step, **({"job_id": self.job_id} if self.job_id else {})}
+        marker = store.commit(dir_url, self.info.world_size, meta, self.storage_options)
         self.last_committed_step = step
         store.rotate(self.root, self.keep, self.storage_options)
         return CommitResult(step, dir_url, time.monotonic() - t0, marker)
@@ -230,7 +256,7 @@ class CheckpointManager:
             dist.broadcast_object_list(outcome, src=0, group=self.info.save_group)
         status, value = outcome[0]
         if status != "ok":
-            raise RuntimeError(f"commit of {dir_url} failed on rank 0: {value}")
+            raise StorageError(f"{contract.STORAGE_ERROR_REASON}: commit of {dir_url} failed on rank 0: {value}")
         self.last_committed_step = step
         return CommitResult(step, dir_url, time.monotonic() - t0)
 
@@ -265,33 +291,82 @@ class CheckpointManager:
 
     # --- loading ---------------------------------------------------------------------------------
 
+    def _in_root(self, dir_url: str) -> bool:
+        """``dir_url`` is a step directory directly under this job's root (no other root, no ``..``)."""
+        parent, _, name = dir_url.rstrip("/").rpartition("/")
+        if store.step_of(name) is None or ".." in dir_url.split("/"):
+            return False
+        if store.is_local(dir_url) != store.is_local(self.root):
+            return False
+        if store.is_local(dir_url):
+            return os.path.normpath(store.local_path(parent)) == os.path.normpath(store.local_path(self.root))
+        return parent == self.root
+
+    def _problem(self, dir_url: str, *, start_from: bool = False) -> str | None:
+        """Why ``dir_url`` must not be loaded (None: it is this job's and every file verifies). With
+        ``start_from`` (a URL outside the root while the root holds no commit yet: the job spec's
+        ``start_from``, e.g. another job's checkpoint) only the root and job id checks are waived."""
+        if not start_from and not self._in_root(dir_url):
+            return f"not a checkpoint directory under the job's root {self.root}"
+        marker, problem = store.marker_problem(dir_url, self.storage_options)
+        if marker is None:
+            return problem
+        owner = marker.get("job_id")  # absent in markers of the previous release: the root decides
+        if not start_from and owner is not None and self.job_id and owner != self.job_id:
+            return f"checkpoint of job {owner!r}, not of {self.job_id!r}"
+        return store.verify(dir_url, self.storage_options)
+
+    def _choose(self, resume_from: str) -> tuple[str, str | None]:
+        """Rank 0: ("ok", dir), ("fresh", None) or ("none", reasons)."""
+        entries = [e for e in store.list_checkpoints(self.root, self.storage_options) if e[2]]
+        if resume_from == "latest":
+            if not entries:
+                return "fresh", None  # nothing was ever committed under the root: a first start
+            candidates = [d for (_, d, _) in reversed(entries)]
+        else:
+            limit = store.step_of(resume_from.rstrip("/").rsplit("/", 1)[-1])
+            older = [d for (s, d, _) in reversed(entries) if limit is None or s < limit]
+            candidates = [resume_from] + [d for d in older if d.rstrip("/") != resume_from.rstrip("/")]
+        # before the job's own first commit, orchd names the spec's start_from, which may lie elsewhere
+        start_from = not entries and resume_from != "latest" and not self._in_root(resume_from)
+        reasons = []
+        for d in candidates:
+            problem = self._problem(d, start_from=start_from)
+            if problem is None:
+                return "ok", d
+            reasons.append(f"{d}: {problem}")
+            log.warning("checkpoint %s unusable (%s): falling back to the previous one", d, problem)
+            print(f"checkpoint_fallback dir={d} reason={problem!r}", flush=True)
+        return "none", "; ".join(reasons)[:2000]
+
     def resolve(self, resume_from: str) -> str | None:
-        """Collective: the checkpoint every rank loads ("" = fresh start). Rank 0 verifies candidates
-        newest first and falls back past corrupt or partial ones; all ranks get its choice."""
-        chosen: list[Any] = [None]
+        """Collective: the checkpoint every rank loads (None: fresh start, only for ``""`` or ``latest`` on a
+        root where nothing was ever committed). Rank 0 checks candidates newest first (under the job's root,
+        the job's own, every file verified) and falls back past unusable ones; all ranks get its choice.
+        Raises :class:`NoUsableCheckpoint` on every rank when none is usable: never a silent step 1."""
+        outcome: list[Any] = [("fresh", None)]
         if self.info.rank == 0 and resume_from:
-            entries = [e for e in store.list_checkpoints(self.root, self.storage_options) if e[2]]
-            if resume_from == "latest":
-                candidates = [d for (_, d, _) in reversed(entries)]
-            else:
-                marker = store.read_marker(resume_from, self.storage_options)
-                limit = marker["step"] if marker else None
-                older = [d for (s, d, _) in reversed(entries) if limit is None or s < limit]
-                candidates = [resume_from] + [d for d in older if d.rstrip("/") != resume_from.rstrip("/")]
-            for d in candidates:
-                problem = store.verify(d, self.storage_options)
-                if problem is None:
-                    chosen[0] = d
-                    break
-                log.warning("checkpoint %s unusable (%s): falling back to the previous one", d, problem)
-                print(f"checkpoint_fallback dir={d} reason={problem!r}", flush=True)
+            outcome[0] = self._choose(resume_from)
         if self.info.world_size > 1:
-            dist.broadcast_object_list(chosen, src=0, group=self.info.ckpt_group)
-        return chosen[0]
+            dist.broadcast_object_list(outcome, src=0, group=self.info.ckpt_group)
+        status, value = outcome[0]
+        if status == "none":
+            raise NoUsableCheckpoint(value or "no checkpoint")
+        return value if status == "ok" else None
 
     def load(self, dir_url: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        """Load model (+ optimizer) resharded to this world size; returns this rank's extra state
-        (its own when the world size is unchanged, rank 0's otherwise) with RNG states restored."""
+        """Load a directory ``resolve`` chose (verified), model (+ optimizer) resharded to this world size;
+        returns this rank's extra state (its own when the world size is unchanged, rank 0's otherwise) with
+        RNG states restored. Only files the commit marker lists (and verify checked) are read."""
+        marker = store.read_marker(dir_url, self.storage_options)
+        if marker is None:
+            raise NoUsableCheckpoint(f"{dir_url}: commit marker vanished or malformed")
+        same_ws = marker["world_size"] == self.info.world_size
+        rank = self.info.rank if same_ws else 0
+        names = [f"__extra_{rank}.pt", f"__extra_{rank}.pkl"]
+        name = next((n for n in names if n in marker["files"]), None)
+        if name is None:
+            raise NoUsableCheckpoint(f"{dir_url}: no extra state for rank {rank} in the commit marker")
         reader = store.make_reader(dir_url, self.storage_options)
         if optimizer is not None:
             msd, osd = get_state_dict(model, optimizer)
@@ -302,16 +377,11 @@ class CheckpointManager:
             msd = get_state_dict(model, [])[0]
             dcp.load({"model": msd}, storage_reader=reader, process_group=self.info.ckpt_group)
             set_state_dict(model, [], model_state_dict=msd, optim_state_dict={})
-        marker = store.read_marker(dir_url, self.storage_options) or {}
-        same_ws = marker.get("world_size") == self.info.world_size
-        name = f"__extra_{self.info.rank if same_ws else 0}.pkl"
         fs = store.filesystem(dir_url, self.storage_options)
         with fs.open(store.join(store._path(dir_url), name), "rb") as f:
-            extra = pickle.load(io.BytesIO(f.read()))
-        if same_ws:
-            set_rng_state(extra["rng"])
-        else:  # a different world: rank 0's streams, offset per rank so ranks do not share one
-            set_rng_state(extra["rng"])
+            extra = extra_state.decode(name, f.read())
+        set_rng_state(extra["rng"])
+        if not same_ws:  # a different world: rank 0's streams, offset per rank so ranks do not share one
             torch.manual_seed(int(torch.randint(0, 2**62, (1,)).item()) + self.info.rank)
         self.last_committed_step = extra["step"]
         return extra

@@ -44,6 +44,7 @@ EXIT_FAILED: Final = 1  # an error in the training script
 EXIT_PREEMPTED: Final = 75  # emergency checkpoint committed at the agreed step, exited on request
 EXIT_CHECKPOINT_FAILED: Final = 76  # asked to checkpoint, but the save/commit failed or was abandoned
 EXIT_PEER_LOST: Final = 77  # a collective timed out: a peer vanished; nothing committed at this step
+EXIT_NO_CHECKPOINT: Final = 78  # asked to resume, but no checkpoint under the job's root verified: nothing trained
 
 EXIT_REASONS: Final = {
     EXIT_COMPLETED: "completed",
@@ -51,7 +52,11 @@ EXIT_REASONS: Final = {
     EXIT_PREEMPTED: "emergency_checkpoint",
     EXIT_CHECKPOINT_FAILED: "checkpoint_failed",
     EXIT_PEER_LOST: "peer_lost",
+    EXIT_NO_CHECKPOINT: "no_usable_checkpoint",
 }
+# ExitReport.reason prefix of an EXIT_CHECKPOINT_FAILED caused by storage (ENOSPC, DCP CheckpointException, a
+# failed commit): "storage_error: <exception>". The agent reports the generation with this reason.
+STORAGE_ERROR_REASON: Final = "storage_error"
 
 # --- environment ----------------------------------------------------------------------------------
 ENV_JOB_ID: Final = "ORCH_JOB_ID"
@@ -77,6 +82,18 @@ DEFAULT_COLLECTIVE_TIMEOUT_S: Final = 60.0
 # once the commit marker (JSON: step, world_size, files -> [size, crc32c]) exists; written last by rank 0.
 CHECKPOINT_DIR_FORMAT: Final = "step_{step:09d}"
 CHECKPOINT_COMMIT_MARKER: Final = "COMMITTED"
+
+
+def commit_marker_step(body: bytes) -> int | None:
+    """The step a commit marker (``COMMITTED``) names, or None when it is not a JSON object with an integer
+    ``step`` (torch-free: the agent reads it to report the committed step instead of trusting a URL's name).
+    Full validation of the marker is the trainer's (trainer.store.parse_marker)."""
+    try:
+        marker = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        return None
+    step = marker.get("step") if isinstance(marker, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
 class CheckpointRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -33,10 +33,11 @@ from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer import contract
 from trainer import dist as tdist
-from trainer.checkpoint import CheckpointManager, CommitResult
+from trainer.checkpoint import CheckpointManager, CommitResult, NoUsableCheckpoint, StorageError, save_failure
 from trainer.emergency import EmergencyState, Verdict, agree
 
 # bf16 dense peak FLOP/s per device (vendor datasheets), matched on torch.cuda.get_device_name (no NVML)
@@ -97,8 +98,9 @@ class Session:
         emergency.install()  # before the (slow) process-group init: a request during start-up is kept
         info = tdist.init(device)
         url = os.environ.get(contract.ENV_CKPT_URL, "")
+        job_id = os.environ.get(contract.ENV_JOB_ID, "")
         ckpt = CheckpointManager(url, info, keep=keep, async_mode=async_mode, storage_options=storage_options,
-                                 thread_count=ckpt_threads) if url else None
+                                 thread_count=ckpt_threads, job_id=job_id) if url else None
         if ckpt is not None:
             ckpt.warm()
         return cls(
@@ -158,15 +160,26 @@ class Session:
 
     @contextmanager
     def guard(self) -> Iterator[None]:
-        """Map failures to the contract: a lost peer -> EXIT_PEER_LOST, anything else -> EXIT_FAILED."""
+        """Map failures to the contract: a lost peer -> EXIT_PEER_LOST, a storage error of a checkpoint
+        (StorageError, DCP's CheckpointException) -> EXIT_CHECKPOINT_FAILED, anything else -> EXIT_FAILED."""
         try:
             yield
         except SystemExit:
             raise
         except BaseException as e:  # every failure must become an exit code
             traceback.print_exc()
+            if isinstance(e, (StorageError, CheckpointException)):
+                self._save_failed(e)
             self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_FAILED,
                       f"{type(e).__name__}: {e}"[:300])
+
+    def _save_failed(self, e: BaseException) -> NoReturn:
+        """Exit for a failed save or commit: EXIT_PEER_LOST, or EXIT_CHECKPOINT_FAILED with the storage reason
+        (``storage_error: ...``) so that orchd holds the job instead of counting a trainer failure."""
+        err = save_failure(e)
+        if err is None:
+            self.exit(contract.EXIT_PEER_LOST, f"{type(e).__name__}: {e}"[:300])
+        self.exit(contract.EXIT_CHECKPOINT_FAILED, str(err)[:300])
 
     # --- resume ----------------------------------------------------------------------------------
 
@@ -176,7 +189,12 @@ class Session:
         self._model, self._optimizer, self._scheduler, self._sampler = model, optimizer, scheduler, sampler
         start = 1
         if self.ckpt is not None and self.resume_from:
-            chosen = self.ckpt.resolve(self.resume_from)
+            try:
+                chosen = self.ckpt.resolve(self.resume_from)
+            except NoUsableCheckpoint as e:  # explicit, never a silent restart at step 1
+                print(f"no_usable_checkpoint resume_from={self.resume_from} reasons={e}", flush=True)
+                why = contract.EXIT_REASONS[contract.EXIT_NO_CHECKPOINT]
+                self.exit(contract.EXIT_NO_CHECKPOINT, f"{why}: {e}"[:300])
             if chosen is not None:
                 extra = self.ckpt.load(chosen, model, optimizer)
                 if scheduler is not None and extra.get("scheduler") is not None:
@@ -254,9 +272,12 @@ class Session:
             with open(self.step_log, "a") as f:
                 f.write(line)
         if self.ckpt is not None:
+            failed = self._failed_periodic(verdict)
             res = self.ckpt.settle(verdict.saves_done, verdict.save_failed)
             if res is not None:
                 self._report_commit(res, emergency=False, reason="periodic", deadline=None)
+            if failed is not None:  # every rank agreed on it (save_failed is in the verdict)
+                self._save_failed(failed)
         if verdict.stop and step < self.total_steps:
             self._emergency(step, verdict)
         # every input here is agreed (verdict) or identical on all ranks (step, pending): all ranks decide alike
@@ -266,7 +287,20 @@ class Session:
             due = bool(self.ckpt_every and step % self.ckpt_every == 0)
         if self.ckpt is not None and due and step < self.total_steps and self.ckpt.pending is None:
             self._last_periodic = time.monotonic()
-            self.ckpt.save_async(step, *self._saved())
+            try:
+                self.ckpt.save_async(step, *self._saved())
+            except (StorageError, OSError, CheckpointException) as e:  # the staging or the extra state's write
+                traceback.print_exc()
+                self._save_failed(e)
+
+    def _failed_periodic(self, verdict: Verdict) -> BaseException | None:
+        """The failure of the pending periodic save when the agreement says some rank's save failed."""
+        pending = self.ckpt.pending if self.ckpt is not None else None
+        if pending is None or not (verdict.saves_done and verdict.save_failed):
+            return None
+        local = pending.future.exception() if pending.future.done() else None
+        return local or StorageError(f"{contract.STORAGE_ERROR_REASON}: async checkpoint of step {pending.step} "
+                                     "failed on another rank")
 
     def _report_commit(self, res: CommitResult, *, emergency: bool, reason: str, deadline: float | None) -> None:
         self._print(contract.CheckpointReport(
@@ -305,9 +339,9 @@ class Session:
         try:
             self._finish_pending(verdict.deadline_ts)
             res = self.ckpt.save(step, *self._saved(), reason=reason, started=t0)
-        except Exception as e:  # a failed save or commit: the exit code says which kind
+        except (Exception, CheckpointException) as e:  # a failed save or commit: the exit code says which kind
             traceback.print_exc()
-            self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_CHECKPOINT_FAILED)
+            self._save_failed(e)
         self._report_commit(res, emergency=True, reason=reason, deadline=verdict.deadline_ts)
         self.exit(contract.EXIT_PREEMPTED)
 
@@ -319,7 +353,7 @@ class Session:
                 if self.ckpt.last_committed_step != self.last_step:
                     res = self.ckpt.save(self.last_step, *self._saved(), reason="final")
                     self._report_commit(res, emergency=False, reason="final", deadline=None)
-            except Exception as e:  # a failed save or commit: the exit code says which kind
+            except (Exception, CheckpointException) as e:  # a failed save or commit: the exit code says which kind
                 traceback.print_exc()
-                self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_CHECKPOINT_FAILED)
+                self._save_failed(e)
         self.exit(contract.EXIT_COMPLETED)

@@ -2,10 +2,14 @@
 
 Role: the byte-level half of the checkpoint manager. One checkpoint is a directory
 ``<root>/step_<step:09d>/`` holding the DCP files (``__<rank>_<n>.distcp``, ``.metadata``), one small
-``__extra_<rank>.pkl`` per rank (step, data position, scheduler, RNG, config), one checksum manifest per
-rank (``__crc_<rank>.json``, written by that rank right after its data files) plus ``__crc_meta.json``
-(the ``.metadata`` file's), and, written last by rank 0, the commit marker ``COMMITTED``: JSON that lists
-every file with its size and CRC32C. A directory without a valid marker does not exist as a checkpoint.
+``__extra_<rank>.pt`` per rank (step, data position, scheduler, RNG, config; torch.save of plain
+containers and tensors, read back with ``weights_only=True``; ``.pkl`` in the previous release), one
+checksum manifest per rank (``__crc_<rank>.json``, written by that rank right after its data files) plus
+``__crc_meta.json`` (the ``.metadata`` file's), and, written last by rank 0, the commit marker
+``COMMITTED``: JSON that lists every file with its size and CRC32C, plus the job id. A directory
+without a well-formed marker (:func:`parse_marker`) does not exist as a checkpoint; nothing in it is
+read before :func:`verify` checked every file the loader reads (DCP's ``.metadata``, which DCP
+unpickles, included).
 
 Checksums are computed on the bytes as DCP writes them (a stream wrapper), never by re-reading. The
 writer object is picklable, so the same scheme works for sync saves, thread-based and process-based
@@ -40,7 +44,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from trainer import contract
 
 COMMIT_MARKER = contract.CHECKPOINT_COMMIT_MARKER
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: job_id in the marker, extra state as __extra_<rank>.pt (no pickle); 1 still loads
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 
 
@@ -58,6 +62,12 @@ def join(url: str, *parts: str) -> str:
 
 def step_dir(root_url: str, step: int) -> str:
     return join(root_url, contract.CHECKPOINT_DIR_FORMAT.format(step=step))
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint directory name (``step_000000120`` -> 120), None for any other name."""
+    m = _STEP_DIR.match(name)
+    return int(m.group(1)) if m else None
 
 
 def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> fsspec.AbstractFileSystem:
@@ -246,6 +256,8 @@ def commit(dir_url: str, world_size: int, meta: dict[str, Any],
         raise RuntimeError(f"incomplete checkpoint in {dir_url}: {sorted(files)}")
     marker = {"format": FORMAT_VERSION, "world_size": world_size, "committed_ts": time.time(), "files": files, **meta}
     body = json.dumps(marker, sort_keys=True).encode()
+    if (problem := parse_marker(body, dir_url)[1]) is not None:  # never commit what a loader would refuse
+        raise RuntimeError(f"refusing to commit {dir_url}: {problem}")
     target = join(base, COMMIT_MARKER)
     if is_local(dir_url):
         tmp = f"{target}.tmp"
@@ -264,13 +276,62 @@ def commit(dir_url: str, world_size: int, meta: dict[str, Any],
     return marker
 
 
-def read_marker(dir_url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$|^\.metadata$")
+_EXTRA_NAMES = ("__extra_0.pt", "__extra_0.pkl")  # new (torch.save, weights_only) / previous release (pickle)
+
+
+def _is_int(v: Any, lo: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= lo
+
+
+def parse_marker(body: bytes, dir_url: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+    """(marker, None) when ``body`` is a well-formed commit marker, else (None, why). Well-formed: a JSON
+    object with an integer ``step`` (equal to the directory's step when ``dir_url`` names one), a
+    ``world_size`` >= 1, an optional string ``job_id``, and ``files``: a non-empty object of plain file
+    names -> [size, crc32c] that lists ``.metadata`` (DCP unpickles it), at least one ``.distcp`` and rank 0's
+    extra-state file. Markers of the previous release (no ``job_id``) are well-formed."""
+    try:
+        marker = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"malformed commit marker: {e}"
+    if not isinstance(marker, dict):
+        return None, f"malformed commit marker: a JSON {type(marker).__name__}, not an object"
+    step, ws, job, files = marker.get("step"), marker.get("world_size"), marker.get("job_id"), marker.get("files")
+    if not _is_int(step) or not _is_int(ws, 1) or (job is not None and not isinstance(job, str)):
+        return None, "malformed commit marker: step, world_size or job_id missing or invalid"
+    if dir_url is not None and (m := _STEP_DIR.match(dir_url.rstrip("/").rsplit("/", 1)[-1])) and int(m[1]) != step:
+        return None, f"malformed commit marker: step {step} in the directory of step {int(m[1])}"
+    if not isinstance(files, dict) or not files:
+        return None, "malformed commit marker: no files listed"
+    for name, entry in files.items():
+        if not _SAFE_NAME.match(name) or name in (".", ".."):
+            return None, f"malformed commit marker: bad file name {name!r}"
+        if not isinstance(entry, list) or len(entry) != 2 or not all(_is_int(v) for v in entry):
+            return None, f"malformed commit marker: bad entry for {name}"
+    if ".metadata" not in files or not any(n.endswith(".distcp") for n in files):
+        return None, "malformed commit marker: .metadata or data files not listed"
+    if not any(n in files for n in _EXTRA_NAMES):
+        return None, "malformed commit marker: extra state not listed"
+    return marker, None
+
+
+def marker_problem(dir_url: str, storage_options: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, str]:
+    """(marker, "") or (None, why the directory has no usable marker)."""
     fs = filesystem(dir_url, storage_options)
     try:
         with fs.open(join(_path(dir_url), COMMIT_MARKER), "rb") as f:
-            return json.loads(f.read())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+            body = f.read()
+    except FileNotFoundError:
+        return None, "no commit marker"
+    except OSError as e:
+        return None, f"unreadable commit marker: {e}"
+    marker, problem = parse_marker(body, dir_url)
+    return marker, problem or ""
+
+
+def read_marker(dir_url: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The well-formed commit marker of ``dir_url``, or None (missing or malformed)."""
+    return marker_problem(dir_url, storage_options)[0]
 
 
 def _file_crc(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, int]:
@@ -282,15 +343,24 @@ def _file_crc(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, int]:
     return size, crc
 
 
+def _unlisted(fs: fsspec.AbstractFileSystem, base: str, files: dict[str, Any]) -> list[str]:
+    """Files the loader would read (DCP data and metadata, extra state) that the marker does not cover."""
+    names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(base, detail=False)]
+    return sorted(n for n in names if (n == ".metadata" or n.endswith(".distcp") or n.startswith("__extra_"))
+                  and n not in files)
+
+
 def verify(dir_url: str, storage_options: dict[str, Any] | None = None, threads: int = 4) -> str | None:
-    """None when the checkpoint is committed and every listed file has its recorded size and CRC32C;
-    otherwise the reason it is unusable."""
-    marker = read_marker(dir_url, storage_options)
+    """None when the checkpoint has a well-formed commit marker, every listed file has its recorded size
+    and CRC32C, and no file the loader reads is missing from the list; otherwise why it is unusable."""
+    marker, problem = marker_problem(dir_url, storage_options)
     if marker is None:
-        return "no commit marker"
+        return problem
     fs = filesystem(dir_url, storage_options)
     base = _path(dir_url)
-    files = marker.get("files", {})
+    files: dict[str, list[int]] = marker["files"]
+    if unlisted := _unlisted(fs, base, files):
+        return f"files not covered by the commit marker: {unlisted}"
     with cf.ThreadPoolExecutor(max_workers=threads) as pool:
         futures = {name: pool.submit(_file_crc, fs, join(base, name)) for name in files}
         for name, fut in futures.items():
@@ -298,6 +368,8 @@ def verify(dir_url: str, storage_options: dict[str, Any] | None = None, threads:
                 size, crc = fut.result()
             except FileNotFoundError:
                 return f"missing file {name}"
+            except OSError as e:
+                return f"unreadable file {name}: {e}"
             if [size, crc] != list(files[name]):
                 return f"checksum mismatch in {name}: size {size} crc {crc} != {files[name]}"
     return None

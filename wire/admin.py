@@ -122,6 +122,30 @@ class ReapReply(_Admin, frozen=True, kw_only=True):
     report: dict[str, Any]  # providers.reaper.ReapReport.to_dict()
 
 
+class DeadListRequest(_Admin, frozen=True, kw_only=True):
+    limit: int = 100  # the newest parked messages
+
+
+class DeadLetter(_Admin, frozen=True, kw_only=True):
+    """A JetStream message orchd gave up on, parked in the ``ORCH_DEAD`` stream."""
+
+    seq: int  # its sequence in ORCH_DEAD (``dead.replay``)
+    ts: float  # when it was parked
+    subject: str  # the subject it arrived on
+    reason: str  # why: core_error, max_deliveries, ...
+    deliveries: int  # how often it had been delivered to orchd
+    size: int  # bytes of its payload
+    preview: str  # the start of its payload, as text (invalid UTF-8 replaced)
+
+
+class DeadListReply(_Admin, frozen=True, kw_only=True):
+    messages: list[DeadLetter]  # oldest first
+
+
+class DeadReplayRequest(_Admin, frozen=True, kw_only=True):
+    seq: int  # the sequence of the parked message in ORCH_DEAD
+
+
 class AdminErrorBody(_Admin, frozen=True, kw_only=True):
     code: int
     message: str
@@ -139,5 +163,7 @@ ADMIN_ENDPOINTS: Final[dict[tuple[str, str], tuple[type[_Admin], type[_Admin]]]]
     ("prices", "list"): (EmptyRequest, PricesReply),
     ("events", "tail"): (TailEventsRequest, EventsReply),
     ("reap", "run"): (ReapRequest, ReapReply),
+    ("dead", "list"): (DeadListRequest, DeadListReply),
+    ("dead", "replay"): (DeadReplayRequest, OkReply),
 }
 """(resource, verb) -> (request type, reply type): the whole admin API."""

@@ -87,7 +87,8 @@ def decode(data: bytes, kind: type[M]) -> M: ...
 def decode(data: bytes, kind: types.UnionType) -> Any: ...
 def decode(data: bytes, kind: type[msgspec.Struct] | types.UnionType = AnyWire) -> msgspec.Struct:
     """Decode ``data`` as ``kind`` (a record class or a union of wire records); raise WireError on any
-    problem (too large, bad JSON, unknown type, bad schema, unsupported ``v``)."""
+    problem (too large, bad JSON, unknown type, bad schema, unsupported ``v``, ``too_deep``: nesting
+    beyond the interpreter's recursion limit, which msgspec reports as ``RecursionError``)."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise WireError("too_large", f"{len(data)} bytes > {MAX_MESSAGE_BYTES}")
     dec = _decoders.get(kind)
@@ -104,6 +105,8 @@ def decode(data: bytes, kind: type[msgspec.Struct] | types.UnionType = AnyWire) 
         else:
             reason = "bad_schema"
         raise WireError(reason, text) from None
+    except RecursionError:  # e.g. 2 KB of "[[[[..." in an ignored field: not a DecodeError in msgspec
+        raise WireError("too_deep", f"nesting too deep in {len(data)} bytes") from None
     version = getattr(msg, "v", None)  # every wire and admin record has ``v``; msgspec.Struct does not
     if version not in SUPPORTED_VERSIONS:
         raise WireError("bad_version", f"schema version {version} not in {sorted(SUPPORTED_VERSIONS)}")

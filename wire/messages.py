@@ -187,7 +187,7 @@ class RanksExited(_Wire, frozen=True, kw_only=True, tag="ranks_exited"):
     job_id: JobId
     generation: int
     exit_code: int
-    reason: str  # completed | emergency_checkpoint | failed | abandoned | stopped
+    reason: str  # completed|emergency_checkpoint|failed|abandoned|stopped|storage_error|no_usable_checkpoint
     last_step: int = 0
     ts: float
 
@@ -207,7 +207,7 @@ NodeEvent: TypeAlias = NodeRegistered | GenerationStarted | CheckpointCommitted 
 class LogLine(_Wire, frozen=True, kw_only=True, tag="log_line"):
     """One line of a trainer rank's output (not a report line), shipped by the agent.
 
-    Subject ``orch.logs.<job>.<node>`` (JetStream stream ORCH_LOGS, created by the agent if missing)."""
+    Subject ``orch.logs.<job>.<node>`` (JetStream stream ORCH_LOGS, created by orchd at start-up)."""
 
     job_id: JobId
     node_id: NodeId
@@ -297,6 +297,8 @@ class CheckpointPolicy(msgspec.Struct, frozen=True, kw_only=True):
     interval_s: float | None = None  # None: derived from the pool's preemption rate (Young/Daly)
     keep: int = 3
     save_s_estimate: float = 30.0  # until measured by a commit
+    # Unset is not encoded, so records and specs written before this field keep their bytes.
+    start_from: str | None | msgspec.UnsetType = msgspec.UNSET  # committed checkpoint to resume from; writes go to url
 
 
 class PricePolicy(msgspec.Struct, frozen=True, kw_only=True):

@@ -23,6 +23,7 @@ import nats.errors
 
 import wire as ev
 from orchestrator.settings import NatsSettings
+from wire.admin import DeadListReply, DeadListRequest, DeadReplayRequest
 
 T = TypeVar("T")
 
@@ -129,3 +130,9 @@ class AdminClient:
 
     async def reap(self, dry_run: bool = True) -> ev.ReapReply:
         return await self.call("reap", "run", ev.ReapRequest(dry_run=dry_run))
+
+    async def dead(self, limit: int = 100) -> DeadListReply:
+        return await self.call("dead", "list", DeadListRequest(limit=limit))
+
+    async def replay(self, seq: int) -> ev.OkReply:
+        return await self.call("dead", "replay", DeadReplayRequest(seq=seq))

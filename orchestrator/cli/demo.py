@@ -98,7 +98,7 @@ def demo_core(settings: Any) -> Any:
 
     config = core.CoreConfig(heartbeat_timeout_s=settings.daemon.heartbeat_timeout_s, tick_s=settings.daemon.tick_s,
                              boot_s_estimate=5.0, restart_overhead_s=10.0, terminate_s=5.0, launch_timeout_s=60.0,
-                             checkpoint_timeout_s=30.0, backoff_base_s=5.0)
+                             checkpoint_timeout_s=30.0, backoff_base_s=5.0, price_confirm_s=2.0)
     return CoreApi(decide=core.decide, state_to_records=core.state_to_records,
                    state_from_records=core.state_from_records, empty_state=lambda: core.State.empty(config))
 

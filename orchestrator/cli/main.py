@@ -9,6 +9,8 @@
       events [--follow]               decided commands, newest last (tail; --follow polls)
       explain JOB                     the audit of the core's decisions for a job
       reap --dry-run | --yes          orphan instances per provider (plan only with --dry-run)
+      dead list [--limit N] | replay SEQ   dead letters (ORCH_DEAD): messages orchd gave up on;
+                                      replay republishes one to its original subject
 
 Where orchd is: --server, else $ORCH_SERVER, else nats.urls of --config, else <state-dir>/orchd.json
 written by a running orchd (default state dir ./var/orchd), else nats://127.0.0.1:4222.
@@ -45,6 +47,7 @@ _COLUMNS: dict[str, tuple[str, ...]] = {
     "pools": ("pool", "gpu_type", "price_usd_h", "on_demand_usd_h", "ratio", "preemptions", "exposure_h"),
     "events": ("seq", "ts", "event", "command", "kind", "job", "node", "pool", "reason"),
     "entries": ("ts", "event", "action", "reason", "details"),
+    "messages": ("seq", "ts", "subject", "reason", "deliveries", "size", "preview"),
 }
 
 
@@ -94,6 +97,9 @@ def format_reply(kind: str, reply: Any, fmt: str) -> str:
     if kind in ("jobs", "nodes", "pools", "events"):
         rows = data[kind]
         return render_table(rows, _COLUMNS[kind]) if rows else f"(no {kind})\n"
+    if kind == "dead":
+        rows = data["messages"]
+        return render_table(rows, _COLUMNS["messages"]) if rows else "(no dead letters)\n"
     if kind == "job":
         out = render_kv(data["summary"])
         if data["nodes"]:
@@ -159,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = s.add_mutually_exclusive_group(required=True)
     g.add_argument("--dry-run", action="store_true", help="plan and report only")
     g.add_argument("--yes", action="store_true", help="terminate orphans past their grace period")
+    dead = sub.add_parser("dead", help="dead letters").add_subparsers(dest="verb", required=True, metavar="VERB")
+    s = dead.add_parser("list", parents=[common], help="messages orchd gave up on (ORCH_DEAD)")
+    s.add_argument("--limit", type=int, default=100)
+    s = dead.add_parser("replay", parents=[common], help="republish one to its original subject")
+    s.add_argument("seq", type=int)
     # subcommands that live in their own modules (args.run)
     logs_cmd.add_parser(sub, common)
     demo.add_parser(sub, common)
@@ -203,6 +214,10 @@ async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | Non
             return EXIT_OK
         if cmd == "reap":
             out(format_reply("reap", await c.reap(dry_run=args.dry_run), fmt))
+            return EXIT_OK
+        if cmd == "dead":
+            reply = await (c.dead(args.limit) if verb == "list" else c.replay(args.seq))
+            out(format_reply("dead" if verb == "list" else "ok", reply, fmt))
             return EXIT_OK
         if cmd == "events":
             after = 0

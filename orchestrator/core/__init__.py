@@ -8,6 +8,7 @@ See docs/core.md for the state machines, the policies and the persistence contra
 
 from orchestrator.core.commands import Command
 from orchestrator.core.decide import decide
+from orchestrator.core.gate import authorize
 from orchestrator.core.inputs import CoreEvent
 from orchestrator.core.model import (
     AuditEntry,
@@ -43,6 +44,7 @@ __all__ = [
     "NodePhase",
     "PoolStats",
     "State",
+    "authorize",
     "decide",
     "job_burn_usd_h",
     "job_cost_usd",

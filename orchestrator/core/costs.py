@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import msgspec
 
 from orchestrator.core.model import Job, Node, NodePhase, PoolStats
-from orchestrator.core.pricing import pool_cum_usd, record_exposure
+from orchestrator.core.pricing import MAX_DURATION_S, pool_cum_usd, record_exposure
 from orchestrator.core.tx import Tx
 
 N = NodePhase
@@ -35,7 +35,7 @@ def live_step_time(tx: Tx, job: Job) -> float | None:
     for nid in job.gen_nodes:
         n = tx.nodes.get(nid)
         if n is not None and n.generation == job.generation and n.step_time_s:
-            total += n.step_time_s
+            total += min(n.step_time_s, MAX_DURATION_S)  # capped: the mean stays finite (pricing.py)
             count += 1
     return total / count if count else job.step_time_s
 

@@ -21,7 +21,7 @@ import msgspec
 
 from orchestrator.core import lifecycle as lc
 from orchestrator.core import node_events as ne
-from orchestrator.core import policy
+from orchestrator.core import policy, roots
 from orchestrator.core.commands import Terminate
 from orchestrator.core.costs import billing_start
 from orchestrator.core.inputs import (
@@ -195,6 +195,13 @@ def _job_submitted(tx: Tx, ev: JobSubmitted) -> None:
     if ev.job_id in tx.jobs:
         return  # redelivered
     spec = ev.spec
+    # One job, one checkpoint root: never equal to, inside or containing another job's root, finished
+    # jobs included (their checkpoints must not be resumed from by accident or rotated away).
+    clash = roots.find_overlap(((j.job_id, j.spec.checkpoint.url) for j in tx.jobs.values()), spec.checkpoint.url)
+    if clash is not None:
+        tx.record(ev.job_id, "submit_refused", "checkpoint_root_overlap", name=spec.name, root=clash.root,
+                  relation=clash.relation, other_job=clash.job_id, other_root=clash.other_root)
+        return
     target = min(max(spec.nodes, spec.nodes_min, 1), max(spec.nodes_max, spec.nodes_min, 1))
     job = Job(
         job_id=ev.job_id, spec=spec, phase=J.PENDING, phase_ts=tx.now, submitted_ts=tx.now,
@@ -203,7 +210,12 @@ def _job_submitted(tx: Tx, ev: JobSubmitted) -> None:
     tx.put_job(job)
     if spec.budget_usd is not None:
         tx.put_meta(budget_jobs=tx.meta.budget_jobs + (ev.job_id,))
-    tx.record(ev.job_id, "submit", "admin", name=spec.name, nodes=target, gpu_type=spec.gpu_type)
+    start = roots.start_from(spec.checkpoint)  # named in the audit only when the spec gives one
+    if start is None:
+        tx.record(ev.job_id, "submit", "admin", name=spec.name, nodes=target, gpu_type=spec.gpu_type)
+    else:
+        tx.record(ev.job_id, "submit", "admin", name=spec.name, nodes=target, gpu_type=spec.gpu_type,
+                  start_from=start)
     lc.replenish(tx, job)
 
 
@@ -306,9 +318,10 @@ def _node_registered(tx: Tx, ev: NodeRegistered) -> None:
         return  # redelivered (or re-registration of an agent that restarted)
     job = tx.jobs.get(node.job_id)
     billed_now = node.phase == N.REQUESTED  # registration before NodeLaunched: billing starts here
+    # The agent's instance id is never adopted: only the executor's NodeLaunched (what the cloud
+    # returned to orchd) sets it; an agent could name another job's instance (the trust gate can only
+    # compare it once NodeLaunched has set it).
     changes: dict[str, object] = {"host": ev.host or node.host, "last_seen": tx.now}
-    if ev.instance_id and node.instance_id is None:
-        changes["instance_id"] = ev.instance_id
     if billed_now:
         changes["launched_ts"] = tx.now
         changes.update(billing_start(tx, node))
@@ -344,6 +357,9 @@ def _checkpoint_committed(tx: Tx, ev: CheckpointCommitted) -> None:
               url=ev.url, save_s=measured, deadline_margin_s=fin(ev.deadline_margin_s))
 
 
+_COUNTED_EXITS = ("failed", "no_usable_checkpoint")  # RanksExited reasons counted against max_restarts
+
+
 def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
     job = tx.jobs.get(ev.job_id)
     node = tx.nodes.get(ev.node_id)
@@ -361,11 +377,14 @@ def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
         tx.job_phase(job, J.SUCCEEDED, reason="completed")
         return
     if job.phase in (J.STARTING, J.RUNNING):
-        if ev.reason == "failed":
+        # counted: a trainer error, and "no usable checkpoint" (a restart would fail the same way). Not
+        # counted: storage_error / checkpoint_failed (a full or failing checkpoint store is not the trainer's)
+        if ev.reason in _COUNTED_EXITS:
             job = tx.update_job(job, failures=job.failures + 1)
             if job.failures > tx.cfg.max_restarts:
-                job = lc.terminate_all(tx, job, "trainer_failed")
-                tx.job_phase(job, J.FAILED, reason="trainer_failed")
+                why = "trainer_failed" if ev.reason == "failed" else ev.reason
+                job = lc.terminate_all(tx, job, why)
+                tx.job_phase(job, J.FAILED, reason=why)
                 return
         job = lc.abandon_generation(tx, job, f"ranks_exited_{ev.reason}")
     job = lc.maybe_end_generation(tx, job)

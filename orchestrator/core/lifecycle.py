@@ -31,6 +31,7 @@ from orchestrator.core.model import (
 )
 from orchestrator.core.placement import Alternative, alternatives, markets_for, ranked, zone_of
 from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds, transfer_cost_usd
+from orchestrator.core.roots import start_from
 from orchestrator.core.tx import Tx
 from wire.messages import AbandonGenerationCmd, CheckpointCmd, NodeId, StartGenerationCmd
 
@@ -190,6 +191,9 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
     master = members[0].host or members[0].node_id
     port = cfg.master_port_base + gen % cfg.master_port_span
     interval = checkpoint_interval_s(job, tx.pools.get(members[0].pool_name), nn, cfg, tx.now)
+    # Before its own first commit a job resumes only from the checkpoint its spec names (start_from),
+    # never from anything found under its root; it always writes under its own root.
+    resume = job.committed_url if job.committed_url is not None else start_from(job.spec.checkpoint)
     ids = []
     for rank, node in enumerate(members):
         # the generation resumes after the committed step: a member's step starts there again
@@ -205,7 +209,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
                 world_size=nn * gpn,
                 master_addr=master,
                 master_port=port,
-                resume_from=job.committed_url,
+                resume_from=resume,
                 checkpoint_url=job.spec.checkpoint.url,
                 total_steps=job.spec.total_steps,
                 checkpoint_interval_s=interval,
@@ -215,7 +219,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
         ids.append(node.node_id)
     tx.record(
         job.job_id, "start_generation", job.reason or "nodes_ready", generation=gen, nodes=ids,
-        resume_from=job.committed_url, checkpoint_interval_s=interval, master_addr=master, master_port=port,
+        resume_from=resume, checkpoint_interval_s=interval, master_addr=master, master_port=port,
     )
     return tx.job_phase(
         job, J.STARTING, reason="generation_started", generation=gen, gen_nodes=tuple(ids), gen_exited=(),

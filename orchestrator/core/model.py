@@ -100,6 +100,11 @@ class Intent(StrEnum):
     RECOVER = "recover"
 
 
+DEFAULT_MAX_PRICE_USD_H: Final = 1000.0  # per node-hour, spot or on-demand
+DEFAULT_MAX_SPOT_OVER_ON_DEMAND: Final = 10.0  # spot at most this many times the on-demand price
+DEFAULT_PRICE_CONFIRM_S: Final = 60.0  # a new price acts only once it has held this long
+
+
 class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Tunables of the decision policy. Units are in the names."""
 
@@ -158,6 +163,38 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     progress_line: bool = True
     progress_line_margin_s: float = 0.0
     max_alternatives: int = 5
+    # Bounds on prices (PriceTick): a tick outside them is ignored (audit ``bad_price``), so the cost and
+    # budget arithmetic never sees an absurd number (1e308 $/h x 60 s overflows to inf). Any price, spot or
+    # on-demand, at most ``price_ceiling_usd_h()`` per node-hour; a spot price at most ``spot_band()`` x
+    # the on-demand price the tick carries (else the pool's, else the on-demand pool's of the same key; no
+    # band while none is known). UNSET = the defaults below, and an UNSET field is not encoded: the
+    # persisted meta record of a default config keeps the bytes older releases wrote.
+    max_price_usd_h: float | msgspec.UnsetType = msgspec.UNSET
+    max_spot_over_on_demand: float | msgspec.UnsetType = msgspec.UNSET
+    # Two signals before a price moves money: a new price of a pool is *pending* until it has held (every
+    # tick in between within PRICE_TOLERANCE of it) for ``confirm_s()`` (UNSET = DEFAULT_PRICE_CONFIRM_S;
+    # 0 = at once). Pause, migration, scale-up, cost accrual and budgets see confirmed prices only.
+    price_confirm_s: float | msgspec.UnsetType = msgspec.UNSET
+    # "cloud/instance_type" entries the providers can launch (the catalog and configuration of orchd's
+    # clouds). When set, a pool of any other instance type is never a launch target. UNSET = no list.
+    known_instance_types: tuple[str, ...] | msgspec.UnsetType = msgspec.UNSET
+
+    def confirm_s(self) -> float:
+        v = self.price_confirm_s
+        return DEFAULT_PRICE_CONFIRM_S if isinstance(v, msgspec.UnsetType) else v
+
+    def knows(self, pool: PoolKey) -> bool:
+        """The pool's instance type is one the providers can launch (always, without a list)."""
+        known = self.known_instance_types
+        return isinstance(known, msgspec.UnsetType) or f"{pool.cloud}/{pool.instance_type}" in known
+
+    def price_ceiling_usd_h(self) -> float:
+        v = self.max_price_usd_h
+        return DEFAULT_MAX_PRICE_USD_H if isinstance(v, msgspec.UnsetType) else v
+
+    def spot_band(self) -> float:
+        v = self.max_spot_over_on_demand
+        return DEFAULT_MAX_SPOT_OVER_ON_DEMAND if isinstance(v, msgspec.UnsetType) else v
 
     def notice_window_s(self, cloud: str) -> float:
         if cloud == "aws":
@@ -233,7 +270,7 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     gpus_per_node: int
     price_usd_h: float | None = None
     on_demand_usd_h: float | None = None
-    price_ts: float = 0.0
+    price_ts: float = 0.0  # when the confirmed price was first observed
     cum_usd: float = 0.0  # integral of the price over time ($ per node) up to cum_ts: exact cost accrual
     cum_ts: float = 0.0  # without touching any job when a price changes
     capacity_hint: float | None = None
@@ -248,6 +285,11 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     # Launch failures.
     failures: int = 0
     backoff_until: float = 0.0
+    # A price observed but not yet confirmed (CoreConfig.price_confirm_s): the spot (or on-demand) price,
+    # the on-demand price it came with, and when it was first seen. UNSET (not encoded) when none.
+    seen_usd_h: float | msgspec.UnsetType = msgspec.UNSET
+    seen_od_usd_h: float | None | msgspec.UnsetType = msgspec.UNSET
+    seen_ts: float | msgspec.UnsetType = msgspec.UNSET
 
 
 class Meta(msgspec.Struct, frozen=True, kw_only=True):

@@ -35,9 +35,13 @@ def notice(tx: Tx, ev: PreemptionNotice) -> None:
         return
     if node.phase not in (N.BOOTING, N.REGISTERED, N.RUNNING, N.DRAINING):
         return  # already noticed (redelivered), or not launched
+    # The deadline is clamped into [now, now + the notice window of the node's cloud as the state records
+    # it (never the cloud the event names)]: a host with a wrong clock still gets its checkpoint, and a
+    # far-future deadline cannot close the pool for good (noticed_until) or keep a dead node alive.
+    # A terminate notice without a usable deadline: assume that window.
+    latest = tx.now + tx.cfg.notice_window_s(node.pool.cloud)
     deadline = fin(ev.deadline_ts)
-    if deadline is None:  # a terminate notice without a usable deadline: assume the cloud's window
-        deadline = tx.now + tx.cfg.notice_window_s(ev.cloud)
+    deadline = latest if deadline is None else min(max(deadline, tx.now), latest)
     ps = tx.pools.get(node.pool_name)
     if ps is not None:
         # the pool's capacity is going away: no new launches there until the deadline + grace

@@ -7,6 +7,8 @@ rate, recent-preemption penalty; see pricing.py). The result includes the runner
 Rules:
 - spot pools whose price is at or above the on-demand price, or whose capacity hint is 0, are treated
   as having no capacity (traces show pools parked at the on-demand price);
+- a pool whose instance type the providers do not know (``CoreConfig.knows``) is never a launch target,
+  and a pool without a confirmed price (docs/core.md, "Price confirmation") has no capacity;
 - pools in launch-failure backoff are skipped (never retry the pool that just failed), and so are spot
   pools that sent a terminate notice, until that notice's deadline + ``notice_skip_grace_s``;
 - ``zone`` restricts to one zone (replacements: a generation never spans zones); ``exclude`` removes
@@ -121,7 +123,7 @@ def ranked(
             continue
         if zone is not None and zone_of(ps.pool) != zone:
             continue
-        if not matches(job, ps) or not has_capacity(ps):
+        if not matches(job, ps) or not has_capacity(ps) or not cfg.knows(ps.pool):
             continue
         out.append((expected_cost_usd(job, ps, nnodes, step, cfg, now), name, ps))
     out.sort(key=lambda t: (t[0], t[1]))

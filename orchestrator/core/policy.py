@@ -2,9 +2,11 @@
 
 Role: what ``decide`` does on a ``Tick`` (scan nodes for silence and launch timeouts, then each active
 job for budget, deadline, price pause, stuck checkpoints and missing nodes; migration and scale-up at
-most every ``price_eval_interval_s`` per job) and on a ``PriceTick`` (O(1): update the pool and close
-its price integral at the old price, so every job's cost stays exact without touching the job; the
-price reaction happens on the next Tick; budget margins assume spot may rise up to on-demand until then).
+most every ``price_eval_interval_s`` per job) and on a ``PriceTick`` (O(1): observe the pool's price;
+it acts only once confirmed - held for ``price_confirm_s``, confirm.py - and then closes the pool's price
+integral at the old price, so every job's cost stays exact without touching the job; the price reaction
+happens on the next Tick; budget margins assume spot may rise up to on-demand until then). Every price
+read here is a confirmed one.
 
 Failure detection is two-signal: a heartbeat timeout only makes a node *suspect* (CheckInstance);
 NodeGone or AgentDisconnected confirms it. Detection is off while the daemon's bus is down and for one
@@ -13,10 +15,13 @@ heartbeat timeout after it reconnects (a NATS outage must never look like node f
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import msgspec
 
 from orchestrator.core import lifecycle as lc
 from orchestrator.core.commands import CheckInstance
+from orchestrator.core.confirm import confirm_due, held, observe
 from orchestrator.core.costs import burn_usd_h, cost_now, live_step_time, progress_step, worst_burn_usd_h
 from orchestrator.core.model import (
     TERMINAL_JOB_PHASES,
@@ -32,7 +37,6 @@ from orchestrator.core.placement import Ranked, alternatives, ranked, zone_of
 from orchestrator.core.pricing import (
     expected_cost_usd,
     migration_cost_usd,
-    pool_cum_usd,
     remaining_work_s,
     save_seconds,
 )
@@ -59,6 +63,7 @@ def suspect(tx: Tx, node: Node, reason: str) -> None:
 
 def on_tick(tx: Tx) -> None:
     cfg, now = tx.cfg, tx.now
+    confirm_due(tx)
     detect = tx.meta.bus_connected and now >= tx.meta.detect_paused_until
     touched: set[str] = set()
     for nid in _due_nodes(tx, detect):
@@ -286,12 +291,21 @@ def pause_check(tx: Tx, job: Job) -> Job:
     if ratio is None or ratio <= pp.pause_above_ratio:
         return job
     step = progress_step(tx, job)
-    rank = [r for r in ranked(tx.pools, job, job.target_nodes, step, tx.cfg, tx.now, markets=frozenset({Market.SPOT}))
+    rank = [r for r in _moves(tx, job, step, markets=frozenset({Market.SPOT}))
             if (_ratio(r[2]) or 1.0) < pp.resume_below_ratio]
     if rank:
         return _migrate(tx, job, rank, "price_above_pause_ratio", ps)
     tx.record(job.job_id, "pause", "price_above_pause_ratio", pool=ps.pool.name if ps else None, ratio=round(ratio, 4))
     return lc.checkpoint_job(tx, job, Intent.PAUSE, "price_pause")
+
+
+def _moves(tx: Tx, job: Job, step: int, *, exclude: Iterable[str] = (),
+           markets: frozenset[Market] | None = None) -> list[Ranked]:
+    """Pools a running job may move to: ``ranked``, less pools whose confirmed price is younger than
+    ``confirm_s`` (the first price of a new pool places new launches only)."""
+    confirm_s, now = tx.cfg.confirm_s(), tx.now
+    rank = ranked(tx.pools, job, job.target_nodes, step, tx.cfg, now, exclude=exclude, markets=markets)
+    return [r for r in rank if held(r[2], confirm_s, now)]
 
 
 def _migrate(tx: Tx, job: Job, rank: list[Ranked], reason: str, cur: PoolStats | None) -> Job:
@@ -315,8 +329,12 @@ def _market_moved(tx: Tx, job: Job, prev: float) -> bool:
         return True
     if job.migrate_ts is not None and prev < job.migrate_ts + cfg.migrate_cooldown_s <= now:
         return True
+    confirm_s = cfg.confirm_s()  # a new pool's price that came to have held (``_moves``) is a change
     for ps in tx.pools.values():
-        if ps.changed_ts >= prev or prev < ps.backoff_until <= now or prev < ps.noticed_until <= now:
+        if (
+            ps.changed_ts >= prev or prev < ps.backoff_until <= now or prev < ps.noticed_until <= now
+            or prev < ps.price_ts + confirm_s <= now
+        ):
             return True
     return False
 
@@ -337,7 +355,7 @@ def _price(tx: Tx, job: Job, prev_eval_ts: float = 0.0) -> Job:
     if (job.migrate_ts is None or tx.now - job.migrate_ts >= cfg.migrate_cooldown_s) and _market_moved(
         tx, job, prev_eval_ts
     ):
-        rank = ranked(tx.pools, job, nn, step, cfg, tx.now, exclude={cur.pool.name})
+        rank = _moves(tx, job, step, exclude={cur.pool.name})
         if rank and zone_of(rank[0][2].pool) != "":
             cur_cost = expected_cost_usd(job, cur, nn, step, cfg, tx.now, penalty=False)
             alt_cost, _, alt = rank[0]
@@ -381,51 +399,42 @@ def _resume(tx: Tx, job: Job) -> None:
 # --- PriceTick ----------------------------------------------------------------------------------
 
 
-def _update_pool(tx: Tx, name: str, pt: PriceTick, market: Market, price: float, od: float | None) -> bool:
-    ps = tx.pools.get(name)
-    if ps is None:
-        pool = pt.pool if pt.pool.market == market else _replace(pt.pool, market=market)
-        ps = PoolStats(pool=pool, gpu_type=pt.gpu_type, gpus_per_node=pt.gpus_per_node)
-    elif ps.price_usd_h == price and ps.on_demand_usd_h == od and ps.capacity_hint == fin(pt.capacity_hint):
-        return False  # only the timestamp would change
-    hint = fin(pt.capacity_hint) if market == pt.pool.market else None
-    # Close the price integral at the old price: jobs' costs stay exact without touching any job.
-    cum = pool_cum_usd(ps, tx.now) if ps.price_usd_h is not None else ps.cum_usd
-    tx.put_pool(name, _replace(ps, price_usd_h=price, on_demand_usd_h=od, price_ts=tx.now, capacity_hint=hint,
-                               gpu_type=pt.gpu_type, gpus_per_node=pt.gpus_per_node, cum_usd=cum,
-                               cum_ts=max(tx.now, ps.cum_ts)))
-    return True
+def _price_in_bounds(tx: Tx, pt: PriceTick, usd: float, od_usd: float | None, od_name: str | None) -> bool:
+    """``usd`` (and the tick's on-demand price) at most the config's price ceiling; a spot price at most
+    its spot band x the on-demand price of the tick, else of the pool, else of the
+    on-demand pool of the same key (no band while none is known)."""
+    cfg = tx.cfg
+    ceiling = cfg.price_ceiling_usd_h()
+    if usd > ceiling or (od_usd is not None and od_usd > ceiling):
+        return False
+    if od_name is None:
+        return True
+    od = od_usd
+    if od is None:
+        ps, od_ps = tx.pools.get(pt.pool.name), tx.pools.get(od_name)
+        od = ps.on_demand_usd_h if ps is not None else None
+        od = od if od is not None or od_ps is None else od_ps.price_usd_h
+    return od is None or od <= 0 or usd <= cfg.spot_band() * od
 
 
 def on_price(tx: Tx, pt: PriceTick) -> None:
     usd = fin(pt.price_usd_h)
-    if usd is None or usd < 0:
-        tx.record(None, "ignore", "bad_price", pool=pt.pool.name)
-        return
     od_usd = fin(pt.on_demand_usd_h)
     if od_usd is not None and od_usd < 0:
         od_usd = None
-    od = od_usd if pt.pool.market == Market.SPOT else usd
     od_name = _replace(pt.pool, market=Market.ON_DEMAND).name if pt.pool.market == Market.SPOT else None
-    if not _differs(tx, pt.pool.name, usd, od, fin(pt.capacity_hint)) and (
-        od_name is None or od_usd is None or not _differs(tx, od_name, od_usd, od_usd, None)
-    ):
-        return  # same prices again: nothing changes
-    old = tx.pools.get(pt.pool.name)
-    rise = old is None or old.price_usd_h is None or usd > old.price_usd_h
-    _update_pool(tx, pt.pool.name, pt, pt.pool.market, usd, od)
+    if usd is None or usd < 0 or not _price_in_bounds(tx, pt, usd, od_usd, od_name):
+        tx.record(None, "ignore", "bad_price", pool=pt.pool.name)
+        return
+    od = od_usd if pt.pool.market == Market.SPOT else usd
+    # Prices act only once confirmed (confirm.py): a glitch shorter than confirm_s leaves an audit record.
+    rise = observe(tx, pt.pool.name, pt, pt.pool.market, usd, od)
     if od_name is not None and od_usd is not None:
-        old_od = tx.pools.get(od_name)
-        rise = rise or old_od is None or old_od.price_usd_h is None or od_usd > old_od.price_usd_h
-        _update_pool(tx, od_name, pt, Market.ON_DEMAND, od_usd, od_usd)
-    if rise:  # budgets use the current burn between checks: a rise is a check
+        rise = observe(tx, od_name, pt, Market.ON_DEMAND, od_usd, od_usd) or rise
+    if rise:  # budgets use the current (confirmed) burn between checks: a confirmed rise is a check
         names = {pt.pool.name, od_name}
         for jid in tx.meta.budget_jobs:
             job = tx.jobs.get(jid)
             if job is not None and any(n in tx.nodes and tx.nodes[n].pool_name in names for n in job.nodes):
                 check_budget(tx, job)
 
-
-def _differs(tx: Tx, name: str, price: float, od: float | None, hint: float | None) -> bool:
-    ps = tx.pools.get(name)
-    return ps is None or ps.price_usd_h != price or ps.on_demand_usd_h != od or ps.capacity_hint != hint

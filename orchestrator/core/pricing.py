@@ -75,16 +75,23 @@ def recent_penalty(ps: PoolStats, cfg: CoreConfig, now: float) -> float:
     return 1.0 + cfg.preempted_penalty * decay(1.0, ps.last_preempted_ts, now, cfg.preempted_penalty_half_life_s)
 
 
+# Durations measured by agents (save time, step time) are read capped at a week: the shell's screen
+# refuses larger ones, and the cap keeps every product with a price or a step count finite for any caller
+# (the budget check multiplies the burn by the save time). Honest values are never changed.
+MAX_DURATION_S = 7 * 86400.0
+
+
 def save_seconds(job: Job) -> float:
-    return job.save_s if job.save_s is not None else job.spec.checkpoint.save_s_estimate
+    return min(job.save_s if job.save_s is not None else job.spec.checkpoint.save_s_estimate, MAX_DURATION_S)
 
 
 def step_seconds(job: Job) -> float:
-    return job.step_time_s if job.step_time_s is not None else job.spec.step_time_s_estimate
+    return min(job.step_time_s if job.step_time_s is not None else job.spec.step_time_s_estimate, MAX_DURATION_S)
 
 
 def remaining_work_s(job: Job, step: int, step_time_s: float | None = None) -> float:
-    return max(0, job.spec.total_steps - step) * (step_time_s if step_time_s else step_seconds(job))
+    per_step = min(step_time_s, MAX_DURATION_S) if step_time_s else step_seconds(job)
+    return max(0, job.spec.total_steps - step) * per_step
 
 
 def emergency_fits(job: Job, cfg: CoreConfig, cloud: str) -> bool:

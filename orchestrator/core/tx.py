@@ -27,6 +27,7 @@ from orchestrator.core.model import (
     pool_record_key,
     safe_token,
 )
+from orchestrator.core.records import check_records
 from orchestrator.core.transitions import IllegalTransition, check_job, check_node
 from wire.messages import AgentCommand, JobId, NodeId
 
@@ -187,4 +188,7 @@ class Tx:
             state = s0
         else:
             state = State(self.jobs, self.nodes, self.pools, self.meta)
+            # a record carrying inf/nan must never be persisted: raise here (a core bug, or an input the
+            # bounds let through), so the shell skips the event and keeps the previous state
+            check_records(state, self.dirty, s0)
         return Decision(state, tuple(self.cmds), tuple(self.audit), frozenset(self.dirty))

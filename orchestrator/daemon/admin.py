@@ -24,10 +24,13 @@ import anyio
 import msgspec
 import nats.micro
 import structlog
+from nats.js.errors import NotFoundError
 from nats.micro.request import Request
 
 import wire as ev
+from orchestrator import bus
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
+from orchestrator.core.roots import Overlap, find_overlap
 from orchestrator.daemon.state import (
     counts,
     job_summary,
@@ -38,6 +41,7 @@ from orchestrator.daemon.state import (
     record_dict,
 )
 from orchestrator.jobspec import spec_problems
+from wire.admin import DeadLetter, DeadListReply, DeadListRequest, DeadReplayRequest
 
 log = structlog.get_logger("orchd.admin")
 
@@ -111,6 +115,16 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())[:1000]
 
 
+def _overlap_message(job_id: str, clash: Overlap, other: Any) -> str:
+    where = {"equal": "is the checkpoint root of", "inside": "lies inside the checkpoint root of",
+             "contains": "contains the checkpoint root of"}[clash.relation]
+    phase = getattr(other.phase, "value", other.phase)
+    hint = (f'; to start from its last committed checkpoint, set [checkpoint] start_from = "{other.committed_url}"'
+            if other.committed_url else "")
+    return (f"job {job_id!r} refused: checkpoint.url {clash.root} {where} job {clash.job_id!r} ({phase}, root "
+            f"{clash.other_root}). One job, one checkpoint root: choose a checkpoint.url outside it{hint}.")
+
+
 class Handlers:
     def __init__(self, d: Any) -> None:
         self.d = d
@@ -141,6 +155,11 @@ class Handlers:
             return ev.SubmitJobReply(job_id=job_id, created=False)
         await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=req.spec))
         if job_id not in self.d.state.jobs:
+            clash = find_overlap(((j.job_id, j.spec.checkpoint.url) for j in self.d.state.jobs.values()),
+                                 req.spec.checkpoint.url)
+            if clash is not None:  # the core's reason (audit submit_refused), said again from the same rule
+                raise AdminFailure(409, _overlap_message(job_id, clash, self.d.state.jobs[clash.job_id]),
+                                   "checkpoint_root_overlap")
             raise AdminFailure(409, f"the core did not accept job {job_id!r} (see orchctl explain {job_id})")
         log.info("job_submitted", job=job_id, name=req.spec.name)
         return ev.SubmitJobReply(job_id=job_id, created=True)
@@ -207,3 +226,19 @@ class Handlers:
         report = await anyio.to_thread.run_sync(
             lambda: reaper.reconcile(known, state_ok=self.d.may_act(), dry_run=req.dry_run))
         return ev.ReapReply(report=report.to_dict())
+
+    async def dead_list(self, req: DeadListRequest) -> DeadListReply:
+        parked = await bus.dead_list(self.d.store.js, limit=max(1, min(req.limit, 1000)))
+        return DeadListReply(messages=[
+            DeadLetter(seq=p.seq, ts=p.ts, subject=p.subject, reason=p.reason, deliveries=p.deliveries,
+                       size=len(p.data), preview=p.data[:200].decode("utf-8", "replace")) for p in parked])
+
+    async def dead_replay(self, req: DeadReplayRequest) -> ev.OkReply:
+        try:
+            dead = await bus.replay(self.d.store.js, req.seq)
+        except NotFoundError:
+            raise AdminFailure(404, f"no dead letter {req.seq} in {bus.STREAM_DEAD}") from None
+        except ValueError as e:
+            raise AdminFailure(400, str(e)) from None
+        log.info("dead_letter_replayed", seq=req.seq, subject=dead.subject, reason=dead.reason)
+        return ev.OkReply(message=f"dead letter {req.seq} republished to {dead.subject}")

@@ -24,6 +24,7 @@ cancels in-flight commands, which stay in the outbox and are re-executed by the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar, TypeVarTuple
@@ -154,7 +155,8 @@ class Executor:
             job_id=cmd.job_id,
             bootstrap=NodeBootstrap(nats_urls=self.nats_urls, node_credentials=(
                 {} if self.credentials is None
-                else await anyio.to_thread.run_sync(self.credentials.on_launch, cmd.node_ids))),
+                else await anyio.to_thread.run_sync(functools.partial(
+                    self.credentials.on_launch, cmd.node_ids, job_id=cmd.job_id, cloud=cmd.pool.cloud)))),
         )
         try:
             result = await self._call(cmd.pool.cloud, "launch", provider.launch, req)
@@ -184,7 +186,8 @@ class Executor:
                 log.error("terminate_no_provider", node=cmd.node_id, cloud=cmd.pool.cloud)
             else:
                 try:
-                    await self._call(cmd.pool.cloud, "terminate", provider.terminate, [cmd.instance_id])
+                    await self._call(cmd.pool.cloud, "terminate", provider.terminate, [cmd.instance_id],
+                                     self.settings.daemon.cluster_id)
                 except ProviderError as e:
                     log.error("terminate_failed", node=cmd.node_id, error=str(e))
                     return ()  # the reaper finds leftovers; the core keeps the node until it is gone

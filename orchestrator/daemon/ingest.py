@@ -30,6 +30,8 @@ from nats.aio.msg import Msg
 
 import wire as ev
 from orchestrator.core.inputs import CoreEvent
+from orchestrator.core.model import CoreConfig
+from orchestrator.core.pricing import MAX_DURATION_S
 from orchestrator.daemon.metrics import Metrics
 
 if TYPE_CHECKING:
@@ -162,6 +164,15 @@ class _PullRequest:
 # --- screening: what a schema cannot say -----------------------------------------------------------
 
 _NODE_EVENT_INTS = ("generation", "first_step", "step", "last_step")
+# Bounds before arithmetic (no honest publisher exceeds them; the core re-checks prices against its own
+# config, these are the CoreConfig defaults): steps and generations fit a float exactly, durations a week
+# (MAX_DURATION_S, the cap the core reads them with).
+_PRICE_BOUNDS = CoreConfig()
+MAX_PRICE_USD_H = _PRICE_BOUNDS.price_ceiling_usd_h()
+MAX_SPOT_OVER_ON_DEMAND = _PRICE_BOUNDS.spot_band()
+MAX_STEP = 2**53
+MAX_GENERATION = 2**31
+MAX_SEQ = 2**62
 
 
 def _finite(x: float | None, *, lo: float | None = 0.0, hi: float | None = None, optional: bool = False) -> bool:
@@ -179,8 +190,11 @@ def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent)
     (``orch.node.<node>.event`` / ``orch.notice.<cloud>.<node>`` may only carry that node's events -
     per-node NATS permissions mean nothing otherwise; ``orch.price.<cloud>.<region>`` only that
     cloud/region's pools) -> ``subject_mismatch``; numbers that no honest publisher sends (negative or
-    non-finite prices, times, steps, generations; capacity hints outside 0..1; gpus_per_node < 1) and
-    empty ids -> ``bad_value``. Pure and cheap: called once per message by the decide pipeline
+    non-finite prices, times, steps, generations; prices above ``MAX_PRICE_USD_H``, spot above
+    ``MAX_SPOT_OVER_ON_DEMAND`` x the tick's on-demand price; steps above ``MAX_STEP``, generations above
+    ``MAX_GENERATION``, save times beyond ``MAX_DURATION_S``; capacity hints outside 0..1;
+    gpus_per_node < 1) and empty ids -> ``bad_value``. A notice is never refused for its timestamps.
+    Pure and cheap: called once per message by the decide pipeline
     (``pipeline.screen_js``)."""
     parts = subject.split(".")
     if isinstance(msg, ev.PriceTick):
@@ -189,26 +203,33 @@ def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent)
             return "subject_mismatch"
         if not (msg.id and p.zone and p.instance_type and msg.gpu_type) or msg.gpus_per_node < 1:
             return "bad_value"
-        if not (_finite(msg.price_usd_h) and _finite(msg.on_demand_usd_h, optional=True)
+        if not (_finite(msg.price_usd_h, hi=MAX_PRICE_USD_H)
+                and _finite(msg.on_demand_usd_h, hi=MAX_PRICE_USD_H, optional=True)
                 and _finite(msg.capacity_hint, hi=1.0, optional=True) and _finite(msg.ts)):
+            return "bad_value"
+        od = msg.on_demand_usd_h
+        if p.market == ev.Market.SPOT and od and msg.price_usd_h > MAX_SPOT_OVER_ON_DEMAND * od:
             return "bad_value"
         return None
     if isinstance(msg, ev.PreemptionNotice):
+        # never refused for its timestamps: a host with a wrong clock must still get its checkpoint (the
+        # core clamps the deadline into its node's notice window)
         if len(parts) != 4 or parts[2] != msg.cloud or parts[3] != msg.node_id:
             return "subject_mismatch"
-        if not msg.id or not (_finite(msg.deadline_ts, optional=True) and _finite(msg.observed_ts)):
-            return "bad_value"
-        return None
+        return None if msg.id else "bad_value"
     # node events: orch.node.<node>.event
     if len(parts) != 4 or parts[1] != "node" or parts[2] != msg.node_id:
         return "subject_mismatch"
     if not msg.id or not _finite(msg.ts):
         return "bad_value"
     for name in _NODE_EVENT_INTS:
-        if getattr(msg, name, 0) < 0:
+        if not 0 <= getattr(msg, name, 0) <= MAX_STEP:
             return "bad_value"
+    if getattr(msg, "generation", 0) > MAX_GENERATION:
+        return "bad_value"
     if isinstance(msg, ev.CheckpointCommitted) and not (
-            _finite(msg.save_s) and _finite(msg.deadline_margin_s, lo=None, optional=True)):
+            _finite(msg.save_s, hi=MAX_DURATION_S)
+            and _finite(msg.deadline_margin_s, lo=-MAX_DURATION_S, hi=MAX_DURATION_S, optional=True)):
         return "bad_value"
     return None
 
@@ -217,6 +238,9 @@ def screen_heartbeat(subject: str, hb: ev.Heartbeat) -> str | None:
     """``screen`` for a heartbeat (the hot path: two comparisons): its subject must name its node."""
     if subject[10:-3] != hb.node_id:  # "orch.node." + node + ".hb"
         return "subject_mismatch"
-    if hb.seq < 0 or hb.step < 0 or hb.generation < 0:
+    if not (0 <= hb.seq <= MAX_SEQ and 0 <= hb.step <= MAX_STEP and 0 <= hb.generation <= MAX_GENERATION):
+        return "bad_value"
+    st = hb.step_time_s
+    if st is not None and not 0.0 <= st <= MAX_DURATION_S:  # nan fails both comparisons
         return "bad_value"
     return None

@@ -30,7 +30,7 @@ from orchestrator.daemon.executor import Executor, Result, agent_command_kind
 from orchestrator.daemon.ingest import Batch, Intake, ShellItem
 from orchestrator.daemon.liveness import LivenessFlusher
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.state import CoreApi, refresh_gauges, summarize_event
+from orchestrator.daemon.state import CoreApi, RejectionLog, refresh_gauges, summarize_event
 from orchestrator.daemon.store import Store
 from orchestrator.settings import Settings
 from providers.base import CloudProvider
@@ -72,6 +72,7 @@ class Daemon:
         self.batches = 0
         self.recent: deque[dict[str, object]] = deque(maxlen=2000)  # decided commands, for `orchctl events`
         self.recent_seq = 0
+        self.rejections = RejectionLog()  # the trust gate's refusals in `recent`, rate-limited
         self.notice_ts: dict[str, float] = {}  # cmd_id -> notice publish ts (latency metric)
         self.liveness = LivenessFlusher(self._write_liveness, settings.daemon.liveness_flush_max)
         self._stop = stop if stop is not None else anyio.Event()  # the caller's: signals arrive while standing by
@@ -176,8 +177,9 @@ class Daemon:
         batches carry no slice of a liveness flush round (their commands should leave as soon as possible)."""
         store, executor, state = self._running()
         t_begin = time.perf_counter()
-        decider = pipeline.Decider(self.core, state, metrics=self.metrics, on_decision=self._log_decision)
-        decided = pipeline.decide_batch(batch, decider)
+        decider = pipeline.Decider(self.core, state, metrics=self.metrics, on_decision=self._log_decision,
+                                   on_reject=self._log_rejection)
+        decided = pipeline.decide_batch(batch, decider, dead_after=self.settings.daemon.dead_after_deliveries)
         final = self._stop.is_set()
         self.liveness.settle(decided.liveness, decided.dirty, final=final)
         t_decided = time.perf_counter()
@@ -225,6 +227,17 @@ class Daemon:
             return core.state_to_records(state, ks)
 
         await store.write_records_background(keys, encode)
+
+    def _log_rejection(self, event: CoreEvent, reason: str) -> None:
+        """A refusal of the trust gate: logged and shown in ``orchctl events``, at most once per
+        (sender node, reason) per 10 s (``RejectionLog``; the entry counts the ones folded into it)."""
+        ts = time.time()
+        entry = self.rejections.entry(event, reason, ts)
+        if entry is None:
+            return
+        log.warning("event_refused", **{("event_type" if k == "event" else k): v for k, v in entry.items()})
+        self.recent_seq += 1
+        self.recent.append({"seq": self.recent_seq, "ts": ts, **entry})
 
     def _log_decision(self, event: CoreEvent, d: Decision) -> None:
         ctx = summarize_event(event)

@@ -10,22 +10,26 @@ them; heartbeats take the very same functions, batched, with nothing logged per 
                ``admit_js`` / ``admit_heartbeat`` = decode + screen of one message -> event | ``Rejected``;
                ``admit_batch`` runs one of them over a batch -> ``Admitted`` (events, their messages,
                rejections); ``count_rejections`` counts (and for JetStream logs) the rejections
-    decide     ``Decider.decide(events, ...)``: ``core.decide`` over the events in order, one state
-               threaded through -> ``Decided`` (dirty keys, commands, audit, liveness keys, acks)
+    decide     ``Decider.decide(events, ...)``: the trust gate (``core.authorize``), then ``core.decide``,
+               over the events in order, one state threaded through -> ``Decided`` (dirty keys,
+               commands, audit, liveness keys, acks)
                ``decide_batch(batch, decider)`` runs decode, screen and decide over a whole batch
     persist    ``persist(store, core, decided)``: records of the dirty keys, outbox, audit (outbox first)
-    ack        ``acknowledge(decided)``: ack the decided JetStream messages, ``term`` the rejected ones
+    ack        ``acknowledge(decided)``: ack the decided JetStream messages, ``term`` the rejected ones,
+               park (``bus.park_msg``, stream ``ORCH_DEAD``) and ``term`` those given up on: the core
+               raised on it, or delivered ``dead_after`` times already
     dispatch   ``dispatch(decided, executor, notice_ts)``: answer admin requests, hand commands out
 
-Where the two planned additions plug in:
+The trust gate (``orchestrator/core/gate.py``: ``authorize(state, event, now) -> reason | None``)
+authorizes each event against its sender's identity and the state; ``Decider.decide`` calls it right
+before ``core.decide`` for each event (it needs the state as of that event, so it cannot run with the
+batched, state-free ``screen``). The sender's identity is the node the event names: ``screen`` has
+already tied it to the subject. A refusal goes the way of a failed event: the index is returned with
+the failed ones (-> ``term``), it is counted in ``orchd_messages_rejected_total{kind=<event type>,
+reason}`` and shown (rate-limited) in ``orchctl events``.
 
-- **trust gate** (authorize each event against its sender's identity and the state): a function
-  ``authorize(event, sender, state) -> Rejected | None`` called by ``Decider.decide`` right before
-  ``core.decide`` for each event (it needs the state as of that event, so it cannot run with the
-  batched, state-free ``screen``). A refusal goes the way of a failed event today: the index is
-  returned with the failed ones (-> ``term``) and counted in ``orchd_messages_rejected_total``. The
-  sender's identity travels with the event from ``admit_batch`` (a field of ``Admitted`` beside
-  ``published``).
+Where the planned addition plugs in:
+
 - **priority lane for preemption notices**: ``split_urgent`` is the ordering stage; the lane splits
   the notices out of ``batch.js`` into a pass of their own, processed (decided, persisted, acked,
   dispatched) before the rest of the urgent pass. ``Intake`` would keep them in a buffer of their own
@@ -50,7 +54,7 @@ from nats.aio.msg import Msg
 
 import wire as ev
 from orchestrator import bus
-from orchestrator.core import Decision, State
+from orchestrator.core import Decision, State, authorize
 from orchestrator.core.commands import Command, SendToAgent
 from orchestrator.core.inputs import CoreEvent
 from orchestrator.daemon import ingest
@@ -134,22 +138,34 @@ def screen_heartbeat(subject: str, hb: ev.Heartbeat) -> None:
 
 
 def admit_js(subject: str, data: bytes) -> JsEvent | Rejected:
-    """Decode and screen one JetStream message: the event for the core, or why it is rejected."""
+    """Decode and screen one JetStream message: the event for the core, or why it is rejected.
+
+    Never raises, whatever the bytes: a ``WireError`` is rejected with its reason, any other exception
+    (a ``RecursionError``, a screen bug...) as ``undecodable`` / ``unscreenable``."""
+    stage = "undecodable"
     try:
         event = decode_js(subject, data)
+        stage = "unscreenable"
         screen_js(subject, event)
     except ev.WireError as e:
         return Rejected(bus.message_kind(subject), e.reason, e.detail)
+    except Exception as e:
+        return Rejected(bus.message_kind(subject), stage, f"{type(e).__name__}: {e}"[:200])
     return event
 
 
 def admit_heartbeat(subject: str, data: bytes) -> ev.Heartbeat | Rejected:
-    """Decode and screen one heartbeat: the event for the core, or why it is rejected."""
+    """Decode and screen one heartbeat: the event for the core, or why it is rejected. Never raises
+    (as ``admit_js``)."""
+    stage = "undecodable"
     try:
         hb = decode_heartbeat(subject, data)
+        stage = "unscreenable"
         screen_heartbeat(subject, hb)
     except ev.WireError as e:
         return Rejected("heartbeat", e.reason, e.detail)
+    except Exception as e:
+        return Rejected("heartbeat", stage, f"{type(e).__name__}: {e}"[:200])
     return hb
 
 
@@ -237,34 +253,44 @@ class Decided:
     notice_ts: dict[str, float] = field(default_factory=dict)  # checkpoint cmd_id -> its notice's publish ts
     to_ack: list[Msg] = field(default_factory=list)
     to_term: list[Msg] = field(default_factory=list)  # rejected, or poison for the core: never redelivered
+    to_park: list[tuple[Msg, str]] = field(default_factory=list)  # (message, reason): dead-lettered, then termed
     replies: list[asyncio.Future[None]] = field(default_factory=list)  # admin requests answered after persist
 
 
 class Decider:
-    """Stage decide: ``core.decide`` over a batch's events, one state threaded through, into ``out``.
+    """Stage decide: the trust gate (``core.authorize``), then ``core.decide``, over a batch's events,
+    one state threaded through, into ``out``.
 
-    ``on_decision(event, decision)`` is called for each decision with commands or audit (the log and
-    ``orchctl events``). An exception from the core is a core bug: logged with its traceback, counted
-    (``core_error``), the event skipped, the daemon goes on."""
+    A refused event never reaches the core: counted (``rejected{kind=<event type>, reason}``), given
+    to ``on_reject(event, reason)`` (``orchctl events``), its index returned with the failed ones and
+    kept in ``refused``. ``on_decision(event, decision)`` is called for each decision with commands or
+    audit (the log and ``orchctl events``). An exception from the core is a core bug: logged with its
+    traceback, counted (``core_error``), the event skipped, the daemon goes on."""
 
     def __init__(self, core: CoreApi, state: State, *, metrics: Metrics,
                  on_decision: Callable[[CoreEvent, Decision], None],
+                 on_reject: Callable[[CoreEvent, str], None] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.core = core
         self.metrics = metrics
         self.on_decision = on_decision
+        self.on_reject = on_reject
         self.clock = clock
         self.out = Decided(state)
+        self.refused: list[int] = []  # the indices the gate refused in the last ``decide`` call
 
     def decide(self, events: Sequence[CoreEvent], published: Sequence[float | None] = (), *,
                clock_every: int = CLOCK_EVERY) -> list[int]:
-        """Decide ``events`` in order; return the indices of those the core failed on.
+        """Gate and decide ``events`` in order; return the indices of those the gate refused or the
+        core failed on.
 
         ``published``: the JetStream publish time of each event (notice-to-command latency), or empty.
-        The clock is read once per ``clock_every`` events (the trust gate plugs in before
-        ``decide(state, event, now)``: see the module docstring)."""
+        The clock is read once per ``clock_every`` events."""
         out = self.out
         decide = self.core.decide
+        gate = authorize
+        refused: list[int] = []
+        self.refused = refused
         dirty, liveness = out.dirty, out.liveness
         state = out.state
         failed: list[int] = []
@@ -276,6 +302,12 @@ class Decider:
                 now = self.clock()
                 if type(event) is heartbeat:
                     lag(max(0.0, now - event.ts))
+            reason = gate(state, event, now)
+            if reason is not None:
+                self._refuse(event, reason)
+                refused.append(i)
+                failed.append(i)
+                continue
             try:
                 d = decide(state, event, now)
             except Exception as e:  # a core bug must not stop the daemon: skip the event, loudly
@@ -301,6 +333,11 @@ class Decider:
         out.decided += len(events) - len(failed)
         return failed
 
+    def _refuse(self, event: CoreEvent, reason: str) -> None:
+        self.metrics.rejected.labels(type(event).__name__, reason).inc()
+        if self.on_reject is not None:
+            self.on_reject(event, reason)
+
     def _take(self, event: CoreEvent, d: Decision, publish_ts: float | None) -> None:
         out = self.out
         self.on_decision(event, d)
@@ -323,27 +360,54 @@ class Decider:
         log.exception("decide_failed", event_type=type(event).__name__, error=repr(e))
 
 
-def decide_batch(batch: Batch, decider: Decider) -> Decided:
-    """Decode, screen and decide a whole batch: shell inputs, then JetStream messages, then heartbeats."""
+def decide_batch(batch: Batch, decider: Decider, *,
+                 dead_after: int = bus.DEAD_AFTER_DELIVERIES) -> Decided:
+    """Decode, screen and decide a whole batch: shell inputs, then JetStream messages, then heartbeats.
+
+    ``dead_after``: a JetStream message delivered this many times is parked (``dead_letters``)."""
     out, metrics = decider.out, decider.metrics
     events, done = unpack_shell(batch.shell)
     out.done_keys.extend(done)
     out.replies.extend(item.reply for item in batch.shell if item.reply is not None)
     decider.decide(events)
     if batch.js:
-        now = decider.clock()
-        js: Admitted[JsEvent] = admit_batch((msg for _kind, msg in batch.js), admit_js, jetstream=True)
-        count_rejections(metrics, js.rejected, loud=True)
-        out.to_term.extend(msg for msg, _ in js.rejected)
-        observe_lag(metrics, js.published, now)
-        failed = set(decider.decide(js.events, js.published, clock_every=1))
-        for i, msg in enumerate(js.messages):
-            (out.to_term if i in failed else out.to_ack).append(msg)
+        _decide_js([msg for _kind, msg in batch.js], decider, dead_after)
     if batch.hb:
         hb = admit_batch(batch.hb, admit_heartbeat)
         count_rejections(metrics, hb.rejected, loud=False)
         decider.decide(hb.events)
     return out
+
+
+def _decide_js(msgs: list[Msg], decider: Decider, dead_after: int) -> None:
+    """The JetStream part of ``decide_batch``: a message delivered ``dead_after`` times already failed
+    (orchd died or hung on it, or could not persist it) and is parked unread (``max_deliveries``);
+    the rejected ones are termed; one the core raised on is parked (``core_error``: the core is
+    deterministic, a retry would fail the same way; ``orchctl dead replay`` once it is fixed)."""
+    out, metrics = decider.out, decider.metrics
+    now = decider.clock()
+    fresh: list[Msg] = []
+    for msg in msgs:
+        if bus.num_delivered(msg) >= dead_after:
+            metrics.rejected.labels(bus.message_kind(msg.subject), "max_deliveries").inc()
+            log.warning("message_dead_lettered", subject=msg.subject, reason="max_deliveries",
+                        deliveries=bus.num_delivered(msg))
+            out.to_park.append((msg, "max_deliveries"))
+        else:
+            fresh.append(msg)
+    js: Admitted[JsEvent] = admit_batch(fresh, admit_js, jetstream=True)
+    count_rejections(metrics, js.rejected, loud=True)
+    out.to_term.extend(msg for msg, _ in js.rejected)
+    observe_lag(metrics, js.published, now)
+    failed = set(decider.decide(js.events, js.published, clock_every=1))
+    refused = set(decider.refused)  # the trust gate's refusals: termed like the rejected ones
+    for i, msg in enumerate(js.messages):
+        if i in refused:
+            out.to_term.append(msg)
+        elif i in failed:
+            out.to_park.append((msg, "core_error"))
+        else:
+            out.to_ack.append(msg)
 
 
 # --- persist, ack, dispatch --------------------------------------------------------------------------
@@ -362,18 +426,35 @@ async def persist(store: Store, core: CoreApi, decided: Decided) -> int:
 
 
 async def acknowledge(decided: Decided) -> None:
-    """Stage ack: after persist, ack the decided JetStream messages and ``term`` the rejected ones (so
-    they are never redelivered). A failed ack is harmless: redelivered, decided again (idempotent)."""
+    """Stage ack: after persist, ack the decided JetStream messages, ``term`` the rejected ones (so
+    they are never redelivered), park the given-up ones in ``ORCH_DEAD`` and then ``term`` them. A
+    failed ack is harmless: redelivered, decided again (idempotent); a failed park leaves the message
+    unacked: it comes back after ``ACK_WAIT_S`` and is parked then."""
     for msg in decided.to_ack:
         try:
             await msg.ack()
         except Exception as e:  # disconnected: the message is redelivered and decided again (idempotent)
             log.debug("ack_failed", error=repr(e))
+    for msg, reason in decided.to_park:
+        if await _park(msg, reason):
+            decided.to_term.append(msg)
     for msg in decided.to_term:
         try:
             await msg.term()
         except Exception as e:
             log.debug("term_failed", error=repr(e))
+
+
+async def _park(msg: Msg, reason: str) -> bool:
+    """Copy ``msg`` into the dead-letter stream (on the connection it came in on); True if stored."""
+    try:
+        seq = await bus.park_msg(msg, reason)
+    except Exception as e:  # disconnected, or no ORCH_DEAD: not termed, so it comes back
+        log.warning("park_failed", subject=msg.subject, reason=reason, error=repr(e))
+        return False
+    log.warning("message_parked", subject=msg.subject, reason=reason, dead_seq=seq,
+                deliveries=bus.num_delivered(msg))
+    return True
 
 
 def dispatch(decided: Decided, executor: Executor, notice_ts: dict[str, float]) -> None:

@@ -60,12 +60,16 @@ async def retrying(stopping: Callable[[], bool], what: str, call: Callable[[], A
 
 
 def static_users(settings: Settings) -> list[dict[str, str]]:
-    """``credentials.static_users_file``: ``[{"name", "password_hash", "role": "orchd"|"orchctl"}]``."""
+    """``credentials.static_users_file``: ``[{"name", "password_hash", "role"}]``, role one of orchd, orchctl,
+    feed, feed:<cloud> (``nats_auth.role_permissions``)."""
+    from orchestrator.security.nats_auth import role_permissions
+
     path = settings.credentials.static_users_file
     try:
         users = json.loads(Path(path).read_text())
         for u in users:
-            if u["role"] not in ("orchd", "orchctl") or not u["name"] or not u["password_hash"].startswith("$2"):
+            role_permissions(u["role"])  # ValueError: an unknown role
+            if not u["name"] or not u["password_hash"].startswith("$2"):
                 raise ValueError(f"bad entry for {u.get('name')!r}")
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise StartupError(f"credentials.static_users_file {path}: {e!r}") from None
@@ -76,11 +80,10 @@ def node_credentials(settings: Settings) -> NodeCredentials:
     """``NodeCredentials`` from ``settings.credentials`` (an external nats-server on this host that
     includes ``auth_file`` and writes ``server_pid_file``)."""
     from orchestrator.security.credentials import EnrollingIssuer, NodeCredentials
-    from orchestrator.security.nats_auth import User, orchctl_permissions, orchd_permissions, signal_reload
+    from orchestrator.security.nats_auth import User, role_permissions, signal_reload
 
     c = settings.credentials
-    roles = {"orchd": orchd_permissions(), "orchctl": orchctl_permissions()}
-    static = [User(name=u["name"], password_hash=u["password_hash"], permissions=roles[u["role"]])
+    static = [User(name=u["name"], password_hash=u["password_hash"], permissions=role_permissions(u["role"]))
               for u in static_users(settings)]
 
     def reload() -> None:

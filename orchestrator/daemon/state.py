@@ -56,6 +56,9 @@ def default_core(settings: Settings) -> CoreApi:
         heartbeat_timeout_s=settings.daemon.heartbeat_timeout_s,
         tick_s=settings.daemon.tick_s,
     )
+    if settings.daemon.price_confirm_s != config.confirm_s():
+        # set only when not the core's default: the persisted meta record keeps the bytes older releases wrote
+        config = msgspec.structs.replace(config, price_confirm_s=settings.daemon.price_confirm_s)
     return CoreApi(
         decide=core.decide,
         state_to_records=core.state_to_records,
@@ -198,3 +201,38 @@ def known_nodes(state: State) -> dict[str, KnownNode]:
         known[node.node_id] = KnownNode(job_state=_s(job.phase) if job is not None else "deleted",
                                         instance_id=node.instance_id)
     return known
+
+
+class RejectionLog:
+    """Events the trust gate refused, for ``orchctl events`` - rate-limited so that a noisy node
+    cannot flood the in-memory log: at most one entry per (sender node, reason) per ``window_s``;
+    the rejections folded in between are counted into that key's next entry (``count``: this one
+    and the ones not shown since the previous entry). Keys idle for a window are forgotten."""
+
+    def __init__(self, window_s: float = 10.0, max_keys: int = 10_000) -> None:
+        self.window_s = window_s
+        self.max_keys = max_keys
+        self._shown: dict[tuple[str, str], tuple[float, int]] = {}  # key -> (last shown ts, folded since)
+
+    def entry(self, event: CoreEvent, reason: str, now: float) -> dict[str, object] | None:
+        """The entry to show for this rejection, or None when it is folded into a later one."""
+        node = str(getattr(event, "node_id", "") or "")
+        key = (node, reason)
+        last = self._shown.get(key)
+        if last is not None and now - last[0] < self.window_s:
+            self._shown[key] = (last[0], last[1] + 1)
+            return None
+        if len(self._shown) >= self.max_keys:
+            self._forget(now)
+        self._shown[key] = (now, 0)
+        out: dict[str, object] = {**summarize_event(event), "command": "rejected", "reason": reason,
+                                  "count": 1 + (last[1] if last is not None else 0)}
+        return out
+
+    def _forget(self, now: float) -> None:
+        old = [k for k, (ts, _n) in self._shown.items() if now - ts >= self.window_s]
+        for k in old:
+            del self._shown[k]
+        if len(self._shown) >= self.max_keys:  # all recent: forget the oldest half
+            for k in sorted(self._shown, key=lambda k: self._shown[k][0])[: self.max_keys // 2]:
+                del self._shown[k]

@@ -11,7 +11,8 @@ serve an HA deployment. Here:
   callout) and answers those requests in one queue group (``AuthCallout``). It looks the presented
   name and password up in the static users (bcrypt) or in the R3 KV bucket ``ORCH_CREDS``, and replies
   with a user JWT signed by the issuer account key. That JWT carries the same permissions as the file
-  mode: ``orchd_permissions``, ``orchctl_permissions``, ``enrol_permissions``, ``agent_permissions``.
+  mode: ``role_permissions`` (orchd, orchctl, feed), ``enrol_permissions``, ``agent_permissions`` (scoped
+  to the node's job and cloud, recorded with its enrolment at launch and copied to its credential).
 - The enrolment flow is the file mode's, and the agent does not change. At launch an enrolment token
   per node (its SHA-256 in the bucket, with an expiry) goes into the user data. The agent connects as
   ``enrol-<node>``, redeems the token over ``orch.enrol.<node>`` (the leader's endpoint), and gets a
@@ -51,8 +52,7 @@ from orchestrator.security.nats_auth import (
     agent_permissions,
     check_token,
     node_user,
-    orchctl_permissions,
-    orchd_permissions,
+    role_permissions,
 )
 from orchestrator.security.nkeys import KeyPair, NkeyError, decode_jwt, encode_jwt
 from providers.bootstrap import ENROL_TTL_S, EnrolmentError
@@ -62,7 +62,6 @@ log = structlog.get_logger("orchd.authcallout")
 CREDS_BUCKET = "ORCH_CREDS"
 QUEUE = "orchd-auth"
 RESPONSE_TTL_NS = 60 * 10**9  # allow_responses: one reply within 1 min (as the file mode's users)
-ROLES = {"orchd": orchd_permissions, "orchctl": orchctl_permissions}
 
 
 def _digest(secret: str) -> str:
@@ -73,7 +72,8 @@ def _digest(secret: str) -> str:
 
 
 class CredentialStore:
-    """``enrol.<node>`` = {"hashes": [...], "exp": ts} and ``node.<node>`` = {"hash": ...} in KV."""
+    """``enrol.<node>`` = {"hashes": [...], "exp": ts, "job", "cloud"} and ``node.<node>`` = {"hash", "job",
+    "cloud"} in KV (job and cloud: the launch's, the node's only log and notice subjects)."""
 
     def __init__(self, kv: Any, clock: Callable[[], float] = time.time) -> None:
         self.kv = kv
@@ -96,14 +96,16 @@ class CredentialStore:
             return None, entry.revision or 0
         return json.loads(entry.value), entry.revision or 0
 
-    async def add_enrolment(self, node_id: str, token: str, ttl_s: float) -> None:
+    async def add_enrolment(self, node_id: str, token: str, ttl_s: float, *, job_id: str | None = None,
+                            cloud: str | None = None) -> None:
         """One more valid token for the node (a Launch re-executed after a failover mints another one
         while the VM of the first attempt may still carry the first)."""
         key = f"enrol.{check_token(node_id)}"
         while True:
             rec, rev = await self._get(key)
             hashes = [h for h in (rec or {}).get("hashes", [])][-4:]
-            value = json.dumps({"hashes": [*hashes, _digest(token)], "exp": self.clock() + ttl_s}).encode()
+            value = json.dumps({"hashes": [*hashes, _digest(token)], "exp": self.clock() + ttl_s,
+                                "job": job_id, "cloud": cloud}).encode()
             try:
                 await (self.kv.update(key, value, last=rev) if rev else self.kv.create(key, value))
                 return
@@ -134,12 +136,18 @@ class CredentialStore:
         except nats.js.errors.KeyWrongLastSequenceError:
             raise EnrolmentError("reused", node_id) from None
         password = secrets.token_urlsafe(32)
-        await self.kv.put(f"node.{node_id}", json.dumps({"hash": _digest(password), "ts": self.clock()}).encode())
+        scope = rec or {}  # not None: _refusal accepted it
+        value = {"hash": _digest(password), "ts": self.clock(), "job": scope.get("job"), "cloud": scope.get("cloud")}
+        await self.kv.put(f"node.{node_id}", json.dumps(value).encode())
         return password
 
     async def check_node(self, node_id: str, password: str) -> bool:
+        return await self.node_record(node_id, password) is not None
+
+    async def node_record(self, node_id: str, password: str) -> dict | None:
+        """The node's credential record (with its ``job`` and ``cloud``) if ``password`` is its password."""
         rec, _ = await self._get(f"node.{check_token(node_id)}")
-        return rec is not None and hmac.compare_digest(rec["hash"], _digest(password))
+        return rec if rec is not None and hmac.compare_digest(rec["hash"], _digest(password)) else None
 
     async def forget(self, node_id: str) -> bool:
         """Delete the node's enrolment and credential; True if there was either."""
@@ -159,7 +167,7 @@ class CredentialStore:
 class StaticUser:
     name: str
     password_hash: str  # bcrypt
-    role: str  # orchd | orchctl
+    role: str  # orchd | orchctl | feed | feed:<cloud> (nats_auth.role_permissions)
 
 
 class AuthCallout:
@@ -184,7 +192,7 @@ class AuthCallout:
                 if not await anyio.to_thread.run_sync(bcrypt.checkpw, password.encode(), u.password_hash.encode()):
                     return None, "bad_password"
                 self._verified.add(key)
-            return ROLES[u.role](), ""
+            return role_permissions(u.role), ""
         try:
             if user.startswith("enrol-"):
                 node = user.removeprefix("enrol-")
@@ -192,8 +200,10 @@ class AuthCallout:
                 return (enrol_permissions(node), "") if reason is None else (None, f"enrolment_{reason}")
             if user.startswith("node-"):
                 node = user.removeprefix("node-")
-                ok = await self.store.check_node(node, password)
-                return (agent_permissions(node), "") if ok else (None, "node_unknown_or_revoked")
+                rec = await self.store.node_record(node, password)
+                if rec is None:
+                    return None, "node_unknown_or_revoked"
+                return agent_permissions(node, job_id=rec.get("job"), cloud=rec.get("cloud")), ""
         except ValueError:  # not a safe node id
             return None, "bad_user"
         return None, "unknown_user"
@@ -254,17 +264,21 @@ class CalloutCredentials:
         self.enrol_ttl_s = enrol_ttl_s
         self._tokens: dict[str, str] = {}  # node -> the token this process minted (re-executed launches)
 
-    def on_launch(self, node_ids: Iterable[str]) -> dict[str, str]:
-        """node -> enrolment token (called from a worker thread)."""
-        return anyio.from_thread.run(self._on_launch, list(node_ids))
+    def on_launch(self, node_ids: Iterable[str], *, job_id: str | None = None,
+                  cloud: str | None = None) -> dict[str, str]:
+        """node -> enrolment token (called from a worker thread). ``job_id``/``cloud``: the launch's,
+        the only log and notice subjects of the nodes' credentials."""
+        return anyio.from_thread.run(self._on_launch, list(node_ids), job_id, cloud)
 
-    async def _on_launch(self, node_ids: list[str]) -> dict[str, str]:
+    async def _on_launch(self, node_ids: list[str], job_id: str | None = None,
+                         cloud: str | None = None) -> dict[str, str]:
         out = {}
         for n in node_ids:
+            agent_permissions(n, job_id=job_id, cloud=cloud)  # unsafe tokens fail here, not at login
             token = self._tokens.get(n)
             if token is None:
                 token = secrets.token_urlsafe(32)
-                await self.store.add_enrolment(n, token, self.enrol_ttl_s)
+                await self.store.add_enrolment(n, token, self.enrol_ttl_s, job_id=job_id, cloud=cloud)
                 self._tokens[n] = token
                 log.info("enrolment_token_minted", node=n)
             out[n] = token

@@ -14,7 +14,8 @@ enrolment tokens). Nothing long-lived travels in user data (readable from the me
    ``serve(nc)`` answers: ``EnrolmentBroker.redeem`` (single use, TTL) -> ``issuer.issue(node)`` ->
    ``{"user": "node-<node>", "password": ...}``; refusals answer ``{"error": reason}`` (``reused``
    means someone else read the user data: logged as an error). The agent keeps the password on local
-   disk (0600) and connects as ``node-<node>`` (``agent_permissions``: its own subjects only).
+   disk (0600) and connects as ``node-<node>`` (``agent_permissions``: its own subjects only, the log
+   and notice subjects of the job and cloud given to ``on_launch``).
 3. ``on_gone(node)`` (the executor, on NodeGone, and for launch nodes that got no instance) drops the
    token, the enrol user and revokes the node user: the server closes its connection on reload.
 
@@ -44,7 +45,6 @@ from orchestrator.security.nats_auth import (
     agent_permissions,
     check_token,
     hash_password,
-    node_user,
     render_authorization,
 )
 from providers.bootstrap import ENROL_TTL_S, EnrolmentBroker, EnrolmentError
@@ -94,19 +94,20 @@ class EnrollingIssuer(NodeCredentialIssuer):
     def render(self) -> str:
         enrol = [User(name=enrol_user(n), password_hash=h, permissions=enrol_permissions(n))
                  for n, h in sorted(self._enrol.items())]
-        nodes = [User(name=node_user(n), password_hash=v["hash"], permissions=agent_permissions(n))
-                 for n, v in sorted(self._nodes.items())]
-        return render_authorization([*self.static_users, *enrol, *nodes])
+        return render_authorization([*self.static_users, *enrol, *self.node_users()])
 
 
 class _IssuerAdapter:
-    """``CredentialIssuer`` (providers/bootstrap) over ``NodeCredentialIssuer``: the credential as JSON."""
+    """``CredentialIssuer`` (providers/bootstrap) over ``NodeCredentialIssuer``: the credential as JSON,
+    scoped to the node's job and cloud from ``scopes`` (node -> (job, cloud), filled at launch)."""
 
-    def __init__(self, issuer: NodeCredentialIssuer) -> None:
+    def __init__(self, issuer: NodeCredentialIssuer, scopes: dict[str, tuple[str | None, str | None]]) -> None:
         self.issuer = issuer
+        self.scopes = scopes
 
     def issue(self, node_id: str) -> str:
-        cred = self.issuer.issue(node_id)
+        job_id, cloud = self.scopes.get(node_id, (None, None))
+        cred = self.issuer.issue(node_id, job_id=job_id, cloud=cloud)
         return json.dumps({"user": cred.user, "password": cred.password, "expires_at": cred.expires_at})
 
     def revoke(self, node_id: str) -> None:
@@ -117,7 +118,8 @@ class Credentials(Protocol):
     """What the executor and orchd's start-up need of a credentials mode: ``NodeCredentials`` (the
     ``file`` mode) or ``authcallout.CalloutCredentials`` (the ``callout`` mode)."""
 
-    def on_launch(self, node_ids: Iterable[str]) -> dict[str, str]: ...
+    def on_launch(self, node_ids: Iterable[str], *, job_id: str | None = None,
+                  cloud: str | None = None) -> dict[str, str]: ...
 
     def on_gone(self, node_id: str) -> None: ...
 
@@ -130,16 +132,21 @@ class NodeCredentials:
     def __init__(self, issuer: EnrollingIssuer, *, enrol_ttl_s: float = ENROL_TTL_S,
                  clock: Callable[[], float] | None = None) -> None:
         self.issuer = issuer
-        self.broker = EnrolmentBroker(_IssuerAdapter(issuer), ttl_s=enrol_ttl_s,
+        self._scopes: dict[str, tuple[str | None, str | None]] = {}  # node -> (job, cloud), from the launch
+        self.broker = EnrolmentBroker(_IssuerAdapter(issuer, self._scopes), ttl_s=enrol_ttl_s,
                                       **({"clock": clock} if clock else {}))
         self._lock = threading.RLock()
         self._tokens: dict[str, str] = {}  # node -> its live enrolment token (same token on a re-launch)
 
-    def on_launch(self, node_ids: Iterable[str]) -> dict[str, str]:
-        """node -> enrolment token for the user data. Idempotent per node while the token is unused."""
+    def on_launch(self, node_ids: Iterable[str], *, job_id: str | None = None,
+                  cloud: str | None = None) -> dict[str, str]:
+        """node -> enrolment token for the user data. Idempotent per node while the token is unused.
+        ``job_id``/``cloud``: the launch's, the only log and notice subjects of the nodes' credentials."""
         out: dict[str, str] = {}
         with self._lock:
             for n in node_ids:
+                agent_permissions(n, job_id=job_id, cloud=cloud)  # unsafe tokens fail here, not at enrolment
+                self._scopes[n] = (job_id, cloud)
                 token = self._tokens.get(n)
                 if token is None:
                     token = self.broker.mint(check_token(n))
@@ -160,6 +167,7 @@ class NodeCredentials:
         """Drop the node's token and enrol user, revoke its NATS user (its connection is closed)."""
         with self._lock:
             known = self._tokens.pop(node_id, None) is not None or node_id in self.issuer.issued()
+            self._scopes.pop(node_id, None)
             self.issuer.set_enrol_user(node_id, None)
             self.broker.forget(node_id)  # revokes the node user (a no-op when none was issued)
         if known:

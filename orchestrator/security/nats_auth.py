@@ -9,6 +9,12 @@ security"). Three roles:
   cannot read other parties' replies); it answers command requests through ``allow_responses``.
 * ``orchctl`` - operators: only the admin service (``orch.admin.v1.>``, ``$SRV.>`` discovery) and
   replies on the ``_INBOX.orchctl.>`` prefix.
+* ``feed``    - an external price publisher: only ``orch.price.>`` (``feed:<cloud>``: only
+  ``orch.price.<cloud>.>``) and its JetStream PubAcks on the ``_INBOX.feed.>`` prefix.
+
+An agent's notice and log subjects name its cloud and its job (``orch.notice.<cloud>.<node>``,
+``orch.logs.<job>.<node>``): both are known when orchd issues the node's credential at launch and are
+granted exactly; a credential issued without them gets neither subject.
 
 Per-node credentials: ``NodeCredentialIssuer`` issues a random password per node at launch (only its
 bcrypt hash is stored, in the server's ``auth.conf`` include and a JSON state file, both 0600), and
@@ -40,6 +46,7 @@ import bcrypt
 from wire import NodeId
 
 ORCHCTL_INBOX = "_INBOX.orchctl"
+FEED_INBOX = "_INBOX.feed"
 BCRYPT_ROUNDS = 10
 _TOKEN_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
@@ -84,11 +91,15 @@ def orchd_permissions() -> Permissions:
     )
 
 
-def agent_permissions(node_id: str) -> Permissions:
+def agent_permissions(node_id: str, *, job_id: str | None = None, cloud: str | None = None) -> Permissions:
+    """One node: its heartbeat and events; the notice subject of its ``cloud`` and the log subject of
+    its ``job_id`` only when given (None: not granted)."""
     n = check_token(node_id)
+    scoped = ((f"orch.notice.{check_token(cloud)}.{n}",) if cloud is not None else ()) + (
+        (f"orch.logs.{check_token(job_id)}.{n}",) if job_id is not None else ())
     return Permissions(
         # JetStream publishes (events, notices) need no $JS.API: the PubAck comes to the agent's inbox.
-        publish=(f"orch.node.{n}.hb", f"orch.node.{n}.event", f"orch.notice.*.{n}", f"orch.logs.*.{n}"),
+        publish=(f"orch.node.{n}.hb", f"orch.node.{n}.event", *scoped),
         subscribe=(f"orch.cmd.{n}", f"_INBOX.{n}.>"),
         allow_responses=True,  # the CommandAck reply to orchd's request (once, within 1m)
         inbox_prefix=f"_INBOX.{n}",
@@ -98,6 +109,26 @@ def agent_permissions(node_id: str) -> Permissions:
 def orchctl_permissions() -> Permissions:
     return Permissions(publish=("orch.admin.v1.>", "$SRV.>"), subscribe=(f"{ORCHCTL_INBOX}.>",),
                        inbox_prefix=ORCHCTL_INBOX)
+
+
+def feed_permissions(cloud: str | None = None) -> Permissions:
+    """An external price publisher: price ticks only (of one cloud when given), JetStream-published
+    (the PubAck comes to its inbox: no $JS.API needed)."""
+    price = f"orch.price.{check_token(cloud)}.>" if cloud is not None else "orch.price.>"
+    return Permissions(publish=(price,), subscribe=(f"{FEED_INBOX}.>",), inbox_prefix=FEED_INBOX)
+
+
+def role_permissions(role: str) -> Permissions:
+    """A static user's permissions from its role in ``static_users_file``: ``orchd``, ``orchctl``,
+    ``feed`` or ``feed:<cloud>``. ValueError for anything else."""
+    if role == "orchd":
+        return orchd_permissions()
+    if role == "orchctl":
+        return orchctl_permissions()
+    kind, sep, cloud = role.partition(":")
+    if kind == "feed":
+        return feed_permissions(cloud if sep else None)
+    raise ValueError(f"unknown role {role!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -255,11 +286,14 @@ class NodeCredentialIssuer:
     def issued(self) -> frozenset[str]:
         return frozenset(self._nodes)
 
-    def issue(self, node_id: str) -> NodeCredential:
-        """A fresh credential for ``node_id`` (replacing any earlier one), active when this returns."""
+    def issue(self, node_id: str, *, job_id: str | None = None, cloud: str | None = None) -> NodeCredential:
+        """A fresh credential for ``node_id`` (replacing any earlier one), active when this returns.
+        ``job_id``/``cloud``: the node's job and cloud, its only log and notice subjects."""
         password = secrets.token_urlsafe(32)
         expires = self._clock() + self.ttl_s if self.ttl_s else None
-        self._nodes[check_token(node_id)] = {"hash": hash_password(password), "expires_at": expires}
+        agent_permissions(node_id, job_id=job_id, cloud=cloud)  # refuse unsafe tokens before storing
+        self._nodes[check_token(node_id)] = {"hash": hash_password(password), "expires_at": expires,
+                                             "job": job_id, "cloud": cloud}
         self._apply()
         return NodeCredential(node_id=NodeId(node_id), user=node_user(node_id), password=password,
                               expires_at=expires)
@@ -281,11 +315,13 @@ class NodeCredentialIssuer:
         return gone
 
     def render(self) -> str:
-        users = list(self.static_users) + [
-            User(name=node_user(n), password_hash=v["hash"], permissions=agent_permissions(n))
-            for n, v in sorted(self._nodes.items())
-        ]
-        return render_authorization(users)
+        return render_authorization([*self.static_users, *self.node_users()])
+
+    def node_users(self) -> list[User]:
+        """The issued nodes' users, each scoped to its job and cloud (``issue``)."""
+        return [User(name=node_user(n), password_hash=v["hash"],
+                     permissions=agent_permissions(n, job_id=v.get("job"), cloud=v.get("cloud")))
+                for n, v in sorted(self._nodes.items())]
 
     def _apply(self) -> None:
         _write_private(self.auth_file, self.render())
@@ -375,12 +411,15 @@ def example_files() -> dict[str, str]:
              permissions=orchd_permissions()),
         User(name="ops-alice", password_hash="$2b$10$REPLACE.WITH.bcrypt.HASH.OF.OPERATOR.PASSWORD.xxxxxxxx",
              permissions=orchctl_permissions()),
+        User(name="price-feed", password_hash="$2b$10$REPLACE.WITH.bcrypt.HASH.OF.FEED.PASSWORD.xxxxxxxxxxxx",
+             permissions=feed_permissions("aws")),
         User(name=node_user("example-node"),
              password_hash="$2b$10$ISSUED.BY.orchd.NodeCredentialIssuer.xxxxxxxxxxxxxxx",
-             permissions=agent_permissions("example-node")),
+             permissions=agent_permissions("example-node", job_id="example-job", cloud="aws")),
     ]
     header = ("# Example users include. In production orchd's NodeCredentialIssuer owns this file: it keeps\n"
-              "# the static users (orchd, operators) and adds/removes one user per node, then reloads.\n")
+              "# the static users (orchd, operators, price feeds) and adds/removes one user per node (scoped\n"
+              "# to its job and cloud), then reloads.\n")
     callout = ("# Example users include for [credentials] mode = \"callout\" (docs/operations.md): the same\n"
                "# file on every server, never rewritten. Replace the issuer with the public key of orchd's\n"
                "# credentials.issuer_seed_file and the hash with that of credentials.auth_password_file.\n")
@@ -393,7 +432,7 @@ def example_files() -> dict[str, str]:
 
 
 if __name__ == "__main__":  # pragma: no cover - regenerates config/nats
-    out = Path(__file__).resolve().parents[1] / "config" / "nats"
+    out = Path(__file__).resolve().parents[2] / "config" / "nats"
     for name, text in example_files().items():
         (out / name).write_text(text)
         print(f"wrote {out / name}")

@@ -47,6 +47,8 @@ from providers.base import (
     LaunchRequest,
     LaunchResult,
     PriceQuote,
+    check_owned,
+    raise_refused,
 )
 from providers.local.metadata import MetadataServer
 from providers.local.prices import BUNDLED_HISTORY, P3_2XLARGE_ON_DEMAND_USD_H, FixedPrices, PriceSource, ReplayPrices
@@ -196,14 +198,19 @@ class LocalProvider:
                  market=str(request.pool.market), metadata=flavour, pid=proc.pid)
         return inst
 
-    def terminate(self, instance_ids: Sequence[InstanceId]) -> None:
-        for iid in instance_ids:
+    def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
+        """Stop only the nodes that carry this cluster's tag; refuse (log, then raise) the rest."""
+        with self._lock:
+            described = [self._nodes[i].instance for i in instance_ids if i in self._nodes]
+        ours, refused = check_owned(self.cloud, cluster_id, described, log.warning)
+        for iid in ours:
             with self._lock:
                 node = self._nodes.get(iid)
                 if node is None or not node.instance.alive:
                     continue
                 node.instance = msgspec.structs.replace(node.instance, state=InstanceState.STOPPING)
             threading.Thread(target=self._stop_node, args=(iid,), daemon=True, name=f"terminate-{iid}").start()
+        raise_refused(self.cloud, cluster_id, refused)
 
     def _stop_node(self, iid: InstanceId) -> None:
         """A cloud's terminate: ACPI shutdown (SIGTERM to the agent), then power off after the grace."""

@@ -211,9 +211,11 @@ class Generator:
         if target == "price":
             key, value = r.choice((("price_usd_h", -1.0), ("price_usd_h", -1e300), ("on_demand_usd_h", -3.0),
                                    ("capacity_hint", 7.0), ("capacity_hint", -0.5), ("gpus_per_node", 0),
-                                   ("gpus_per_node", -8), ("ts", -1.0), ("id", "")))
+                                   ("gpus_per_node", -8), ("ts", -1.0), ("id", ""), ("price_usd_h", 1e308),
+                                   ("on_demand_usd_h", 1e308)))
         elif target == "notice":
-            key, value = r.choice((("observed_ts", -1.0), ("deadline_ts", -5.0), ("id", "")))
+            # never timestamps: a notice is not refused for them (a wrong clock still gets its checkpoint)
+            key, value = ("id", "")
         elif target == "heartbeat":
             key, value = r.choice((("seq", -1), ("step", -7), ("generation", -2)))
         else:

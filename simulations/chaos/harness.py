@@ -42,6 +42,7 @@ reconnect_wait_s = 0.2
 state_dir = "{state}"
 cluster_id = "{cluster}"
 tick_s = 0.25
+price_confirm_s = 0.0
 heartbeat_interval_s = 0.5
 heartbeat_timeout_s = 3.0
 command_ack_timeout_s = 1.0

@@ -72,7 +72,7 @@ def save(step: int, emergency: bool, req: contract.CheckpointRequest | None) -> 
     os.makedirs(path, exist_ok=True)
     if rank == 0:
         with open(os.path.join(path, "COMMITTED"), "w") as f:
-            f.write("{}")
+            f.write(json.dumps({"step": step}))  # the agent reports the step the marker names
     now = time.time()
     margin = (req.deadline_ts - now) if req is not None and req.deadline_ts else None
     report(contract.CheckpointReport(rank=rank, generation=gen, step=step, checkpoint_id=f"step_{step:09d}",

@@ -15,7 +15,7 @@ import msgspec
 from orchestrator.core import State, decide, state_to_records
 from orchestrator.core.inputs import JobSubmitted, Tick, LaunchFailed
 from orchestrator.core.commands import Launch
-from wire import FailureReason
+from wire import CheckpointPolicy, FailureReason
 from tests.core.harness import pool, price, spec
 
 s, now, out = State.empty(), 1000.0, []
@@ -24,7 +24,8 @@ for i, z in enumerate(["a", "b", "c"]):
         s = decide(s, price(pool(t, z), 10.0 + i), now).state
 pending = []
 for j in range(12):
-    d = decide(s, JobSubmitted(job_id=f"job{j}", spec=spec(nodes=2, nodes_min=1, nodes_max=3)), now)
+    ck = CheckpointPolicy(url=f"file:///ck/job{j}", save_s_estimate=20.0)  # one root per job
+    d = decide(s, JobSubmitted(job_id=f"job{j}", spec=spec(nodes=2, nodes_min=1, nodes_max=3, checkpoint=ck)), now)
     s = d.state; out.append(d.commands); pending += [c for c in d.commands if isinstance(c, Launch)]
 while pending:  # every launch fails until all pools are in backoff; Ticks then re-place many jobs at once
     la = pending.pop(0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchestrator.core import JobPhase
+from orchestrator.core import CoreConfig, JobPhase, State
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobSubmitted, Tick
 from tests.core.harness import Driver, cmds, pool, price, spec
@@ -18,7 +18,7 @@ OD = 30.0
 @settings(max_examples=60, deadline=None)
 @given(ratios=st.lists(st.floats(0.5, 0.999), min_size=5, max_size=60))
 def test_pause_resume_hysteresis_never_flaps(ratios: list[float]) -> None:
-    drv = Driver(check_records=False)
+    drv = Driver(State.empty(CoreConfig(price_confirm_s=0.0)), check_records=False)  # prices act at once
     drv(price(A, 0.5 * OD, od=OD))
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_max=1, nodes_min=1, total_steps=10**6)))
     drv.register(drv.launched(d))

@@ -39,6 +39,7 @@ from tests.core.harness import pool, price, spec
 from wire import (
     AgentState,
     CheckpointCommitted,
+    CheckpointPolicy,
     FailureReason,
     GenerationStarted,
     Heartbeat,
@@ -306,7 +307,8 @@ def test_random_operation_keeps_invariants(specs: list[dict], actions: list[tupl
         deadline = sp.pop("deadline")
         sp["nodes_max"] = max(sp["nodes"], sp["nodes_min"]) + 1
         deadline_ts = None if deadline is None else w.now + deadline
-        w.feed(JobSubmitted(job_id=f"job.{i}", spec=spec(**sp, deadline_ts=deadline_ts)))
+        ck = CheckpointPolicy(url=f"file:///ck/job.{i}", save_s_estimate=20.0)  # one root per job
+        w.feed(JobSubmitted(job_id=f"job.{i}", spec=spec(**sp, deadline_ts=deadline_ts, checkpoint=ck)))
     for a in actions:
         w.act(a)
     # Let time run out: every budgeted job ends under its cap, whatever else happened.

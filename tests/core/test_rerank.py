@@ -35,7 +35,9 @@ def rank_calls(monkeypatch: pytest.MonkeyPatch) -> list[float]:
 
 
 def running(config: CoreConfig | None = None) -> Driver:
-    drv = Driver(State.empty(config or CoreConfig()), now=WINDOW * 10 + 5.0)  # away from a window boundary
+    # Prices act at once here (price_confirm_s=0): these tests count rankings, not confirmations.
+    cfg = msgspec.structs.replace(config or CoreConfig(), price_confirm_s=0.0)
+    drv = Driver(State.empty(cfg), now=WINDOW * 10 + 5.0)  # away from a window boundary
     drv(price(A, 10.0))
     drv(price(C, 11.0))
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=10**6,

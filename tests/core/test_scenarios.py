@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.core import JobPhase, NodePhase, job_cost_usd
+from orchestrator.core import CoreConfig, JobPhase, NodePhase, State, job_cost_usd
 from orchestrator.core.commands import CheckInstance, Launch, Terminate
 from orchestrator.core.inputs import (
     AgentDisconnected,
@@ -42,6 +42,7 @@ from wire import (
     StartGenerationCmd,
 )
 
+AT_ONCE = CoreConfig(price_confirm_s=0.0)  # no price confirmation (tests/core/test_price_confirm.py has it)
 A = pool("p4d.24xlarge", "us-east-1a")
 B = pool("p4de.24xlarge", "us-east-1a")
 C = pool("p4d.24xlarge", "us-east-1b")
@@ -193,7 +194,7 @@ def test_bus_outage_pauses_failure_detection() -> None:
     ],
 )
 def test_price_pause(ratios: tuple, expect: JobPhase) -> None:
-    drv = Driver()
+    drv = Driver(State.empty(AT_ONCE))  # the price policy itself: prices act at once
     ids = running(drv, prices={A: 10.0}, nodes=1, nodes_max=1)
     for r in ratios:
         drv(price(A, 30.0 * r))
@@ -202,7 +203,7 @@ def test_price_pause(ratios: tuple, expect: JobPhase) -> None:
 
 
 def test_price_pause_resume_hysteresis() -> None:
-    drv = Driver()
+    drv = Driver(State.empty(AT_ONCE))  # the price policy itself: prices act at once
     ids = running(drv, prices={A: 10.0}, nodes=1, nodes_max=1)
     d = drv(price(A, 29.0))
     assert not d.commands  # a price tick only updates the pool; the reaction comes with the next Tick
@@ -226,7 +227,7 @@ def test_price_pause_resume_hysteresis() -> None:
 
 
 def test_pause_prefers_a_cheap_spot_pool_elsewhere() -> None:
-    drv = Driver()
+    drv = Driver(State.empty(AT_ONCE))  # the price policy itself: prices act at once
     ids = running(drv, prices={A: 10.0, C: 12.0}, nodes=1, nodes_max=1)
     drv(price(A, 29.0))
     d = drv(Tick(), dt=1)
@@ -380,7 +381,7 @@ def test_scale_up_when_cheap() -> None:
 
 
 def test_price_policy_fields_used() -> None:
-    drv = Driver()
+    drv = Driver(State.empty(AT_ONCE))  # the price policy itself: prices act at once
     ids = running(drv, prices={A: 10.0}, nodes=1, nodes_max=1,
                   price=PricePolicy(pause_above_ratio=0.5, resume_below_ratio=0.4))
     drv(price(A, 16.0))

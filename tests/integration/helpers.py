@@ -47,6 +47,7 @@ reconnect_wait_s = 0.2
 [daemon]
 state_dir = "{state}"
 tick_s = 0.5
+price_confirm_s = 0.0
 heartbeat_interval_s = 1.0
 heartbeat_timeout_s = 5.0
 command_ack_timeout_s = 1.0

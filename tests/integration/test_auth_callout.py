@@ -6,13 +6,15 @@ bucket. Checked on real servers:
 - static users get their role's permissions; a wrong password, an unknown user are refused;
 - a token minted by "orchd A" is redeemed through "orchd B"'s enrol endpoint (a failover between
   launch and enrolment), the node's credential works on every server, with the agent's permissions
-  only (a forbidden publish is a permissions violation);
+  only, scoped to the launch's job and cloud (another node's, job's or cloud's subject is a permissions
+  violation); a ``feed:aws`` static user publishes aws prices only;
 - a token works once; a revoked node (NodeGone) cannot connect again, on any server;
 - the bucket holds only hashes, never a token or password.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 
 import anyio
@@ -36,6 +38,7 @@ pytestmark = pytest.mark.anyio
 
 AUTH_PW = "auth-secret-1"
 ORCHD_PW = "orchd-secret-1"
+FEED_PW = "feed-secret-1"
 
 
 @pytest.fixture
@@ -63,10 +66,33 @@ async def _refused(url: str, user: str, password: str) -> bool:
     return False
 
 
+async def _violations(url: str, user: str, password: str, inbox_prefix: str, *, ok: list[str],
+                      refused: list[str]) -> bool:
+    """Publish each subject as ``user``: True when exactly the ``refused`` ones are permissions violations."""
+    errors: list[str] = []
+
+    async def on_error(e: Exception) -> None:
+        errors.append(str(e))
+
+    nc = await _connect(url, user, password, inbox_prefix=inbox_prefix, error_cb=on_error)
+    for subject in [*ok, *refused]:
+        await nc.publish(subject, b"{}")
+    await nc.flush()
+    with anyio.move_on_after(3):
+        while len(errors) < len(refused):
+            await anyio.sleep(0.05)
+    await anyio.sleep(0.1)
+    await nc.close()
+    hit = sorted(s for s in [*ok, *refused] for e in errors if "permissions violation" in e.lower() and f'"{s}"' in e)
+    assert hit == sorted(refused) and len(errors) == len(refused), errors
+    return True
+
+
 async def test_node_credentials_through_the_callout_on_a_cluster(callout_cluster) -> None:
     issuer, servers = callout_cluster
     urls = [s.url for s in servers]
-    statics = [StaticUser("orchd", hash_password(ORCHD_PW), "orchd")]
+    statics = [StaticUser("orchd", hash_password(ORCHD_PW), "orchd"),
+               StaticUser("feed", hash_password(FEED_PW), "feed:aws")]
     conns = []
     try:
         # two "orchd", each with its callout connection (the auth user bypasses the callout)
@@ -94,9 +120,12 @@ async def test_node_credentials_through_the_callout_on_a_cluster(callout_cluster
         await orchd.close()
         assert await _refused(urls[2], "orchd", "wrong")
         assert await _refused(urls[0], "mallory", "x")
+        assert await _violations(urls[1], "feed", FEED_PW, "_INBOX.feed", ok=["orch.price.aws.r1"],
+                                 refused=["orch.price.gcp.r1", "orch.node.n1.hb"])
 
         # -- A mints a token at launch; the agent enrols through B ------------------------------------
-        token = (await anyio.to_thread.run_sync(creds_a.on_launch, ["n1"]))["n1"]
+        token = (await anyio.to_thread.run_sync(functools.partial(creds_a.on_launch, ["n1"], job_id="j1",
+                                                                  cloud="aws")))["n1"]
         assert await _refused(urls[2], "enrol-n1", "not-the-token")
         assert await _refused(urls[2], "enrol-n2", token)  # another node's enrol user
         enrol = await _connect(urls[2], "enrol-n1", token, inbox_prefix="_INBOX.n1.enrol")
@@ -106,19 +135,10 @@ async def test_node_credentials_through_the_callout_on_a_cluster(callout_cluster
         assert await _refused(urls[1], "enrol-n1", token)  # redeemed: the token cannot even log in again
 
         # -- the node's credential: every server, the agent's subjects only --------------------------
-        for url in urls:
-            errors: list[str] = []
-
-            async def on_error(e: Exception, errors=errors) -> None:
-                errors.append(str(e))
-
-            node = await _connect(url, "node-n1", reply["password"], inbox_prefix="_INBOX.n1", error_cb=on_error)
-            await node.publish("orch.node.n1.hb", b"{}")
-            await node.publish("orch.node.n2.hb", b"{}")  # another node's subject
-            await node.flush()
-            await anyio.sleep(0.2)
-            await node.close()
-            assert len(errors) == 1 and "permissions violation" in errors[0] and "orch.node.n2.hb" in errors[0], errors
+        for url in urls:  # its own job's logs and cloud's notices; not another node's, job's or cloud's
+            assert await _violations(url, "node-n1", reply["password"], "_INBOX.n1",
+                                     ok=["orch.node.n1.hb", "orch.logs.j1.n1", "orch.notice.aws.n1"],
+                                     refused=["orch.node.n2.hb", "orch.logs.j2.n1", "orch.notice.gcp.n1"])
 
         # -- the bucket holds hashes only ----------------------------------------------------------------
         entry = await store_a.kv.get("node.n1")

@@ -87,9 +87,9 @@ class SharedFileFakeCloud(FileFakeCloud):
         with self._locked():
             return super().launch(request)
 
-    def terminate(self, instance_ids):
+    def terminate(self, instance_ids, cluster_id):
         with self._locked():
-            super().terminate(instance_ids)
+            super().terminate(instance_ids, cluster_id)
 
     def list_instances(self, cluster_id):
         with self._locked():

@@ -208,6 +208,23 @@ async def test_node_credential_lifecycle_through_the_executor(secured: Server, t
             with anyio.fail_after(5):
                 while (m := await hbs.get()).data != b"ok-from-n1":
                     assert m.subject != "orch.node.n2.hb"
+            # ... and to the launch's job and cloud (the executor passed them at launch): its own log and
+            # notice subjects work, another job's logs and another cloud's notices are refused
+            auth = (tmp_path / "auth.conf").read_text()
+            assert '"orch.logs.job-1.n1"' in auth and '"orch.notice.fake.n1"' in auth
+            scoped: asyncio.Queue = asyncio.Queue()
+            await orchd.subscribe("orch.logs.>", cb=scoped.put)
+            await orchd.subscribe("orch.notice.>", cb=scoped.put)
+            await orchd.flush()
+            for subject in ("orch.logs.job-2.n1", "orch.notice.aws.n1"):
+                await n1.publish(subject, b"forged")
+                await _wait_for(lambda s=subject: any("permissions violation" in e.lower() and s in e for e in errs))
+            await n1.publish("orch.logs.job-1.n1", b"own-log")
+            await n1.publish("orch.notice.fake.n1", b"own-notice")
+            await n1.flush()
+            with anyio.fail_after(5):
+                got = [(await scoped.get()).subject, (await scoped.get()).subject]
+            assert got == ["orch.logs.job-1.n1", "orch.notice.fake.n1"]
 
             # 4. Terminate -> NodeGone -> revoked: live connections closed, new connects refused
             inst = next(e.instance_id for e in launched if e.node_id == "n1")

@@ -30,6 +30,7 @@ from orchestrator.security.nats_auth import (
     User,
     agent_permissions,
     connect_options,
+    feed_permissions,
     hash_password,
     node_user,
     orchctl_permissions,
@@ -45,6 +46,9 @@ pytestmark = pytest.mark.anyio
 
 ORCHD_PW = "orchd-test-password"
 ORCHCTL_PW = "orchctl-test-password"
+FEED_PW = "feed-test-password"
+SCOPES = {"n1": ("j1", "aws"), "n2": ("j2", "gcp"), "n3": ("j3", "aws")}
+"""node -> (job, cloud) given to the issuer: the node's only log and notice subjects."""
 
 
 class Secured:
@@ -55,7 +59,8 @@ class Secured:
             root / "auth.conf",
             static_users=[User(name="orchd", password_hash=hash_password(ORCHD_PW), permissions=orchd_permissions()),
                           User(name="ops", password_hash=hash_password(ORCHCTL_PW),
-                               permissions=orchctl_permissions())],
+                               permissions=orchctl_permissions()),
+                          User(name="feed", password_hash=hash_password(FEED_PW), permissions=feed_permissions("aws"))],
             reload=self.reload,
         )
         self.reloads = 0
@@ -86,7 +91,7 @@ def _wait(cond, timeout_s: float) -> None:
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory) -> Secured:
     s = Secured(tmp_path_factory.mktemp("natssec"))
-    s.creds = {n: s.issuer.issue(n) for n in ("n1", "n2")}
+    s.creds = {n: s.issuer.issue(n, job_id=SCOPES[n][0], cloud=SCOPES[n][1]) for n in ("n1", "n2")}
     # server_name must equal NatsServer's `-n` name, or nats-server refuses to reload the config
     (s.root / "server.conf").write_text(render_server_config(host="127.0.0.1", port=-1, store_dir=None, http_port=None,
                                                              server_name="orch-embedded"))
@@ -153,6 +158,8 @@ async def test_agent_allowed_paths(secured: Secured) -> None:
         ajs = agent.nc.jetstream()
         assert (await ajs.publish("orch.node.n1.event", b"ev", headers={"Nats-Msg-Id": "e1"})).stream == "ORCH_EVENTS"
         assert (await ajs.publish("orch.notice.aws.n1", b"notice")).stream == "ORCH_EVENTS"
+        await js.add_stream(name="ORCH_LOGS", subjects=["orch.logs.>"])
+        assert (await ajs.publish("orch.logs.j1.n1", b"line")).stream == "ORCH_LOGS"  # its own job's logs
         reply = await orchd.nc.request("orch.cmd.n1", b"checkpoint", timeout=2)
         assert reply.data == b"ack:checkpoint"
         # orchd's own JetStream use works under its permissions: durable pull consumer + ack, KV
@@ -246,7 +253,7 @@ async def test_bad_password_is_refused(secured: Secured) -> None:
 
 
 async def test_revoked_node_is_disconnected_and_cannot_reconnect(secured: Secured) -> None:
-    cred = secured.issuer.issue("n3")
+    cred = secured.issuer.issue("n3", job_id="j3", cloud="aws")
     secured.creds["n3"] = cred
     agent = await _agent(secured, "n3")
     await agent.nc.publish("orch.node.n3.hb", b"hb")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +28,7 @@ from providers.base import (
     TAG_TOKEN,
     AuthError,
     CapacityError,
+    ForeignInstanceError,
     InstanceState,
     ProviderError,
     QuotaError,
@@ -36,7 +37,7 @@ from providers.base import (
 from providers.reaper import Reaper
 from tests.providers.contract import check_cloud_provider_contract
 from tests.providers.helpers import AwsErrorInjector, pool, request
-from wire import Market
+from wire import InstanceId, Market
 
 REGION = "us-east-1"
 
@@ -103,7 +104,19 @@ def test_satisfies_the_cloud_provider_contract(moto_url: str, cluster: str) -> N
     p = AwsProvider(_config(moto_url, placement_scores=False))  # moto has no placement scores
     on_demand = [x for x in p.config.pools() if x.market is Market.ON_DEMAND]  # priced from the bundled catalog
     check_cloud_provider_contract(p, pool("aws", REGION, "us-east-1a", "g5.xlarge"), cluster,
-                                  unknown_id="i-0000000000000dead", configured=p.config.pools(), priced=on_demand)
+                                  unknown_id="i-0000000000000dead", configured=p.config.pools(), priced=on_demand,
+                                  foreign=lambda tags: _foreign(moto_url, tags))
+
+
+def _foreign(url: str, tags: Mapping[str, str]) -> InstanceId:
+    """An instance another workload launched in the same account: straight on moto, not through orchd."""
+    kw: dict[str, Any] = {}
+    if tags:
+        kw["TagSpecifications"] = [{"ResourceType": "instance",
+                                    "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]}]
+    resp = _ec2(url).run_instances(ImageId="ami-12345678", InstanceType="g5.xlarge", MinCount=1, MaxCount=1,
+                                   Placement={"AvailabilityZone": "us-east-1a"}, **kw)
+    return InstanceId(resp["Instances"][0]["InstanceId"])
 
 
 def test_config_lists_every_bad_key() -> None:
@@ -249,12 +262,15 @@ def test_list_describe_terminate(provider: AwsProvider, moto_url: str, cluster: 
     listed = provider.list_instances(cluster)
     assert {i.instance_id for i in listed} == {i.instance_id for i in res.instances}
     victim = res.instances[0].instance_id
-    provider.terminate([victim, "i-0000000000000dead"])  # unknown ids are not an error
+    provider.terminate([victim, "i-0000000000000dead"], cluster)  # unknown ids are not an error
     assert {i["InstanceId"] for i in _cloud_view(moto_url, cluster)} == {res.instances[1].instance_id}
     (d,) = provider.describe([victim])
     assert d.state is InstanceState.TERMINATED
     assert provider.describe(["i-0000000000000dead"]) == []
     assert len(_cloud_view(moto_url, cluster + "-other")) == 1 == len(other.instances)
+    with pytest.raises(ForeignInstanceError):  # another cluster's instance: refused, and still running
+        provider.terminate([other.instances[0].instance_id], cluster)
+    assert len(_cloud_view(moto_url, cluster + "-other")) == 1
 
 
 def test_reaper_against_moto(provider: AwsProvider, moto_url: str, cluster: str) -> None:

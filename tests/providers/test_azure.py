@@ -4,8 +4,11 @@ Prices API fake through the provider's HTTP client. VMs are counted in the fake.
 from __future__ import annotations
 
 import base64
+import itertools
+import json
+import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import pytest
 
@@ -16,7 +19,7 @@ from providers.reaper import Reaper
 from tests.providers.contract import check_cloud_provider_contract
 from tests.providers.fakes.azure import FakeAzure, price_row
 from tests.providers.helpers import pool, request
-from wire import Market
+from wire import InstanceId, Market
 
 A100 = "Standard_NC24ads_A100_v4"
 T4 = "Standard_NC4as_T4_v3"
@@ -52,7 +55,26 @@ def test_satisfies_the_cloud_provider_contract(provider: AzureProvider, fake: Fa
     configured = provider.config.pools()
     priced = [p for p in configured if p.region == "eastus"] + [pool("azure", "westus2", "westus2", T4)]
     check_cloud_provider_contract(provider, pool("azure", "eastus", "eastus-1", A100), cluster,
-                                  unknown_id="orch-never-existed", configured=configured, priced=priced)
+                                  unknown_id="orch-never-existed", configured=configured, priced=priced,
+                                  foreign=lambda tags: _foreign(fake, tags))
+
+
+_FOREIGN = itertools.count(1)
+
+
+def _foreign(fake: FakeAzure, tags: Mapping[str, str]) -> InstanceId:
+    """A VM another workload created in the same resource group: a plain ARM PUT on the fake, not
+    through orchd, carrying exactly ``tags``."""
+    name = f"other-vm-{next(_FOREIGN)}"
+    body = {"location": "eastus", "tags": dict(tags), "zones": ["1"],
+            "properties": {"hardwareProfile": {"vmSize": A100}, "priority": "Regular"}}
+    url = (f"{fake.url}/subscriptions/sub-1/resourceGroups/rg-orch/providers/Microsoft.Compute/virtualMachines/"
+           f"{name}?api-version=2024-07-01")
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="PUT",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10):
+        pass
+    return InstanceId(name)
 
 
 def test_config_problems_listed() -> None:
@@ -155,7 +177,7 @@ def test_list_pages_describe_terminate(provider: AzureProvider, fake: FakeAzure,
     listed = provider.list_instances(cluster)  # every VM of the group, over pages of 2, filtered by tag
     assert {i.instance_id for i in listed} == {i.instance_id for i in res.instances}
     victim = res.instances[0].instance_id
-    provider.terminate([victim, "orch-never-existed"])
+    provider.terminate([victim, "orch-never-existed"], cluster)
     assert len(fake.live(cluster)) == 2
     survivor = res.instances[1].instance_id
     assert [i.instance_id for i in provider.describe([victim, survivor])] == [survivor]

@@ -3,9 +3,11 @@ local wire-level fake (tests/providers/fakes/gcp.py). Instances are counted in t
 
 from __future__ import annotations
 
+import itertools
 import json
+import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +27,7 @@ from providers.reaper import Reaper
 from tests.providers.contract import check_cloud_provider_contract
 from tests.providers.fakes.gcp import FakeGcp, sku
 from tests.providers.helpers import pool, request
-from wire import Market
+from wire import InstanceId, Market
 
 ZONE = "us-central1-a"
 REGION = "us-central1"
@@ -59,7 +61,30 @@ def test_satisfies_the_cloud_provider_contract(provider: GcpProvider, fake: Fake
     configured = provider.config.pools()
     priced = [p for p in configured if not (p.instance_type == "n1-standard-8" and p.market is Market.SPOT)]
     check_cloud_provider_contract(provider, pool("gcp", REGION, ZONE, "a2-highgpu-1g"), cluster,
-                                  unknown_id=f"{ZONE}/orch-gone-000", configured=configured, priced=priced)
+                                  unknown_id=f"{ZONE}/orch-gone-000", configured=configured, priced=priced,
+                                  foreign=lambda tags: _foreign(fake, tags))
+
+
+_FOREIGN = itertools.count(1)
+
+
+def _foreign(fake: FakeGcp, tags: Mapping[str, str]) -> InstanceId:
+    """A VM another workload created in the same project: a plain REST insert on the fake, not through
+    orchd; its labels are the tags (values mangled as GCE requires), and no orch-tags metadata."""
+    name = f"other-vm-{next(_FOREIGN)}"
+    body = {"name": name, "machineType": f"zones/{ZONE}/machineTypes/a2-highgpu-1g",
+            "labels": {k: label_value(v) for k, v in tags.items()}}
+    base = f"{fake.url}/compute/v1/projects/proj-1/zones/{ZONE}"
+    op = _http("POST", f"{base}/instances", body)
+    _http("POST", f"{base}/operations/{op['name']}/wait")
+    return InstanceId(f"{ZONE}/{name}")
+
+
+def _http(method: str, url: str, body: dict[str, Any] | None = None) -> Any:
+    data = json.dumps(body).encode() if body is not None else b""
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as resp:
+        return json.loads(resp.read())
 
 
 def test_config_problems_listed() -> None:
@@ -189,7 +214,7 @@ def test_list_pages_describe_terminate(provider: GcpProvider, fake: FakeGcp, clu
     listed = provider.list_instances(cluster)  # 5 VMs over pages of 2, across two zones
     assert len(listed) == 5 and {i.pool.zone for i in listed} == {ZONE, "us-central1-b"}
     victim = res.instances[0].instance_id
-    provider.terminate([victim, f"{ZONE}/orch-gone-000"])
+    provider.terminate([victim, f"{ZONE}/orch-gone-000"], cluster)
     assert len(fake.live(label_value(cluster))) == 4
     survivor = res.instances[1].instance_id
     assert [i.instance_id for i in provider.describe([victim, survivor])] == [survivor]

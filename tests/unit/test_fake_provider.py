@@ -25,7 +25,8 @@ def test_satisfies_the_cloud_provider_contract(kind: str, tmp_path: Path) -> Non
     cloud.set_price(POOL, 1.0, on_demand_usd_h=3.0)
     cloud.set_price(on_demand, 3.0)
     check_cloud_provider_contract(cloud, POOL, "c-contract", unknown_id="fake-999999",
-                                  configured=[POOL, on_demand], priced=[POOL, on_demand])
+                                  configured=[POOL, on_demand], priced=[POOL, on_demand],
+                                  foreign=lambda tags: cloud.add_instance(POOL, tags).instance_id)
     if kind == "file":  # what the file recorded is what the cloud says
         assert read_fake_file(tmp_path / "fake.json") == cloud.all_instances()
 
@@ -74,7 +75,7 @@ def test_preempt_and_terminate_remove_from_listing() -> None:
     cloud = FakeCloud()
     a, b = cloud.launch(req("t", "n1", "n2")).instances
     cloud.preempt(a.instance_id)
-    cloud.terminate([b.instance_id, "unknown-id"])
+    cloud.terminate([b.instance_id, "unknown-id"], "c1")
     assert cloud.list_instances("c1") == []
     assert {i.state for i in cloud.describe([a.instance_id, b.instance_id])} == {"terminated"}
 

@@ -178,3 +178,28 @@ def test_bad_syntax_and_unreadable_files(tmp_path: Path) -> None:
     with pytest.raises(JobSpecError, match=r"trainer.env: key 1 is not a string"):
         parse_jobspec("trainer: {env: {1: x}}\n" + "name: j\ntotal_steps: 1\ngpu_type: g\ncheckpoint: {url: file:///c}",
                       fmt="yaml")
+
+
+def test_start_from_is_read_from_the_checkpoint_table_and_checked() -> None:
+    spec = parse_jobspec(BASE + 'start_from = "file:///other/step_000000200"\n')
+    assert spec.checkpoint.start_from == "file:///other/step_000000200"
+    assert parse_jobspec(BASE).checkpoint.start_from is msgspec.UNSET  # omitted: not encoded at all
+    yml = yaml.safe_dump({"name": "j", "total_steps": 10, "gpu_type": "A100",
+                          "checkpoint": {"url": "s3://b/new", "start_from": "s3://b/old/step_000000010"}})
+    assert parse_jobspec(yml, fmt="yaml").checkpoint.start_from == "s3://b/old/step_000000010"
+    with pytest.raises(JobSpecError) as e:
+        parse_jobspec(BASE + 'start_from = "http://x/step_1"\n')
+    assert e.value.problems == [
+        "checkpoint.start_from: must start with one of file://, s3://, gs://, az://, abfs://, got 'http://x/step_1'"]
+    with pytest.raises(JobSpecError) as e:  # inside its own root: its own rotation would delete it
+        parse_jobspec(BASE + 'start_from = "file:///ckpt/./step_000000200/"\n')
+    assert [p.split(":")[0] for p in e.value.problems] == ["checkpoint.start_from"]
+    assert "must lie outside checkpoint.url" in e.value.problems[0]
+
+
+def test_file_checkpoint_urls_must_be_absolute() -> None:
+    with pytest.raises(JobSpecError) as e:
+        parse_jobspec(BASE.replace("file:///ckpt", "file://ckpt/rel") + 'start_from = "file://localhost/x"\n')
+    assert e.value.problems == [
+        "checkpoint.url: a file:// path must be absolute (file:///path), got 'file://ckpt/rel'",
+        "checkpoint.start_from: a file:// path must be absolute (file:///path), got 'file://localhost/x'"]

@@ -1,0 +1,159 @@
+"""``authorize(state, event, now) -> reason | None``: the trust gate in front of ``decide``.
+
+Role: every event an agent publishes is checked against its sender's identity and the state before the
+core sees it. The sender is the node the event names: the shell's screen (``ingest.screen``) already
+requires the subject to name that node, and per-node NATS permissions restrict what a node may publish
+on, so ``event.node_id`` *is* the publisher. What a node may say:
+
+- it exists in the state: orchd launched it (its record exists)                   -> ``unknown_node``
+  (a registration from an unknown node passes when its instance is nobody's: the core terminates
+  that orphan; naming another node's instance is ``wrong_instance``)
+- the job it names is its own job (``event.job_id == node.job_id``)               -> ``wrong_job``
+- the generation it names is its current one (``node.generation``): an older one   -> ``stale_generation``
+  (the core ignores a RanksExited / GenerationStarted of an old generation anyway; a commit of an old
+  generation only arrives after that generation was abandoned, and resuming from the last commit of
+  the current generation is the safe choice), a newer one                          -> ``bad_generation``
+- the instance id it names is not another node's instance (NodeLaunched sets a node's instance id;
+  the core never adopts an agent's)                                                -> ``wrong_instance``
+- a committed checkpoint lies strictly under its job's own root
+  (``job.spec.checkpoint.url``): same scheme, the root's path as a prefix, then only plain path
+  segments (no ``..``/``.``, no query, escapes or backslashes)                     -> ``foreign_checkpoint``
+- steps are possible: a commit in 1..total_steps, a heartbeat's / an exit's step <= total_steps
+                                                                                   -> ``bad_step``
+
+Heartbeats are legitimate in any generation (between generations an agent reports its last one): only
+node, job and step are checked (two map lookups: the hot path). Heartbeats of a job the node does not
+belong to, or of an unknown node, are refused like any other event.
+
+Trusted senders (no check, ``None``): everything orchd produces itself - executor results
+(NodeLaunched, LaunchFailed, NodeGone, CommandFailed), admin intents (JobSubmitted, JobCancelled,
+NodeDrainRequested), timers and connection state (Tick, BusState, LeaseChanged, AgentDisconnected) -
+and price ticks, which come from orchd's own feeds (``screen`` ties their subject to the pool).
+
+Pure: no I/O, no clock (``now`` is unused today; it is part of the signature so that time-based rules,
+e.g. a rate per sender, stay pure), no logging.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from orchestrator.core.inputs import CoreEvent
+from orchestrator.core.model import Job, State
+from wire.messages import (
+    CheckpointCommitted,
+    CommandAck,
+    GenerationStarted,
+    Heartbeat,
+    NodeLeaving,
+    NodeRegistered,
+    PreemptionNotice,
+    RanksExited,
+)
+
+UNKNOWN_NODE: Final = "unknown_node"
+WRONG_JOB: Final = "wrong_job"
+STALE_GENERATION: Final = "stale_generation"
+BAD_GENERATION: Final = "bad_generation"
+WRONG_INSTANCE: Final = "wrong_instance"
+FOREIGN_CHECKPOINT: Final = "foreign_checkpoint"
+BAD_STEP: Final = "bad_step"
+
+REASONS: Final = (UNKNOWN_NODE, WRONG_JOB, STALE_GENERATION, BAD_GENERATION, WRONG_INSTANCE,
+                  FOREIGN_CHECKPOINT, BAD_STEP)
+
+# Characters of a path segment an agent may add below its job's checkpoint root.
+_SEGMENT_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.=+")
+
+
+def authorize(state: State, event: CoreEvent, now: float) -> str | None:
+    """Why ``event`` must not reach the core (a short label, see the module docstring), or None."""
+    if type(event) is Heartbeat:  # the hot path (inlined): two map lookups at most
+        node = state.nodes.get(event.node_id)
+        if node is None:
+            return UNKNOWN_NODE
+        if event.job_id is not None and event.job_id != node.job_id:
+            return WRONG_JOB
+        if event.step > node.step:  # progress: bounded by the job's total
+            job = state.jobs.get(node.job_id)
+            if job is not None and event.step > job.spec.total_steps:
+                return BAD_STEP
+        return None
+    if isinstance(event, CheckpointCommitted | RanksExited | GenerationStarted):
+        return _generation_event(state, event)
+    if isinstance(event, NodeRegistered):
+        return _registered(state, event)
+    if isinstance(event, PreemptionNotice | NodeLeaving | CommandAck):
+        return None if event.node_id in state.nodes else UNKNOWN_NODE
+    return None  # orchd's own events and price ticks: trusted senders
+
+
+def _registered(state: State, ev: NodeRegistered) -> str | None:
+    """A registration may name an instance orchd knows for no other node. An unknown node, or a known
+    node with a second instance, passes when its instance is nobody's: the core then terminates that
+    unowned instance (a launch that left an orphan; the provider terminates only this cluster's
+    instances). Naming another node's instance is refused, whoever sends it."""
+    node = state.nodes.get(ev.node_id)
+    if not ev.instance_id:
+        return None if node is not None else UNKNOWN_NODE
+    if node is not None and node.instance_id in (None, ev.instance_id):
+        return None
+    if ev.instance_id and any(n.instance_id == ev.instance_id for n in state.nodes.values()):
+        return WRONG_INSTANCE  # another node's instance: never terminate it on a node's word
+    return None
+
+
+def _generation_event(state: State, ev: CheckpointCommitted | RanksExited | GenerationStarted) -> str | None:
+    node = state.nodes.get(ev.node_id)
+    if node is None:
+        return UNKNOWN_NODE
+    if ev.job_id != node.job_id:
+        return WRONG_JOB
+    if ev.generation != node.generation:
+        return STALE_GENERATION if ev.generation < node.generation else BAD_GENERATION
+    job = state.jobs.get(node.job_id)
+    if job is None:
+        return None  # the job is gone: the core ignores the event
+    if isinstance(ev, CheckpointCommitted):
+        return _commit(job, ev)
+    if isinstance(ev, RanksExited) and ev.last_step > job.spec.total_steps:
+        return BAD_STEP
+    return None
+
+
+def _commit(job: Job, ev: CheckpointCommitted) -> str | None:
+    if not 0 < ev.step <= job.spec.total_steps:
+        return BAD_STEP
+    if not under_root(ev.url, job.spec.checkpoint.url):
+        return FOREIGN_CHECKPOINT
+    return None
+
+
+def _split(url: str) -> tuple[str, str]:
+    """(lower-case scheme, path) of a URL; no scheme -> ("", url)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "", url
+    return scheme.lower(), rest
+
+
+def _collapse(path: str) -> str:
+    """``path`` without repeated and trailing slashes (a leading slash is kept: it is significant)."""
+    lead = "/" if path.startswith("/") else ""
+    return lead + "/".join(p for p in path.split("/") if p)
+
+
+def under_root(url: str, root: str) -> bool:
+    """Whether ``url`` names a directory strictly below the checkpoint root ``root``: same scheme, the
+    root's path as a prefix (both without repeated and trailing slashes), then one or more plain
+    segments (``[A-Za-z0-9_.=+-]``, never ``.`` or ``..``). The root is the job spec's (admin-given,
+    trusted); only what the agent adds below it is restricted."""
+    scheme, path = _split(url)
+    root_scheme, root_path = _split(root)
+    if scheme != root_scheme:
+        return False
+    base, path = _collapse(root_path), _collapse(path)
+    prefix = base if base.endswith("/") else base + "/"  # base "/" (a file root of "/") ends with it
+    if not path.startswith(prefix) or len(path) == len(prefix):
+        return False  # elsewhere, or the root itself (not a checkpoint)
+    return all(seg not in (".", "..") and _SEGMENT_OK.issuperset(seg) for seg in path[len(prefix):].split("/"))
