@@ -27,6 +27,7 @@ Pure apart from reading the file; no clock.
 from __future__ import annotations
 
 import datetime as dt
+import math
 import os
 import tomllib
 import typing
@@ -276,4 +277,37 @@ def spec_problems(spec: JobSpec) -> list[str]:
     pr = spec.price
     if not 0 < pr.resume_below_ratio <= pr.pause_above_ratio:
         p.append("price: need 0 < resume_below_ratio <= pause_above_ratio")
-    return p
+    named = {problem.split(":")[0] for problem in p}
+    return p + [m for m in _magnitude_problems(spec) if m.split(":")[0] not in named]
+
+
+_DAY_S = 86400.0
+_MAGNITUDES: tuple[tuple[str, float, float], ...] = (
+    # (field path, lowest, highest): what no honest spec goes beyond (a spec over the wire is not trusted)
+    ("total_steps", 1, 2**53),
+    ("gpus_per_node", 1, 64),
+    ("nodes_max", 1, 100_000),
+    ("step_time_s_estimate", 1e-3, 7 * _DAY_S),
+    ("budget_usd", 1e-6, 1e9),
+    ("deadline_ts", 1e9, 1e11),  # 2001 .. 5138, in unix seconds
+    ("checkpoint.interval_s", 1.0, 30 * _DAY_S),
+    ("checkpoint.keep", 1, 1000),
+    ("checkpoint.save_s_estimate", 0.0, _DAY_S),
+    ("price.pause_above_ratio", 1e-3, 1000.0),
+    ("price.resume_below_ratio", 1e-3, 1000.0),
+    ("price.migrate_min_saving", 0.0, 1.0),
+)
+
+
+def _magnitude_problems(spec: JobSpec) -> list[str]:
+    """Every number within what an honest spec could hold: finite, neither absurdly large nor small."""
+    out = []
+    for path, lo, hi in _MAGNITUDES:
+        value: object = spec
+        for part in path.split("."):
+            value = getattr(value, part, None)
+        if value is None or not isinstance(value, int | float):
+            continue  # optional and unset (checked above when it must be set)
+        if not (math.isfinite(value) and lo <= value <= hi):
+            out.append(f"{path}: must be within {lo:g} .. {hi:g}, got {value!r}")
+    return out

@@ -96,9 +96,9 @@ def _registered(state: State, ev: NodeRegistered) -> str | None:
     node = state.nodes.get(ev.node_id)
     if not ev.instance_id:
         return None if node is not None else UNKNOWN_NODE
-    if node is not None and node.instance_id in (None, ev.instance_id):
+    if node is not None and node.instance_id == ev.instance_id:
         return None
-    if ev.instance_id and any(n.instance_id == ev.instance_id for n in state.nodes.values()):
+    if any(n.instance_id == ev.instance_id for n in state.nodes.values()):
         return WRONG_INSTANCE  # another node's instance: never terminate it on a node's word
     return None
 

@@ -69,6 +69,8 @@ def node_gone(tx: Tx, ev: NodeGone) -> None:
     node = tx.nodes.get(ev.node_id)
     if node is None:
         return
+    if ev.instance_id is not None and node.instance_id is not None and ev.instance_id != node.instance_id:
+        return  # another instance than the node's (an unowned second instance terminated): the node lives
     preempted = ev.reason != "terminated_by_us" and node.pool.market == Market.SPOT and node.phase != N.NOTICED
     lc.lose_node(tx, node, f"node_gone_{ev.reason}", preempted=preempted, terminate=False)
 

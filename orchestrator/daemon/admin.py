@@ -234,6 +234,8 @@ class Handlers:
                        size=len(p.data), preview=p.data[:200].decode("utf-8", "replace")) for p in parked])
 
     async def dead_replay(self, req: DeadReplayRequest) -> ev.OkReply:
+        if not 1 <= req.seq < 2**63:  # a stream sequence; nats-server refuses anything else
+            raise AdminFailure(400, f"seq must be within 1 .. 2**63-1, got {req.seq}")
         try:
             dead = await bus.replay(self.d.store.js, req.seq)
         except NotFoundError:

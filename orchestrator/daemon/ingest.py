@@ -170,6 +170,8 @@ _NODE_EVENT_INTS = ("generation", "first_step", "step", "last_step")
 _PRICE_BOUNDS = CoreConfig()
 MAX_PRICE_USD_H = _PRICE_BOUNDS.price_ceiling_usd_h()
 MAX_SPOT_OVER_ON_DEMAND = _PRICE_BOUNDS.spot_band()
+MIN_PRICE_USD_H = 1e-4  # a price is 0 (free) or at least this: no honest feed quotes 5e-324 $/h
+MAX_GPUS_PER_NODE = 64
 MAX_STEP = 2**53
 MAX_GENERATION = 2**31
 MAX_SEQ = 2**62
@@ -193,7 +195,8 @@ def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent)
     non-finite prices, times, steps, generations; prices above ``MAX_PRICE_USD_H``, spot above
     ``MAX_SPOT_OVER_ON_DEMAND`` x the tick's on-demand price; steps above ``MAX_STEP``, generations above
     ``MAX_GENERATION``, save times beyond ``MAX_DURATION_S``; capacity hints outside 0..1;
-    gpus_per_node < 1) and empty ids -> ``bad_value``. A notice is never refused for its timestamps.
+    gpus_per_node outside 1..64, a non-zero price below ``MIN_PRICE_USD_H``) and empty ids -> ``bad_value``.
+    A notice is never refused for its timestamps.
     Pure and cheap: called once per message by the decide pipeline
     (``pipeline.screen_js``)."""
     parts = subject.split(".")
@@ -201,7 +204,11 @@ def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent)
         p = msg.pool
         if len(parts) != 4 or parts[2] != p.cloud or parts[3] != p.region:
             return "subject_mismatch"
-        if not (msg.id and p.zone and p.instance_type and msg.gpu_type) or msg.gpus_per_node < 1:
+        if not (msg.id and p.zone and p.instance_type and msg.gpu_type):
+            return "bad_value"
+        if not 1 <= msg.gpus_per_node <= MAX_GPUS_PER_NODE:
+            return "bad_value"
+        if 0 < msg.price_usd_h < MIN_PRICE_USD_H or 0 < (msg.on_demand_usd_h or 0) < MIN_PRICE_USD_H:
             return "bad_value"
         if not (_finite(msg.price_usd_h, hi=MAX_PRICE_USD_H)
                 and _finite(msg.on_demand_usd_h, hi=MAX_PRICE_USD_H, optional=True)

@@ -9,8 +9,10 @@ commands, heartbeat, train at a fixed step rate and report checkpoint commits) i
 trainer processes, to keep a drill in seconds.
 
     python -m simulations.chaos [--seed S] [--iterations N] [--fuzz N] [--json]
+    python -m simulations.chaos --adversarial N [--seed S] [--adversarial-all] [--json]
 
 Modules: ``harness`` (nats-server, the orchd subprocess, metrics, cloud-side counting), ``agents``
 (simulated agents), ``kill9`` (kill -9 drill), ``natsrestart`` (NATS restart drill), ``fuzz`` (the
-fuzzer), ``__main__`` (the command). See docs/chaos.md.
+fuzzer), ``hostile`` / ``adversarial`` (well-formed attacks from real ids, and the clean-vs-hostile
+drill with its oracle), ``__main__`` (the command). See docs/chaos.md.
 """

@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from simulations.chaos import fuzz, kill9, natsrestart
+from simulations.chaos import adversarial, fuzz, kill9, natsrestart
 
 
 async def run_all(*, seed: int, iterations: int, n_fuzz: int, nats_restarts: int, max_kills: int,
@@ -88,7 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-kills", type=int, default=3, help="kill -9s per iteration, at most")
     p.add_argument("--workdir", help="where servers and daemons keep their files (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--adversarial", type=int, default=0, metavar="N",
+                   help="run only the adversarial drill with N hostile messages (docs/chaos.md section 4)")
+    p.add_argument("--adversarial-all", action="store_true",
+                   help="also send the hostile kinds known to fail (adversarial.EXPECTED_FAILURES)")
     a = p.parse_args(argv)
+    if a.adversarial:
+        return _adversarial(a)
     with tempfile.TemporaryDirectory(prefix="orch-chaos-") as tmp:
         workdir = Path(a.workdir or tmp)
         progress = None if a.json else (lambda line: print(line, file=sys.stderr, flush=True))
@@ -102,6 +108,20 @@ def main(argv: list[str] | None = None) -> int:
             if k not in ("rejected_by_reason", "fuzz_by_target", "fuzz_by_mutation"):
                 print(f"{k:24} {v}")
     return 0 if passed(out) else 1
+
+
+def _adversarial(a: argparse.Namespace) -> int:
+    with tempfile.TemporaryDirectory(prefix="orch-chaos-") as tmp:
+        r = anyio.run(adversarial.run, a.seed, Path(a.workdir or tmp), a.adversarial, a.adversarial_all,
+                      backend="asyncio")
+    out = adversarial.as_dict(r)
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for k in ("hostile_messages", "crashes", "unjustified_state_changes", "unjustified_launches",
+                  "unjustified_terminations", "rejected_by_reason", "problems", "passed", "seconds"):
+            print(f"{k:26} {out[k]}")
+    return 0 if out["passed"] else 1
 
 
 if __name__ == "__main__":

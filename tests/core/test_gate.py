@@ -287,3 +287,15 @@ def test_reasons_are_short_labels() -> None:
 ])
 def test_under_root(url: str, root: str, ok: bool) -> None:
     assert under_root(url, root) is ok
+
+
+def test_terminating_an_unowned_second_instance_keeps_the_node() -> None:
+    """The core terminates an instance a node registers that no node owns; the executor's NodeGone for
+    that instance names the node, which must stay (found by the adversarial fuzzer: it was lost)."""
+    drv, j1, _j2 = two_jobs()
+    own = drv.state.nodes[j1[0]].instance_id
+    d = drv(NodeRegistered(id="r2", node_id=j1[0], instance_id="i-orphan", ts=drv.now))
+    (term,) = [c for c in d.commands if isinstance(c, Terminate)]
+    drv(NodeGone(node_id=term.node_id, instance_id=term.instance_id, reason="terminated_by_us"))
+    assert j1[0] in drv.state.nodes and drv.state.nodes[j1[0]].instance_id == own
+    assert drv.job("j1").phase == JobPhase.RUNNING

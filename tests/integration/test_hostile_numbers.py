@@ -162,6 +162,8 @@ def _hb(**kw) -> ev.Heartbeat:
 @pytest.mark.parametrize("msg", [
     h.price(h.POOL, 1e308, 3.0), h.price(h.POOL, 1.0, 1e308), h.price(h.POOL_OD, 1001.0, 1001.0),
     h.price(h.POOL, 31.0, 3.0),  # spot above 10 x the tick's on-demand price
+    h.price(h.POOL, 5e-324, 3.0), h.price(h.POOL, 1.0, 5e-324),  # a "free" pool by a denormal price
+    msgspec.structs.replace(h.price(h.POOL, 1.0, 3.0), gpus_per_node=2**63),
 ])
 def test_screen_refuses_prices_out_of_bounds(msg) -> None:
     from orchestrator.daemon.ingest import screen

@@ -203,3 +203,20 @@ def test_file_checkpoint_urls_must_be_absolute() -> None:
     assert e.value.problems == [
         "checkpoint.url: a file:// path must be absolute (file:///path), got 'file://ckpt/rel'",
         "checkpoint.start_from: a file:// path must be absolute (file:///path), got 'file://localhost/x'"]
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    ("deadline_ts", -1e308), ("step_time_s_estimate", 5e-324), ("checkpoint.interval_s", 1e308),
+    ("gpus_per_node", 2**64), ("total_steps", 2**60), ("budget_usd", float("inf")),
+])
+def test_a_wire_spec_with_an_absurd_magnitude_is_refused(path: str, value: float) -> None:
+    """What the adversarial fuzzer submitted through the admin API: every such value is a problem."""
+    good = msgspec.to_builtins(parse_jobspec(
+        'name = "j"\ntotal_steps = 10\ngpu_type = "A100"\n[checkpoint]\nurl = "file:///ckpt"\n'))
+    node = good
+    *parents, leaf = path.split(".")
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
+    spec = msgspec.convert(good, JobSpec, strict=False)
+    assert [p.split(":")[0] for p in spec_problems(spec)] == [path]
