@@ -115,6 +115,21 @@ class SimAgent:
         return [c for c in self.received if isinstance(c, cls)]
 
 
+def ctl(url: str, *argv: str) -> tuple[int, str, str]:
+    """orchctl in this process against ``url``: (exit code, stdout, stderr)."""
+    from orchestrator.cli import main as cli
+
+    out: list[str] = []
+    err: list[str] = []
+    code = cli.main(["--server", url, "--timeout", "10", *argv], out=out.append, err=err.append)
+    return code, "".join(out), "".join(err)
+
+
+async def actl(url: str, *argv: str) -> tuple[int, str, str]:
+    """``ctl`` in a worker thread (orchctl runs its own event loop)."""
+    return await anyio.to_thread.run_sync(lambda: ctl(url, *argv))
+
+
 async def wait_for(pred: Any, timeout: float = 10.0, interval: float = 0.05) -> Any:
     with anyio.fail_after(timeout):
         while True:

@@ -16,34 +16,22 @@ import nats
 import pytest
 
 import wire as ev
-from orchestrator.cli import main as cli
 from orchestrator.cli.client import AdminClient, AdminError
 from orchestrator.daemon.run import run_daemon
 from orchestrator.jobspec import parse_jobspec
 from orchestrator.natsserver import NatsServer
 from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
+from tests.integration.helpers import ctl
 
 pytestmark = pytest.mark.anyio
 
-
-@pytest.fixture
-def server(tmp_path: Path):
-    s = NatsServer(tmp_path / "nats").start()
-    yield s
-    s.cleanup()
 
 
 def _spec_toml(url: str, start_from: str | None = None) -> str:
     text = h.JOB_TOML.format(nodes=1).replace('url = "file:///tmp/orch-itest-ckpt"', f'url = "{url}"')
     return text + (f'start_from = "{start_from}"\n' if start_from else "")
 
-
-def _ctl(url: str, *argv: str) -> tuple[int, str, str]:
-    out: list[str] = []
-    err: list[str] = []
-    code = cli.main(["--server", url, *argv], out=out.append, err=err.append)
-    return code, "".join(out), "".join(err)
 
 
 async def test_second_job_with_the_same_root_is_refused_with_a_clear_error(server: NatsServer, tmp_path: Path):
@@ -59,7 +47,7 @@ async def test_second_job_with_the_same_root_is_refused_with_a_clear_error(serve
 
         first = tmp_path / "a.toml"
         first.write_text(_spec_toml(root))
-        code, out, err = await anyio.to_thread.run_sync(lambda: _ctl(server.url, "jobs", "submit", str(first),
+        code, out, err = await anyio.to_thread.run_sync(lambda: ctl(server.url, "jobs", "submit", str(first),
                                                                        "-o", "json"))
         assert code == 0, err
         job_a = json.loads(out)["job_id"]
@@ -68,7 +56,7 @@ async def test_second_job_with_the_same_root_is_refused_with_a_clear_error(serve
         # the same root, written differently: orchctl says why, and exits non-zero
         second = tmp_path / "b.toml"
         second.write_text(_spec_toml(f"file://{tmp_path}//ckpt/./a/"))
-        code, out, err = await anyio.to_thread.run_sync(lambda: _ctl(server.url, "jobs", "submit", str(second)))
+        code, out, err = await anyio.to_thread.run_sync(lambda: ctl(server.url, "jobs", "submit", str(second)))
         assert code != 0 and not out
         assert "orchd error 409" in err and f"is the checkpoint root of job {job_a!r}" in err, err
         assert "One job, one checkpoint root" in err

@@ -29,12 +29,11 @@ import pytest
 
 import wire as ev
 from orchestrator import bus
-from orchestrator.cli import main as cli
 from orchestrator.daemon.run import run_daemon
 from orchestrator.daemon.state import default_core
-from orchestrator.natsserver import NatsServer
 from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
+from tests.integration.helpers import actl
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,22 +45,6 @@ def deep(depth: int = 1000) -> bytes:
     return b'{"zz":' + b"[" * depth + b"]" * depth + b"," + hb[1:]
 
 
-def ctl(url: str, *argv: str) -> tuple[int, str, str]:
-    out: list[str] = []
-    err: list[str] = []
-    code = cli.main(["--server", url, "--timeout", "10", *argv], out=out.append, err=err.append)
-    return code, "".join(out), "".join(err)
-
-
-async def actl(url: str, *argv: str) -> tuple[int, str, str]:
-    return await anyio.to_thread.run_sync(lambda: ctl(url, *argv))
-
-
-@pytest.fixture
-def server(tmp_path):
-    s = NatsServer(tmp_path / "nats").start()
-    yield s
-    s.cleanup()
 
 
 def start_orchd(cfg: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:

@@ -27,7 +27,6 @@ from orchestrator.daemon.run import run_daemon
 from orchestrator.daemon.state import default_core
 from orchestrator.daemon.store import Store
 from orchestrator.jobspec import parse_jobspec
-from orchestrator.natsserver import NatsServer
 from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
 
@@ -35,12 +34,6 @@ pytestmark = pytest.mark.anyio
 R = msgspec.structs.replace
 WINDOW_S, GRACE_S = 2.0, 1.0  # the fake cloud's notice window and the skip grace, short for the test
 
-
-@pytest.fixture
-def server(tmp_path):
-    s = NatsServer(tmp_path / "nats").start()
-    yield s
-    s.cleanup()
 
 
 def _core(settings):

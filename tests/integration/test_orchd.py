@@ -17,35 +17,19 @@ import yaml
 
 import wire as ev
 from orchestrator import bus
-from orchestrator.cli import main as cli
 from orchestrator.cli.client import AdminClient
 from orchestrator.daemon.run import run_daemon
 from orchestrator.daemon.store import Store
 from orchestrator.jobspec import parse_jobspec
-from orchestrator.natsserver import NatsServer
 from orchestrator.settings import load_settings
 from providers.base import LaunchRequest
 from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
+from tests.integration.helpers import actl
 
 pytestmark = pytest.mark.anyio
 
 
-def ctl(url: str, *argv: str) -> tuple[int, str, str]:
-    out, err = [], []
-    code = cli.main(["--server", url, *argv], out=out.append, err=err.append)
-    return code, "".join(out), "".join(err)
-
-
-async def actl(url: str, *argv: str) -> tuple[int, str, str]:
-    return await anyio.to_thread.run_sync(lambda: ctl(url, *argv))
-
-
-@pytest.fixture
-def server(tmp_path):
-    s = NatsServer(tmp_path / "nats").start()
-    yield s
-    s.cleanup()
 
 
 async def register_all(js, cloud: FakeCloud, seen: set[str]) -> None:

@@ -18,32 +18,17 @@ import nats
 import pytest
 
 import wire as ev
-from orchestrator.cli import main as cli
 from orchestrator.daemon.run import run_daemon
 from orchestrator.natsserver import NatsServer
 from simulations.fakecloud import read_fake_file
 from tests.conftest import free_port
 from tests.integration import helpers as h
+from tests.integration.helpers import actl, ctl
 
 pytestmark = pytest.mark.anyio
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def ctl(url: str, *argv: str) -> tuple[int, str, str]:
-    out, err = [], []
-    code = cli.main(["--server", url, "--timeout", "10", *argv], out=out.append, err=err.append)
-    return code, "".join(out), "".join(err)
-
-
-async def actl(url: str, *argv: str) -> tuple[int, str, str]:
-    return await anyio.to_thread.run_sync(lambda: ctl(url, *argv))
-
-
-@pytest.fixture
-def server(tmp_path):
-    s = NatsServer(tmp_path / "nats").start()
-    yield s
-    s.cleanup()
 
 
 class Orchd:

@@ -22,29 +22,14 @@ from prometheus_client import generate_latest
 
 import wire as ev
 from orchestrator import bus
-from orchestrator.cli import main as cli
 from orchestrator.daemon.run import run_daemon
 from providers.base import InstanceState
 from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
+from tests.integration.helpers import ctl
 
 pytestmark = pytest.mark.anyio
 
-
-def ctl(url: str, *argv: str) -> tuple[int, str, str]:
-    out: list[str] = []
-    err: list[str] = []
-    code = cli.main(["--server", url, *argv], out=out.append, err=err.append)
-    return code, "".join(out), "".join(err)
-
-
-@pytest.fixture
-def server(tmp_path):
-    from orchestrator.natsserver import NatsServer
-
-    s = NatsServer(tmp_path / "nats").start()
-    yield s
-    s.cleanup()
 
 
 def rejected(text: str, kind: str, reason: str) -> float:
