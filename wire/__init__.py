@@ -75,6 +75,7 @@ from wire.messages import (
     RanksExited,
     StartGenerationCmd,
     StopCmd,
+    ToOrchd,
     TrainerSpec,
 )
 from wire.subjects import (
@@ -124,6 +125,7 @@ __all__ = [
     "Market",
     "MarketPolicy",
     "NodeEvent",
+    "ToOrchd",
     "NodeId",
     "NodeLeaving",
     "NodeRegistered",

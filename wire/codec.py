@@ -17,41 +17,9 @@ from typing import Any, Final, TypeAlias, TypeVar, get_args, overload
 
 import msgspec
 
-from wire.messages import (
-    MAX_MESSAGE_BYTES,
-    SUPPORTED_VERSIONS,
-    AbandonGenerationCmd,
-    CheckpointCmd,
-    CheckpointCommitted,
-    CommandAck,
-    DrainCmd,
-    GenerationStarted,
-    Heartbeat,
-    NodeLeaving,
-    NodeRegistered,
-    PreemptionNotice,
-    PriceTick,
-    RanksExited,
-    StartGenerationCmd,
-    StopCmd,
-)
+from wire.messages import MAX_MESSAGE_BYTES, SUPPORTED_VERSIONS, AgentCommand, ToOrchd
 
-AnyWire: TypeAlias = (
-    PriceTick
-    | PreemptionNotice
-    | Heartbeat
-    | NodeRegistered
-    | GenerationStarted
-    | CheckpointCommitted
-    | RanksExited
-    | NodeLeaving
-    | CheckpointCmd
-    | StartGenerationCmd
-    | StopCmd
-    | AbandonGenerationCmd
-    | DrainCmd
-    | CommandAck
-)
+AnyWire: TypeAlias = ToOrchd | AgentCommand
 """Every record ``decode`` accepts by default (tagged by ``type``)."""
 
 WIRE_TYPES: Final[tuple[type[msgspec.Struct], ...]] = get_args(AnyWire)

@@ -288,6 +288,10 @@ class CommandAck(_Wire, frozen=True, kw_only=True, tag="command_ack"):
     ts: float
 
 
+ToOrchd: TypeAlias = PriceTick | PreemptionNotice | Heartbeat | NodeEvent | CommandAck
+"""Every record orchd receives (from agents and price feeds): what reaches the core from the wire."""
+
+
 # ---------------------------------------------------------------------------------------------------
 # Job specs (validated by orchestrator.jobspec; carried in admin submit and in state)
 

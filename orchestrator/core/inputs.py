@@ -9,21 +9,13 @@ from typing import TypeAlias
 import msgspec
 
 from wire.messages import (
-    CheckpointCommitted,
-    CommandAck,
     FailureReason,
-    GenerationStarted,
-    Heartbeat,
     InstanceId,
     JobId,
     JobSpec,
     NodeId,
-    NodeLeaving,
-    NodeRegistered,
     PoolKey,
-    PreemptionNotice,
-    PriceTick,
-    RanksExited,
+    ToOrchd,
 )
 
 
@@ -118,14 +110,6 @@ CoreEvent: TypeAlias = (
     | AgentDisconnected
     | CommandFailed
     | BusState
-    | PriceTick
-    | PreemptionNotice
-    | Heartbeat
-    | NodeRegistered
-    | GenerationStarted
-    | CheckpointCommitted
-    | RanksExited
-    | NodeLeaving
-    | CommandAck
+    | ToOrchd
 )
 """Every event ``decide`` accepts: the wire events plus the shell's own (above)."""

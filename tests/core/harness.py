@@ -6,7 +6,7 @@ from typing import Any
 
 from orchestrator.core import Decision, State, decide, state_from_records, state_to_records
 from orchestrator.core.commands import CheckInstance, Launch, SendToAgent, Terminate
-from orchestrator.core.inputs import NodeLaunched, NodeRegistered
+from orchestrator.core.inputs import NodeLaunched
 from wire import (
     AgentState,
     CheckpointCmd,
@@ -16,6 +16,7 @@ from wire import (
     Heartbeat,
     JobSpec,
     Market,
+    NodeRegistered,
     PoolKey,
     PriceTick,
     RanksExited,
