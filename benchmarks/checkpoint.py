@@ -1,16 +1,17 @@
 """Checkpoint benchmark: save/load throughput vs the disk's own write rate, async blocking, emergency time.
 
-    python benchmarks/checkpoint.py --json [--dir /path/on/the/disk] [--state-gib 1.0] [--threads 4]
+    python benchmarks/checkpoint.py --json [--dir /path/on/the/disk] [--state-gib 1.0] [--threads 4] [--pairs 5]
 
 One process (world size 1, gloo), a GPT whose parameters + AdamW state are >= --state-gib. Measured in
 the same run, on the same directory, with the same fsync policy and parallelism (the save fsyncs every
 file it writes with --threads writer threads; the disk probe writes the same number of bytes as
---threads files in parallel, 16 MiB chunks, each fsynced). The probe runs three times, interleaved
-with the saves, and the best run is the reference (the shared disk's rate drifts):
+--threads files in parallel, 16 MiB chunks, writeback started per chunk, each file fsynced). The probe
+runs three times, interleaved with the saves, and the best run is the reference (the shared disk's rate
+drifts):
 
   disk_write_gib_s   sequential write + fsync of state_gib bytes (best of 3; all in disk_write_runs_gib_s)
   save_gib_s         blocking DCP save + CRC32C while writing + fsync + commit marker
-  save_vs_disk       save_gib_s / disk_write_gib_s (goal >= 0.8); save_vs_adjacent_disk divides by the
+  save_first_vs_disk save_gib_s / disk_write_gib_s; save_vs_adjacent_disk divides by the
                      mean of the two probes run just before and just after the save instead
   load_gib_s         verify (read + CRC32C) + DCP load, page cache dropped first (posix_fadvise DONTNEED)
   async_block_s      time the training loop is blocked by a thread-based async save (staging copy into
@@ -18,6 +19,16 @@ with the saves, and the best run is the reference (the shared disk's rate drifts
   step_s             one training step of this model (global batch x seq_len tokens, this CPU/GPU)
   async_block_steps  async_block_s / step_s (goal <= 1.0)
   emergency_s        request -> all ranks agree -> save -> commit marker written (the emergency path)
+
+The emergency save against plain DCP (``FileSystemWriter``, fsync per file, no checksums, no commit) on
+the same state and directory: DCP runs with 1, 2, 4 and 8 writer threads first and the fastest is
+``dcp_best_threads``; then --pairs rounds, each a disk probe followed by one emergency save and one DCP
+save with dcp_best_threads, back to back (their order alternates between rounds):
+
+  save_vs_dcp_best   median over the rounds of dcp_time / emergency_time (goal >= 1.0), with its spread
+                     (save_vs_dcp_best_min, _max) and every round's figure in save_vs_dcp_best_runs
+  save_vs_disk       median over the rounds of emergency GiB/s / that round's disk probe (goal >= 0.9),
+                     spread and runs likewise; emergency_gib_s is the median emergency save rate
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import concurrent.futures as cf
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -35,8 +47,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainer import dist as tdist
+from trainer import store
 from trainer.checkpoint import CheckpointManager
 from trainer.emergency import EmergencyState, agree
 from trainer.model import GPT, GPTConfig, per_sample_loss
@@ -45,17 +61,21 @@ GIB = 1 << 30
 
 
 def disk_write_rate(directory: Path, nbytes: int, threads: int) -> float:
-    """Sequential write of nbytes split over ``threads`` files written in parallel (as the DCP writer
-    does with thread_count=threads), each fsynced, like the save. GiB/s of wall time."""
+    """Sequential write of nbytes split over ``threads`` files written in parallel (as the checkpoint
+    writer does with thread_count=threads), writeback started per 16 MiB chunk (posix_fadvise
+    DONTNEED) and each file fsynced, like the save. GiB/s of wall time."""
     chunk = os.urandom(16 << 20)
     paths = [directory / f"probe{i}.bin" for i in range(threads)]
 
     def write(path: Path) -> None:
         with open(path, "wb") as f:
-            left = nbytes // threads
+            left, done = nbytes // threads, 0
             while left > 0:
-                left -= f.write(chunk[: min(left, len(chunk))])
-            f.flush()
+                n = f.write(chunk[: min(left, len(chunk))])
+                left -= n
+                f.flush()  # start writeback of each chunk at once, as the checkpoint writer does
+                os.posix_fadvise(f.fileno(), done, n, os.POSIX_FADV_DONTNEED)
+                done += n
             os.fsync(f.fileno())
 
     t0 = time.perf_counter()
@@ -86,6 +106,60 @@ def model_for(state_gib: float, seq_len: int) -> GPTConfig:
     raise ValueError("state too large")
 
 
+def dcp_save_s(state: dict, directory: Path, threads: int, group: object) -> float:
+    """Seconds of one plain DCP save of ``state`` (fsync per file) into a fresh directory, then removed."""
+    d = Path(tempfile.mkdtemp(dir=directory))
+    t0 = time.perf_counter()
+    dcp.save(state, storage_writer=FileSystemWriter(str(d), thread_count=threads, sync_files=True),
+             process_group=group)
+    dt = time.perf_counter() - t0
+    shutil.rmtree(d)
+    return dt
+
+
+def emergency_save_s(mgr: CheckpointManager, step: int, model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    """Seconds from a pending emergency request to the commit marker: agree, save, commit."""
+    em = EmergencyState(None, 30.0)
+    em.request_local("bench", deadline_ts=time.time() + 120)
+    t0 = time.perf_counter()
+    assert agree(em).stop
+    mgr.save(step, model, opt, {"bench": True}, reason="preemption_notice", started=time.monotonic())
+    dt = time.perf_counter() - t0
+    store.rotate(mgr.root, mgr.keep)  # an emergency save leaves rotation to the next commit: done here, untimed
+    return dt
+
+
+def _spread(name: str, runs: list[float]) -> dict[str, object]:
+    return {name: round(statistics.median(runs), 3), f"{name}_min": round(min(runs), 3),
+            f"{name}_max": round(max(runs), 3), f"{name}_runs": [round(x, 3) for x in runs]}
+
+
+def versus_dcp(mgr: CheckpointManager, model: torch.nn.Module, opt: torch.optim.Optimizer, work: Path,
+               state_bytes: int, pairs: int, threads: int, group: object) -> dict[str, object]:
+    """DCP's best thread count, then ``pairs`` rounds of probe + emergency save + best DCP save."""
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}  # what the manager saves
+    dcp_dir = work / "dcp"
+    dcp_dir.mkdir()
+    by_threads = {t: dcp_save_s(state, dcp_dir, t, group) for t in (1, 2, 4, 8)}
+    best = min(by_threads, key=lambda t: by_threads[t])
+    vs_dcp, vs_disk, em_rates = [], [], []
+    for i in range(pairs):
+        probe = disk_write_rate(work, state_bytes, threads)
+        if i % 2 == 0:
+            em_s = emergency_save_s(mgr, 100 + i, model, opt)
+            dcp_s = dcp_save_s(state, dcp_dir, best, group)
+        else:
+            dcp_s = dcp_save_s(state, dcp_dir, best, group)
+            em_s = emergency_save_s(mgr, 100 + i, model, opt)
+        vs_dcp.append(dcp_s / em_s)
+        em_rates.append(state_bytes / em_s / GIB)
+        vs_disk.append(em_rates[-1] / probe)
+    return {"dcp_gib_s_by_threads": {t: round(state_bytes / s / GIB, 3) for t, s in by_threads.items()},
+            "dcp_best_threads": best, "emergency_gib_s": round(statistics.median(em_rates), 3),
+            **_spread("save_vs_dcp_best", vs_dcp), **_spread("save_vs_disk", vs_disk)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
@@ -93,6 +167,7 @@ def main() -> None:
     ap.add_argument("--state-gib", type=float, default=1.0)
     ap.add_argument("--threads", type=int, default=4,
                     help="DCP writer threads (files) per rank; the disk probe uses as many")
+    ap.add_argument("--pairs", type=int, default=5, help="paired rounds emergency save vs best DCP")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
     a = ap.parse_args()
@@ -138,7 +213,7 @@ def main() -> None:
         t0 = time.perf_counter()
         verdict = agree(em)
         assert verdict.stop
-        res = mgr.save(2, model, opt, {"bench": True}, started=time.monotonic())
+        res = mgr.save(2, model, opt, {"bench": True}, reason="preemption_notice", started=time.monotonic())
         emergency_s = time.perf_counter() - t0
 
         # async: blocking part (staging) vs one step. The first save allocates the reused host buffers;
@@ -164,12 +239,13 @@ def main() -> None:
         mgr.load(chosen, model, opt)
         load_s = time.perf_counter() - t0
 
+        paired = versus_dcp(mgr, model, opt, work, state_bytes, a.pairs, a.threads, info.save_group)
         out = {
             "state_gib": round(state_gib, 3),
             "disk_write_gib_s": round(disk, 3),
             "disk_write_runs_gib_s": [round(x, 3) for x in probes],
             "save_gib_s": round(state_gib / save_s, 3),
-            "save_vs_disk": round(state_gib / save_s / disk, 3),
+            "save_first_vs_disk": round(state_gib / save_s / disk, 3),
             "save_vs_adjacent_disk": round(state_gib / save_s / ((probes[0] + probes[1]) / 2), 3),
             "load_gib_s": round(state_gib / load_s, 3),
             "async_block_s": round(async_block_s, 3),
@@ -178,6 +254,7 @@ def main() -> None:
             "async_block_steps": round(async_block_s / step_s, 3),
             "emergency_s": round(emergency_s, 3),
             "emergency_commit_dir": res.dir_url,
+            **paired,
             "model_params": cfg.n_params(),
             "step_tokens": a.batch * a.seq_len,
             "writer_threads": a.threads,

@@ -129,6 +129,7 @@ class CheckpointManager:
         thread_count: int = 1,
         sync_files: bool = True,
         job_id: str = "",
+        save_threads: int = 4,
     ) -> None:
         if async_mode not in ("thread", "process", "off"):
             raise ValueError(f"async_mode must be thread|process|off, not {async_mode!r}")
@@ -137,7 +138,8 @@ class CheckpointManager:
         self.keep = keep
         self.async_mode = async_mode
         self.storage_options = storage_options or {}
-        self.thread_count = thread_count
+        self.thread_count = thread_count  # writer threads (= files per rank) of periodic saves
+        self.save_threads = save_threads  # at least as many for blocking (emergency, final) saves
         self.sync_files = sync_files
         self.pending: PendingSave | None = None
         self.stager = ReusingStager()
@@ -146,16 +148,16 @@ class CheckpointManager:
 
     # --- saving ----------------------------------------------------------------------------------
 
-    def _writer(self, dir_url: str) -> store.CommitWriter:
+    def _writer(self, dir_url: str, threads: int) -> store.CommitWriter:
         return store.CommitWriter(
-            dir_url, self.storage_options, thread_count=self.thread_count, sync_files=self.sync_files,
+            dir_url, self.storage_options, thread_count=threads, sync_files=self.sync_files,
             cache_staged_state_dict=False,
         )
 
     def _prepare(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 extra: dict[str, Any]) -> tuple[str, store.CommitWriter, dict[str, Any]]:
+                 extra: dict[str, Any], threads: int) -> tuple[str, store.CommitWriter, dict[str, Any]]:
         dir_url = store.step_dir(self.root, step)
-        writer = self._writer(dir_url)
+        writer = self._writer(dir_url, threads)
         payload = {**extra, "step": step, "world_size": self.info.world_size, "rank": self.info.rank,
                    "rng": rng_state()}
         writer.write_extra(f"__extra_{self.info.rank}.pt", extra_state.encode(payload))
@@ -169,14 +171,18 @@ class CheckpointManager:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, extra: dict[str, Any],
              *, reason: str = "final", started: float | None = None) -> CommitResult:
-        """Blocking save + commit (the emergency and final path). Every rank returns the same result
+        """Blocking save + commit (the emergency and final path), ``max(thread_count, save_threads)`` files
+        per rank written in parallel. Every rank returns the same result
         or raises: a lost peer as itself, anything else (ENOSPC, DCP's ``CheckpointException``, which is a
         ``BaseException``, a failed commit) as :class:`StorageError`."""
         t0 = started if started is not None else time.monotonic()
-        dir_url, writer, state = self._prepare(step, model, optimizer, extra)
+        threads = max(self.thread_count, self.save_threads)  # several files in parallel per rank: the deadline
+        dir_url, writer, state = self._prepare(step, model, optimizer, extra, threads)
         try:
             dcp.save(state, storage_writer=writer, process_group=self.info.save_group)
-            return self._commit(step, dir_url, t0)
+            # an emergency save (any reason but final/periodic) is timed to its marker: deleting old
+            # checkpoints waits for the next commit (one more than ``keep`` meanwhile)
+            return self._commit(step, dir_url, t0, rotate=reason in ("final", "periodic"))
         except (Exception, CheckpointException) as e:
             err = save_failure(e)
             if err is None:
@@ -194,7 +200,7 @@ class CheckpointManager:
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         t0 = time.monotonic()
-        dir_url, writer, state = self._prepare(step, model, optimizer, extra)
+        dir_url, writer, state = self._prepare(step, model, optimizer, extra, self.thread_count)
         kind = AsyncCheckpointerType.PROCESS if self.async_mode == "process" else AsyncCheckpointerType.THREAD
         fut = dcp.async_save(state, storage_writer=writer, process_group=self.info.ckpt_group,
                              async_checkpointer_type=kind, async_stager=self.stager)
@@ -236,19 +242,20 @@ class CheckpointManager:
                 pass
         return self.pending_status()
 
-    def _commit_rank0(self, step: int, dir_url: str, t0: float) -> CommitResult:
+    def _commit_rank0(self, step: int, dir_url: str, t0: float, rotate: bool = True) -> CommitResult:
         meta: dict[str, Any] = {"step": step, **({"job_id": self.job_id} if self.job_id else {})}
         marker = store.commit(dir_url, self.info.world_size, meta, self.storage_options)
         self.last_committed_step = step
-        store.rotate(self.root, self.keep, self.storage_options)
+        if rotate:
+            store.rotate(self.root, self.keep, self.storage_options, job_id=self.job_id or None)
         return CommitResult(step, dir_url, time.monotonic() - t0, marker)
 
-    def _commit(self, step: int, dir_url: str, t0: float) -> CommitResult:
+    def _commit(self, step: int, dir_url: str, t0: float, rotate: bool = True) -> CommitResult:
         """Collective: rank 0 commits, everyone learns the outcome (so each rank can report it)."""
         outcome: list[Any] = [None]
         if self.info.rank == 0:
             try:
-                res = self._commit_rank0(step, dir_url, t0)
+                res = self._commit_rank0(step, dir_url, t0, rotate)
                 outcome[0] = ("ok", res.save_s)
             except Exception as e:
                 outcome[0] = ("error", repr(e))

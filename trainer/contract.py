@@ -34,7 +34,9 @@ passes every other line through as a log line.
 from __future__ import annotations
 
 import os
-from typing import Final
+import typing
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -94,6 +96,53 @@ def commit_marker_step(body: bytes) -> int | None:
         return None
     step = marker.get("step") if isinstance(marker, dict) else None
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
+
+
+# --- the built-in trainer's arguments (ORCH_TRAINER_ARGS) -------------------------------------------
+# The schema of ``python -m trainer``'s arguments (trainer.gpt.TrainerArgs), torch-free so that orchd
+# and orchctl check a job's ``trainer.args`` at submit; tests/unit/test_submit_validation.py keeps the two
+# in step. A job with its own ``trainer.command`` gets its args unchecked (its program owns them).
+
+TrainerSize = Literal["tiny", "mini", "small", "125m", "350m", "760m", "1.3b"]
+TRAINER_SIZES: Final = typing.get_args(TrainerSize)
+"""The model sizes of the built-in trainer (trainer.model.SIZES)."""
+
+_Pos = Annotated[int, msgspec.Meta(ge=1)]
+_NonNeg = Annotated[int, msgspec.Meta(ge=0)]
+_PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+_NonNegFloat = Annotated[float, msgspec.Meta(ge=0)]
+_Ratio = Annotated[float, msgspec.Meta(ge=0, le=1)]
+TRAINER_ARGS: Final[dict[str, Any]] = {
+    "size": TrainerSize,
+    "seq_len": _Pos, "global_batch": _Pos, "micro_batch": _Pos,
+    "lr": _PosFloat, "warmup_steps": _NonNeg, "min_lr_ratio": _Ratio, "weight_decay": _NonNegFloat,
+    "grad_clip": _NonNegFloat, "seed": int, "corpus": str,
+    "total_steps": _Pos | None, "ckpt_every": _NonNeg, "keep": _Pos,
+    "async_ckpt": Literal["thread", "process", "off"], "ckpt_threads": _Pos,
+    "storage_options": dict[str, Any],
+    "mode": Literal["fsdp", "ddp"], "device": Literal["auto", "cpu", "cuda"], "bf16": bool | None,
+    "compile": bool, "activation_checkpointing": bool, "cpu_offload": bool, "debug_oom_above_micro": _NonNeg,
+}
+"""Argument name -> accepted type (with bounds and choices) of the built-in trainer."""
+
+
+def trainer_args_problems(args: Mapping[str, Any], path: str = "trainer.args") -> list[str]:
+    """Every problem of ``args`` for the built-in trainer, each ``path.key: why`` (empty: accepted)."""
+    out = []
+    for key in sorted(args):
+        tp = TRAINER_ARGS.get(key)
+        if tp is None:
+            out.append(f"{path}.{key}: not an argument of the built-in trainer (python -m trainer); "
+                       f"known: {', '.join(sorted(TRAINER_ARGS))}")
+            continue
+        value = args[key]
+        try:
+            msgspec.convert(value, tp)
+        except msgspec.ValidationError as e:
+            choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
+            why = f"{value!r} is not one of {', '.join(choices)}" if choices else f"{e} (got {value!r})"
+            out.append(f"{path}.{key}: {why}")
+    return out
 
 
 class CheckpointRequest(msgspec.Struct, frozen=True, kw_only=True):

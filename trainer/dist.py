@@ -118,5 +118,12 @@ def is_peer_lost(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(s in text for s in _PEER_LOST_WORDS)
 
 
+def peer_lost_line(exc: BaseException) -> str:
+    """One line for an expected failure: ``peer_lost: <type>: <the error's first line>`` (gloo/NCCL
+    messages carry a C++ backtrace after it, which says nothing about which peer left or why)."""
+    first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "")
+    return f"peer_lost: {type(exc).__name__}: {first}"[:300]
+
+
 _PEER_LOST_WORDS = ("connection closed by peer", "timed out", "timeout", "connection reset", "broken pipe", "socket",
                     "gloo", "nccl")

@@ -167,7 +167,7 @@ class Session:
         except SystemExit:
             raise
         except BaseException as e:  # every failure must become an exit code
-            traceback.print_exc()
+            print_failure(e)
             if isinstance(e, (StorageError, CheckpointException)):
                 self._save_failed(e)
             self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_FAILED,
@@ -290,7 +290,7 @@ class Session:
             try:
                 self.ckpt.save_async(step, *self._saved())
             except (StorageError, OSError, CheckpointException) as e:  # the staging or the extra state's write
-                traceback.print_exc()
+                print_failure(e)
                 self._save_failed(e)
 
     def _failed_periodic(self, verdict: Verdict) -> BaseException | None:
@@ -340,7 +340,7 @@ class Session:
             self._finish_pending(verdict.deadline_ts)
             res = self.ckpt.save(step, *self._saved(), reason=reason, started=t0)
         except (Exception, CheckpointException) as e:  # a failed save or commit: the exit code says which kind
-            traceback.print_exc()
+            print_failure(e)
             self._save_failed(e)
         self._report_commit(res, emergency=True, reason=reason, deadline=verdict.deadline_ts)
         self.exit(contract.EXIT_PREEMPTED)
@@ -354,6 +354,16 @@ class Session:
                     res = self.ckpt.save(self.last_step, *self._saved(), reason="final")
                     self._report_commit(res, emergency=False, reason="final", deadline=None)
             except (Exception, CheckpointException) as e:  # a failed save or commit: the exit code says which kind
-                traceback.print_exc()
+                print_failure(e)
                 self._save_failed(e)
         self.exit(contract.EXIT_COMPLETED)
+
+
+def print_failure(e: BaseException) -> None:
+    """On stderr (shipped to ``orchctl logs``): a lost peer is an expected failure - one line with the
+    reason, ``peer_lost: <error>``; anything else gets its full traceback."""
+    if not isinstance(e, StorageError) and save_failure(e) is None:
+        sys.stderr.write(tdist.peer_lost_line(e) + "\n")
+        sys.stderr.flush()
+    else:
+        traceback.print_exc()

@@ -11,13 +11,15 @@ without a well-formed marker (:func:`parse_marker`) does not exist as a checkpoi
 read before :func:`verify` checked every file the loader reads (DCP's ``.metadata``, which DCP
 unpickles, included).
 
-Checksums are computed on the bytes as DCP writes them (a stream wrapper), never by re-reading. The
-writer object is picklable, so the same scheme works for sync saves, thread-based and process-based
-async saves (the manifest is written by whichever process wrote the data).
+Checksums are computed on the bytes as they are written, never by re-reading. Each rank writes its
+items as ``thread_count`` files of about equal size, one thread each, in DCP's layout (the stock loader
+reads them): local files start writeback as they grow and are fsynced by their thread; object-store
+files are uploaded in one go (s3: multipart, parts in parallel). torch.save's own zip CRC32 (redundant)
+is off in those threads. The writer is picklable: sync, thread- and process-based async saves alike.
 
 Storage goes through fsspec (``s3://``, ``gs://``, ``az://``, ...); ``file://`` URLs and plain paths use
-torch's local FileSystem (fsync per file when ``sync_files``). Concurrency: a writer's checksum sink is
-lock-protected (DCP may write with several threads); everything else is called from one thread.
+torch's local FileSystem (fsync per file when ``sync_files``). Concurrency: the checksum sink is
+lock-protected (writer threads); everything else is called from one thread.
 """
 
 from __future__ import annotations
@@ -31,15 +33,20 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, cast
+from typing import IO, Any, cast
 
 import crc32c
 import fsspec
+import torch
 from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFS
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, _StorageInfo
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+from torch.utils.serialization import config as _torch_save_config
 
 from trainer import contract
 
@@ -177,26 +184,72 @@ class _HashingFS(FileSystemBase):
         self.inner.rm_file(path)
 
 
+@contextmanager
+def _no_zip_crc32() -> Iterator[None]:
+    """torch.save's zip CRC32 of every record (a second pass, 0.3 s CPU/GiB here, redundant with CRC32C): off
+    in this thread only (torch's config is thread-local); torch.load reads records with or without it."""
+    saved = _torch_save_config.save.compute_crc32
+    _torch_save_config.save.compute_crc32 = False
+    try:
+        yield
+    finally:
+        _torch_save_config.save.compute_crc32 = saved
+
+
+def _item_bytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    return 0 if td is None else int(td.size.numel()) * td.properties.dtype.itemsize
+
+
+def _buckets(items: list[WriteItem], n: int) -> list[list[WriteItem]]:
+    """Items into ``n`` files of about equal size (largest first into the lightest file)."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(n)]
+    sizes = [0] * n
+    for item in sorted(items, key=_item_bytes, reverse=True):
+        i = sizes.index(min(sizes))
+        buckets[i].append(item)
+        sizes[i] += max(_item_bytes(item), 1)
+    return buckets
+
+
+def _write_items(stream: _HashingStream, name: str, items: list[WriteItem], planner: Any,
+                 kick: bool = False) -> list[WriteResult]:
+    """``kick`` (local files): start writeback every 32 MiB (fadvise), not all at the final fsync."""
+    out, kicked = [], 0
+    for item in items:
+        if kick and stream.size - kicked >= 32 << 20:
+            os.posix_fadvise(stream.fileno(), kicked, stream.size - kicked, os.POSIX_FADV_DONTNEED)
+            kicked = stream.size
+        offset = stream.size
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            stream.write(data.getbuffer())
+        else:
+            tensor = data.detach().cpu()
+            if tensor.untyped_storage().size() != tensor.nbytes:  # a view: save only its own bytes
+                tensor = tensor.clone()
+            torch.save(tensor, cast(IO[bytes], stream))
+        length = stream.size - offset
+        out.append(WriteResult(index=item.index, size_in_bytes=length,
+                               storage_data=_StorageInfo(name, offset, length)))
+    return out
+
+
 class CommitWriter(FileSystemWriter):
     """DCP storage writer for one checkpoint directory; records CRC32C of every file it writes and
     leaves per-rank manifests that :func:`commit` merges into the commit marker."""
 
-    def __init__(
-        self,
-        dir_url: str,
-        storage_options: dict[str, Any] | None = None,
-        *,
-        thread_count: int = 1,
-        sync_files: bool = True,
-        cache_staged_state_dict: bool = False,
-    ) -> None:
-        local = is_local(dir_url)
-        super().__init__(
-            local_path(dir_url) if local else dir_url,
-            thread_count=thread_count,
-            sync_files=sync_files and local,  # object stores: a completed PUT is durable
-            cache_staged_state_dict=cache_staged_state_dict,
-        )
+    def __init__(self, dir_url: str, storage_options: dict[str, Any] | None = None, *, thread_count: int = 1,
+                 sync_files: bool = True, cache_staged_state_dict: bool = False, part_size: int = 64 << 20,
+                 upload_concurrency: int = 8) -> None:
+        if thread_count < 1 or part_size < 5 << 20 or upload_concurrency < 1:
+            raise ValueError(f"CommitWriter: thread_count ({thread_count}) and upload_concurrency "
+                             f"({upload_concurrency}) must be >= 1, part_size ({part_size}) >= 5 MiB")
+        self.part_size, self.upload_concurrency = part_size, upload_concurrency
+        self.local = local = is_local(dir_url)
+        super().__init__(local_path(dir_url) if local else dir_url, thread_count=thread_count,
+                         sync_files=sync_files and local,  # object stores: a completed PUT is durable
+                         cache_staged_state_dict=cache_staged_state_dict)
         inner: FileSystemBase = FileSystem() if local else _FsspecFS()
         self.sink = _ChecksumSink()
         self.hashing_fs = _HashingFS(inner, self.sink)
@@ -211,8 +264,7 @@ class CommitWriter(FileSystemWriter):
         """A small side file (extra state), checksummed like the DCP files."""
         with self.hashing_fs.create_stream(self.hashing_fs.concat_path(self.path, name), "wb") as f:
             f.write(payload)
-            f.flush()
-            if self.sync_files:
+            if self.sync_files:  # fileno() flushes first
                 os.fsync(f.fileno())
 
     def _write_manifest(self, name: str, files: dict[str, tuple[int, int]]) -> None:
@@ -220,13 +272,41 @@ class CommitWriter(FileSystemWriter):
         with self.hashing_fs.inner.create_stream(self.hashing_fs.concat_path(self.path, name), "wb") as f:
             f.write(body)
 
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        fut = super().write_data(plan, planner)
-        fut.wait()  # the base class writes synchronously and returns a completed torch Future
+    def write_data(self, plan: Any, planner: Any) -> Future[list[WriteResult]]:
+        """This rank's items in ``thread_count`` files, one thread each, checksummed as written and fsynced; a
+        failure in any thread fails the save once the others are done (nothing committed); then the manifest."""
+        buckets = [b for b in _buckets(plan.items, max(1, self.thread_count)) if b]
+        with cf.ThreadPoolExecutor(len(buckets) or 1, thread_name_prefix="ckpt-write") as pool:
+            futures = [pool.submit(self._write_file, f"{plan.storage_data.prefix}{i}.distcp", b, planner)
+                       for i, b in enumerate(buckets)]
+            cf.wait(futures)  # every thread done, then the first failure (if any) raises
+            results = [r for f in futures for r in f.result()]
         rank = self.rank if self.rank is not None else 0
         own = {n: v for n, v in self.sink.files.items() if not n.startswith(".metadata")}
         self._write_manifest(f"__crc_{rank}.json", own)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
         return fut
+
+    def _write_file(self, name: str, items: list[WriteItem], planner: Any) -> list[WriteResult]:
+        """One data file in DCP's layout (items at their offsets: BYTE_IO raw, tensors as ``torch.save``)."""
+        path = self.hashing_fs.concat_path(self.path, name)
+        if self.local:
+            with _no_zip_crc32(), self.hashing_fs.create_stream(path, "wb") as stream:
+                out = _write_items(cast(_HashingStream, stream), name, items, planner, kick=self.sync_files)
+                if self.sync_files:
+                    os.fsync(stream.fileno())
+            return out
+        buf = io.BytesIO()  # object store: the file in memory, then one upload (parallel multipart on s3)
+        stream = _HashingStream(buf)
+        with _no_zip_crc32():
+            out = _write_items(stream, name, items, planner)
+        fs = cast(Any, self.hashing_fs.inner).fs
+        s3 = "s3" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol)
+        opts = {"chunksize": self.part_size, "max_concurrency": self.upload_concurrency} if s3 else {}
+        fs.pipe_file(str(path), buf.getvalue(), **opts)
+        self.sink.record(name, stream.size, stream.crc)
+        return out
 
     def finish(self, metadata: Any, results: Any) -> None:
         super().finish(metadata, results)
@@ -392,11 +472,19 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
     return sorted(out)
 
 
-def rotate(root_url: str, keep: int, storage_options: dict[str, Any] | None = None) -> list[str]:
+def rotate(root_url: str, keep: int, storage_options: dict[str, Any] | None = None,
+           job_id: str | None = None) -> list[str]:
     """Keep the newest ``keep`` committed checkpoints; drop older committed ones and uncommitted
-    leftovers older than the newest committed one (never a newer one: it may be in flight)."""
+    leftovers older than the newest committed one (never a newer one: it may be in flight).
+
+    With ``job_id``, only what that job wrote counts: a checkpoint whose marker names another job is
+    never deleted nor counted among the kept ones (markers of the previous release carry no job id and
+    count as the job's own: its root was its own). The newest committed checkpoint that bounds the
+    leftovers is the job's own too."""
     entries = list_checkpoints(root_url, storage_options)
     committed = [e for e in entries if e[2]]
+    if job_id is not None:
+        committed = [e for e in committed if (read_marker(e[1], storage_options) or {}).get("job_id", job_id) == job_id]
     if not committed:
         return []
     newest = committed[-1][0]

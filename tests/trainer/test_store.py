@@ -73,6 +73,26 @@ def test_rotation_keeps_last_k_and_removes_stale_partials(tmp_path: Path) -> Non
     assert [(s, c) for s, _, c in store.list_checkpoints(root)] == [(3, True), (4, True), (9, False)]
 
 
+def test_rotation_deletes_only_what_the_job_wrote(tmp_path: Path) -> None:
+    """A root that holds another job's checkpoints (written there before roots were exclusive, or by
+    another deployment): rotation neither deletes them nor counts them among the kept ones."""
+    root = f"file://{tmp_path}"
+
+    def save_as(step: int, job: str | None) -> None:
+        d = store.step_dir(root, step)
+        writer = store.CommitWriter(d)
+        writer.write_extra("__extra_0.pt", b"x")
+        dcp.save(_state(step), storage_writer=writer)
+        store.commit(d, 1, {"step": step, **({"job_id": job} if job else {})})
+
+    for step, job in ((1, "other"), (2, None), (3, "mine"), (4, "other"), (5, "mine"), (6, "mine")):
+        save_as(step, job)
+    removed = store.rotate(root, keep=2, job_id="mine")
+    assert sorted(removed) == sorted(store.step_dir(root, s) for s in (2, 3))  # the legacy one counts as its own
+    assert [s for s, _, c in store.list_checkpoints(root) if c] == [1, 4, 5, 6]
+    assert store.rotate(root, keep=1, job_id="nobody") == []  # nothing of its own: nothing deleted
+
+
 @pytest.fixture(scope="module")
 def moto_s3():
     from moto.server import ThreadedMotoServer
