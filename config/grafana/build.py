@@ -2,10 +2,15 @@
 
     python config/grafana/build.py          # rewrite dashboards/orchd.json and provisioning/alerting/orchd.yaml
 
-The dashboard uses a datasource template variable (``${datasource}``), never ``__inputs``, so Grafana
-can load it from disk at start. The alert rules are the Prometheus rules of
-config/prometheus/alerts.yml (one source of truth), as Grafana-managed rules against the provisioned
-datasource uid. tests/ops/test_grafana.py checks the committed files equal this output.
+The dashboard is built with grafana-foundation-sdk (Grafana's own builder library, pinned in the ``dev``
+extra: its releases differ in the JSON they write), so every field is one the SDK's dashboard schema
+knows. Its panels pick their datasource through the ``${datasource}`` variable (never ``__inputs``, so
+Grafana can load the file from disk at start), and that variable's saved value is the fixed uid of
+provisioning/datasources/orchd.yaml: the dashboard opens on orchd's Prometheus whether or not the
+organisation has a default datasource (Grafana picks another Prometheus datasource where that uid is
+absent). The alert rules are the Prometheus rules of config/prometheus/alerts.yml (one source of
+truth), as Grafana-managed rules against the same uid. tests/ops/test_grafana.py checks the committed
+files equal this output.
 """
 
 from __future__ import annotations
@@ -14,111 +19,130 @@ import json
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 import yaml
 
+try:
+    from grafana_foundation_sdk.builders import common as common_b
+    from grafana_foundation_sdk.builders import dashboard as dashboard_b
+    from grafana_foundation_sdk.builders import prometheus, stat, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos, VariableOption, VariableRefresh
+except ModuleNotFoundError as e:  # a build-time tool: not in the runtime install
+    raise SystemExit(f"config/grafana/build.py needs grafana-foundation-sdk ({e}): pip install -e '.[dev]'") from e
+
 HERE = Path(__file__).resolve().parent
 DATASOURCE_UID = "orchd-prometheus"  # provisioning/datasources/orchd.yaml
-DS = {"type": "prometheus", "uid": "${datasource}"}
+DATASOURCE_NAME = "Prometheus (orchd)"  # ditto
+SCHEMA_VERSION = 39  # the dashboard JSON schema version Grafana migrates from (as before the SDK)
 LEADER = "and on(instance) orchd_up == 1"  # the leader's view of jobs/nodes (a standby's is stale)
 JOB = 'job_id=~"$job_id"'
+PANEL_W, PANEL_H = 12, 8  # two panels per row of the 24-column grid
 
 
-def _panel(pid: int, title: str, targets: list[tuple[str, str]], x: int, y: int, *, kind: str = "timeseries",
-           unit: str = "short", w: int = 12, h: int = 8, description: str = "") -> dict:
-    return {
-        "id": pid, "type": kind, "title": title, "description": description, "datasource": DS,
-        "gridPos": {"x": x, "y": y, "w": w, "h": h},
-        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
-        "options": {"legend": {"displayMode": "list", "placement": "bottom"}} if kind == "timeseries" else {},
-        "targets": [{"refId": chr(65 + i), "datasource": DS, "expr": expr, "legendFormat": legend}
-                    for i, (expr, legend) in enumerate(targets)],
-    }
+def _ds() -> DataSourceRef:
+    return DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 
-def dashboard() -> dict:
-    p = []
-    row = 0
-
-    def add(title: str, targets: list[tuple[str, str]], **kw) -> None:
-        nonlocal row
-        idx = len(p)
-        w = kw.pop("w", 12)
-        p.append(_panel(idx + 1, title, targets, x=(idx % 2) * 12, y=row, w=w, **kw))
-        if idx % 2 == 1:
-            row += 8
-
-    add("Leader and NATS", [
+# (title, [(PromQL, legend)], options): options are kind ("timeseries"|"stat"), unit, description.
+Target = tuple[str, str]
+PANELS: list[tuple[str, list[Target], dict[str, str]]] = [
+    ("Leader and NATS", [
         ("orchd_up", "leader {{instance}}"),
         ("orchd_nats_connected", "nats {{instance}}"),
         ("orchd_lease_revision", "lease rev {{instance}}"),
-    ], description="orchd_up is 1 on the lease holder only")
-    add("Jobs by state", [(f"sum by (state) (orchd_jobs {LEADER})", "{{state}}")])
-    add("Nodes by cloud and pool", [
+    ], {"description": "orchd_up is 1 on the lease holder only"}),
+    ("Jobs by state", [(f"sum by (state) (orchd_jobs {LEADER})", "{{state}}")], {}),
+    ("Nodes by cloud and pool", [
         (f"sum by (cloud, pool) (orchd_nodes{{state=~\"registered|running|noticed|draining\"}} {LEADER})",
-         "{{cloud}} {{pool}}")])
-    add("Nodes by state", [(f"sum by (state) (orchd_nodes {LEADER})", "{{state}}")])
-    add("Preemptions (per pool, per hour)", [
-        ("sum by (cloud, pool, kind) (increase(orchd_preemptions_total[1h]))", "{{cloud}} {{pool}} {{kind}}")])
-    add("Recovery time (preemption to next first step)", [
+         "{{cloud}} {{pool}}")], {}),
+    ("Nodes by state", [(f"sum by (state) (orchd_nodes {LEADER})", "{{state}}")], {}),
+    ("Preemptions (per pool, per hour)", [
+        ("sum by (cloud, pool, kind) (increase(orchd_preemptions_total[1h]))", "{{cloud}} {{pool}} {{kind}}")], {}),
+    ("Recovery time (preemption to next first step)", [
         ("histogram_quantile(0.5, sum by (le) (rate(orchd_recovery_seconds_bucket[$__rate_interval])))", "p50"),
         ("histogram_quantile(0.95, sum by (le) (rate(orchd_recovery_seconds_bucket[$__rate_interval])))", "p95"),
-    ], unit="s")
-    add("Goodput", [(f"orchd_job_goodput_ratio{{{JOB}}} {LEADER}", "{{job_id}}")], unit="percentunit")
-    add("Training step", [(f"orchd_job_step{{{JOB}}} {LEADER}", "{{job_id}}")])
-    add("Cost vs on-demand", [
+    ], {"unit": "s"}),
+    ("Goodput", [(f"orchd_job_goodput_ratio{{{JOB}}} {LEADER}", "{{job_id}}")], {"unit": "percentunit"}),
+    ("Training step", [(f"orchd_job_step{{{JOB}}} {LEADER}", "{{job_id}}")], {}),
+    ("Cost vs on-demand", [
         (f"sum by (job_id) (orchd_job_cost_usd{{{JOB}}} {LEADER})", "{{job_id}} spot"),
         (f"sum by (job_id) (orchd_job_on_demand_cost_usd{{{JOB}}} {LEADER})", "{{job_id}} on-demand"),
         (f"sum by (job_id) (orchd_job_budget_usd{{{JOB}}} {LEADER})", "{{job_id}} budget"),
-    ], unit="currencyUSD")
-    add("Saving vs on-demand", [
+    ], {"unit": "currencyUSD"}),
+    ("Saving vs on-demand", [
         (f"1 - sum(orchd_job_cost_usd{{{JOB}}} {LEADER}) / sum(orchd_job_on_demand_cost_usd{{{JOB}}} {LEADER})",
-         "saving")], kind="stat", unit="percentunit")
-    add("GPU utilisation", [
-        ("avg by (node) (orchd_node_gpu_utilization_ratio)", "{{node}}")], unit="percentunit")
-    add("GPU temperature", [
-        ("max by (node) (orchd_node_gpu_temperature_celsius)", "{{node}}")], unit="celsius")
-    add("Heartbeat age", [(f"orchd_node_heartbeat_age_seconds {LEADER}", "{{node}}")], unit="s")
-    add("Notice to checkpoint command", [
+         "saving")], {"kind": "stat", "unit": "percentunit"}),
+    ("GPU utilisation", [
+        ("avg by (node) (orchd_node_gpu_utilization_ratio)", "{{node}}")], {"unit": "percentunit"}),
+    ("GPU temperature", [
+        ("max by (node) (orchd_node_gpu_temperature_celsius)", "{{node}}")], {"unit": "celsius"}),
+    ("Heartbeat age", [(f"orchd_node_heartbeat_age_seconds {LEADER}", "{{node}}")], {"unit": "s"}),
+    ("Notice to checkpoint command", [
         ("histogram_quantile(0.99, sum by (le) (rate(orchd_notice_to_command_seconds_bucket[$__rate_interval])))",
-         "p99")], unit="s")
-    add("Emergency checkpoint margin (deadline - commit)", [
+         "p99")], {"unit": "s"}),
+    ("Emergency checkpoint margin (deadline - commit)", [
         ("histogram_quantile(0.05, sum by (le) "
          "(rate(orchd_emergency_checkpoint_margin_seconds_bucket[$__rate_interval])))", "p5"),
         ("sum(increase(orchd_emergency_checkpoint_missed_total[1h]))", "missed / h"),
-    ], unit="s")
-    add("Spot price / on-demand", [
+    ], {"unit": "s"}),
+    ("Spot price / on-demand", [
         ("orchd_pool_price_usd_per_hour{market=\"spot\"} / on(instance, cloud, region, zone, instance_type) "
          "group_left() orchd_pool_on_demand_price_usd_per_hour", "{{cloud}} {{zone}} {{instance_type}}")],
-        unit="percentunit")
-    add("Event backlog and lag", [
+        {"unit": "percentunit"}),
+    ("Event backlog and lag", [
         ("orchd_event_backlog", "backlog {{instance}}"),
         ("histogram_quantile(0.99, sum by (le) (rate(orchd_event_lag_seconds_bucket[$__rate_interval])))", "lag p99"),
-    ])
-    add("Provider calls by outcome", [
+    ], {}),
+    ("Provider calls by outcome", [
         ("sum by (cloud, op, outcome) (rate(orchd_provider_calls_total[$__rate_interval]))",
-         "{{cloud}} {{op}} {{outcome}}")], unit="reqps")
-    return {
-        "uid": "orchd-overview",
-        "title": "orchd - spot training control plane",
-        "tags": ["orchd"],
-        "timezone": "utc",
-        "schemaVersion": 39,
-        "version": 1,
-        "editable": True,
-        "refresh": "30s",
-        "time": {"from": "now-6h", "to": "now"},
-        "templating": {"list": [
-            {"name": "datasource", "label": "Data source", "type": "datasource", "query": "prometheus",
-             "current": {}, "hide": 0, "refresh": 1, "regex": ""},
-            {"name": "job_id", "label": "Job", "type": "query", "datasource": DS,
-             "query": {"query": "label_values(orchd_job_step, job_id)", "refId": "job_id"},
-             "definition": "label_values(orchd_job_step, job_id)",
-             "multi": True, "includeAll": True, "allValue": ".*", "current": {}, "refresh": 2, "hide": 0},
-        ]},
-        "annotations": {"list": []},
-        "panels": p,
-    }
+         "{{cloud}} {{op}} {{outcome}}")], {"unit": "reqps"}),
+]
+
+
+def _panel(index: int, title: str, targets: list[Target], opts: dict[str, str]) -> Any:
+    """Panel ``index`` (0-based) of the two-column grid, with one Prometheus query per target."""
+    kind = opts.get("kind", "timeseries")
+    if kind == "stat":
+        panel: Any = stat.Panel().reduce_options(common_b.ReduceDataOptions().calcs(["lastNotNull"]))
+    else:
+        # Grafana's own defaults, stated: the SDK's typed model then reads the panel back unchanged
+        panel = timeseries.Panel().draw_style(common.GraphDrawStyle.LINE).line_width(1).legend(
+            common_b.VizLegendOptions().show_legend(True).display_mode(common.LegendDisplayMode.LIST)
+            .placement(common.LegendPlacement.BOTTOM))
+    panel = (panel.id(index + 1).title(title).description(opts.get("description", "")).datasource(_ds())
+             .grid_pos(GridPos(x=(index % 2) * PANEL_W, y=(index // 2) * PANEL_H, w=PANEL_W, h=PANEL_H))
+             .unit(opts.get("unit", "short")))
+    for i, (expr, legend) in enumerate(targets):
+        panel = panel.with_target(prometheus.Dataquery().ref_id(chr(65 + i)).datasource(_ds()).expr(expr)
+                                  .legend_format(legend))
+    return panel
+
+
+def dashboard_builder() -> dashboard_b.Dashboard:
+    datasource = (dashboard_b.DatasourceVariable("datasource").id("datasource").label("Data source")
+                  .type("prometheus").regex("")
+                  .current(VariableOption(selected=True, text=DATASOURCE_NAME, value=DATASOURCE_UID)))
+    job_query = "label_values(orchd_job_step, job_id)"
+    job = (dashboard_b.QueryVariable("job_id").id("job_id").label("Job").datasource(_ds())
+           .query({"query": job_query, "refId": "job_id"}).multi(True).include_all(True).all_value(".*")
+           .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED))
+    board = (dashboard_b.Dashboard("orchd - spot training control plane").uid("orchd-overview").tags(["orchd"])
+             .timezone("utc").editable().version(1).refresh("30s").time("now-6h", "now")
+             .with_variable(datasource).with_variable(job).annotations([]))
+    for i, (title, targets, opts) in enumerate(PANELS):
+        board = board.with_panel(_panel(i, title, targets, opts))
+    return board
+
+
+def dashboard() -> dict[str, Any]:
+    """The dashboard's JSON model (what Grafana loads), from the SDK's own encoder."""
+    model = dashboard_builder().build()
+    model.schema_version = SCHEMA_VERSION
+    out: dict[str, Any] = json.loads(json.dumps(model, cls=JSONEncoder))
+    return out
 
 
 def alert_rules() -> dict:
