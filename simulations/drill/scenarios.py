@@ -1,0 +1,270 @@
+"""The drill's scenarios: each makes its alerts of config/prometheus/alerts.yml fire, then undoes the
+fault and waits until they resolve - in Prometheus (/api/v1/alerts), in Alertmanager (/api/v2/alerts)
+and at the webhook (a "resolved" notification).
+
+    vanish          orchctl nodes kill of every (spot) node of the job, no notice     PreemptionStorm
+    notice          orchctl nodes preempt --notice 6: an emergency checkpoint in time, the job resumes
+    missed          orchctl nodes preempt --notice 1: the save (1.5 s) cannot commit  EmergencyCheckpointMissed
+    hang            SIGSTOP of every process of the job's nodes, then SIGCONT        NodeHeartbeatMissing,
+                                                                                     TrainingStalled
+    storage         the checkpoint store becomes a file, then comes back             CheckpointStorageFailing
+    price spike     the pool's spot price at 95% of on-demand on the price subject   PriceSpike
+    backlog         the market consumer paused under a flood of price ticks          EventBacklogGrowing
+    budget          a job on demand since the set-up nears its budget, cancelled      BudgetNearlySpent
+    leader kill     kill -9 of the leader orchd, started again as a standby          OrchdDown, OrchdNoLeader
+    NATS kill       kill -9 of nats-3, then of the two others; all started again     NatsDisconnected
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import psutil
+
+import wire as ev
+from orchestrator import bus
+from simulations.drill.drill import Drill
+from simulations.drill.services import DrillError, wait_until
+
+JOB = "drill"
+BUDGET_JOB = "drill-budget"
+NODES = 3
+
+
+@dataclass
+class Scenario:
+    name: str
+    alerts: tuple[str, ...]
+    fault: Callable[[Drill], Any]
+    undo: Callable[[Drill, Any], None]
+    fire_timeout_s: float = 0.0
+    """0: 2 minutes plus the longest scaled range window."""
+
+
+def _generation(d: Drill) -> int:
+    return int(d.job(JOB)["generation"])
+
+
+def _notice(d: Drill) -> None:
+    gen = _generation(d)
+    victim = wait_until(lambda: d.running_nodes(JOB, 1), 120, "a node training")[0]["node_id"]
+    d.ctl("nodes", "preempt", victim, "--notice", "6")
+    wait_until(lambda: d.job(JOB)["committed_step"] > 0, 60, "the emergency checkpoint")
+    wait_until(lambda: d.running_nodes(JOB, 1, after_generation=gen), 120, "the job to run again")
+
+
+def _missed(d: Drill) -> None:
+    victim = wait_until(lambda: d.running_nodes(JOB, 1), 120, "a node training")[0]["node_id"]
+    d.ctl("nodes", "preempt", victim, "--notice", "1")  # shorter than the trainer's save
+
+
+def _vanish(d: Drill) -> None:
+    """Every node of the job at once (spot nodes: an on-demand node killed is no preemption)."""
+    nodes = wait_until(lambda: d.running_nodes(JOB, NODES), 120, f"{NODES} nodes training")
+    if not all(str(n["pool"]).endswith("/spot") for n in nodes):
+        raise DrillError(f"the job does not run on spot: {[n['pool'] for n in nodes]}")
+    kills = [threading.Thread(target=d.ctl, args=("nodes", "kill", n["node_id"])) for n in nodes]
+    for t in kills:
+        t.start()
+    for t in kills:
+        t.join()
+
+
+def _node_processes(d: Drill, node_ids: list[str]) -> list[psutil.Process]:
+    procs = []
+    for o in d.orchds:
+        for agent in o.nodes():
+            if any(f"--node-id {n} " in " ".join(agent.cmdline()) + " " for n in node_ids):
+                procs += [agent, *agent.children(recursive=True)]
+    return procs
+
+
+def _hang(d: Drill) -> list[psutil.Process]:
+    nodes = wait_until(lambda: d.running_nodes(JOB, 1), 120, "the job training")
+    procs = _node_processes(d, [n["node_id"] for n in nodes])
+    if not procs:
+        raise DrillError("no process of the job's nodes found")
+    for p in procs:
+        p.send_signal(signal.SIGSTOP)
+    return procs
+
+
+def _resume(d: Drill, procs: list[psutil.Process]) -> None:
+    for p in procs:
+        if p.is_running():
+            p.send_signal(signal.SIGCONT)
+
+
+def _storage_fails(d: Drill) -> None:
+    ckpt = d.ckpt_dir(JOB)
+    wait_until(lambda: d.running_nodes(JOB, 1), 120, "the job training")
+    if ckpt.exists():
+        ckpt.rename(ckpt.with_name(f"{JOB}.saved"))
+    ckpt.write_text("the checkpoint store is gone\n")
+
+
+def _storage_back(d: Drill, _: Any) -> None:
+    ckpt = d.ckpt_dir(JOB)
+    ckpt.unlink()
+    saved = ckpt.with_name(f"{JOB}.saved")
+    if saved.exists():
+        saved.rename(ckpt)
+
+
+BUDGET_USD = 0.56
+"""The budget job's cap, on demand (3.06 USD/h): orchd launches only what the budget carries through boot
+(240 s estimated) and a 60 s termination tail at the worst price, and stops the job when the tail no
+longer fits - so cost / budget passes 0.9 only with a budget of 10 tails or more (0.51 USD), after
+about 9 minutes. The job runs from the start, beside the others."""
+
+
+def _budget(d: Drill) -> None:
+    """The budget job (submitted at set-up) nears its cap."""
+
+
+def _budget_job_gone(d: Drill, _: Any) -> None:
+    d.ctl("jobs", "cancel", BUDGET_JOB, check=False)
+
+
+def _pool(d: Drill) -> ev.PoolKey:
+    """The pool of the job's first running node ("cloud/region/zone/instance_type/market")."""
+    node = wait_until(lambda: d.running_nodes(JOB, 1), 120, "the job training")[0]
+    cloud, region, zone, itype, market = str(node["pool"]).split("/")
+    return ev.PoolKey(cloud=cloud, region=region, zone=zone, instance_type=itype, market=ev.Market(market))
+
+
+def _publish_prices(d: Drill, pool: ev.PoolKey, ratio: float, count: int = 1) -> None:
+    async def go() -> None:
+        nc = await d.connect()
+        try:
+            js = nc.jetstream(timeout=5.0)
+            for _ in range(count):
+                ts = time.time()
+                tick = ev.PriceTick(id=f"drill-{pool.name}-{ts}", pool=pool, gpu_type="cpu", gpus_per_node=1,
+                                    price_usd_h=round(ratio * ON_DEMAND_USD_H, 4), on_demand_usd_h=ON_DEMAND_USD_H,
+                                    ts=ts)
+                await js.publish(ev.subject_price(pool.cloud, pool.region), ev.encode(tick),
+                                 headers={"Nats-Msg-Id": tick.id})
+        finally:
+            await nc.close()
+
+    d.run_async(go)
+
+
+def _spike(d: Drill) -> ev.PoolKey:
+    pool = _pool(d)
+    _publish_prices(d, pool, 0.95)
+    return pool
+
+
+def _calm(d: Drill, pool: ev.PoolKey) -> None:
+    _publish_prices(d, pool, 0.30)
+
+
+def _flood(d: Drill) -> threading.Event:
+    """Pause the market consumer (as an operator would) and publish price ticks until the event is set."""
+    stop = threading.Event()
+    pool = ev.PoolKey(cloud="local", region="local-1", zone="local-b", instance_type="cpu.local",
+                      market=ev.Market.ON_DEMAND)
+
+    async def pause() -> None:
+        nc = await d.connect()
+        try:
+            until = (datetime.now(UTC) + timedelta(minutes=10)).isoformat().replace("+00:00", "Z")
+            await nc.jetstream().pause_consumer(bus.STREAM_MARKET, bus.CONSUMER_MARKET, until)
+        finally:
+            await nc.close()
+
+    d.run_async(pause)
+
+    def publish() -> None:
+        while not stop.is_set():
+            _publish_prices(d, pool, 1.0, count=10)
+            time.sleep(0.5)
+
+    threading.Thread(target=publish, name="drill-flood", daemon=True).start()
+    return stop
+
+
+def _unflood(d: Drill, stop: threading.Event) -> None:
+    stop.set()
+
+    async def resume() -> None:
+        nc = await d.connect()
+        try:
+            await nc.jetstream().resume_consumer(bus.STREAM_MARKET, bus.CONSUMER_MARKET)
+        finally:
+            await nc.close()
+
+    d.run_async(resume)
+
+
+def _kill_leader(d: Drill) -> Any:
+    leader = wait_until(d.leader, 60, "a leader")
+    leader.kill9()
+    return leader
+
+
+def _restart(d: Drill, orchd: Any) -> None:
+    orchd.start()
+
+
+def _kill_nats(d: Drill) -> list[Any]:
+    """kill -9 of one server (the cluster carries on), then of the other two: orchd has no server left
+    (a client reconnects to any server of the cluster it learnt of, so one down disconnects nobody)."""
+    d.servers[2].kill()
+    time.sleep(2.0)
+    for s in d.servers[:2]:
+        s.kill()
+    return d.servers
+
+
+def _restart_nats(d: Drill, servers: list[Any]) -> None:
+    for s in servers:
+        if s.proc is None:
+            s.restart()  # same port, same store
+    d.run_async(d.wait_jetstream)
+
+
+ON_DEMAND_USD_H = 3.06
+"""The local provider's on-demand price (providers/local/prices.py: P3_2XLARGE_ON_DEMAND_USD_H)."""
+
+
+def _none(d: Drill, _: Any) -> None:
+    return None
+
+
+SCENARIOS = (
+    Scenario("vanish", ("OrchdPreemptionStorm",), _vanish, _none),
+    Scenario("notice", (), _notice, _none),
+    Scenario("missed emergency checkpoint", ("OrchdEmergencyCheckpointMissed",), _missed, _none),
+    Scenario("hang", ("OrchdNodeHeartbeatMissing", "OrchdTrainingStalled"), _hang, _resume),
+    Scenario("storage", ("OrchdCheckpointStorageFailing",), _storage_fails, _storage_back),
+    Scenario("price spike", ("OrchdPriceSpike",), _spike, _calm),
+    Scenario("backlog", ("OrchdEventBacklogGrowing",), _flood, _unflood),
+    # before the faults that reach every job: a restart costs the budget job its boot estimate, which
+    # its budget no longer carries after a few minutes (orchd then stops it below 90%)
+    Scenario("budget", ("OrchdBudgetNearlySpent",), _budget, _budget_job_gone, fire_timeout_s=900.0),
+    Scenario("leader kill", ("OrchdDown", "OrchdNoLeader"), _kill_leader, _restart),
+    Scenario("NATS kill", ("OrchdNatsDisconnected",), _kill_nats, _restart_nats),
+)
+
+
+def setup(d: Drill) -> None:
+    """The training job every scenario works on, running on its nodes."""
+    os.makedirs(d.ckpt_dir(JOB).parent, exist_ok=True)
+    d.submit(JOB, nodes=NODES)
+    d.submit(BUDGET_JOB, nodes=1, budget_usd=BUDGET_USD, market="on_demand")
+    wait_until(lambda: d.running_nodes(JOB, NODES), 180, f"{NODES} nodes of the job training")
+
+
+def teardown_dirs(d: Drill) -> None:
+    shutil.rmtree(d.tmp, ignore_errors=True)
