@@ -11,14 +11,18 @@ Names the bootstrap script writes (providers/bootstrap.py) are understood: ``ORC
 ``ORCH_AGENT_NATS_URLS`` (comma separated), ``ORCH_AGENT_CLOUD`` (the metadata flavour to watch),
 ``ORCH_AGENT_ENROL_TOKEN`` (redeemed for the node's NATS credential, see agent/connection.py).
 Secrets: ``nats_password`` / ``nats_token`` from the environment or the file, never needed on a command
-line; under systemd, ``$CREDENTIALS_DIRECTORY/nats.password`` (LoadCredential=) is used when no
-password is configured, and ``$CREDENTIALS_DIRECTORY/nats-ca.pem`` as the TLS CA when present.
+line. Under systemd (``LoadCredential=`` in systemd/orch-agent.service) the files of
+``CREDENTIAL_FILES`` in ``$CREDENTIALS_DIRECTORY`` fill the settings left empty, with orchd's precedence
+(orchestrator/settings.py): a value given by a flag, the environment or the file wins; an empty credential
+file (the unit's ``SetCredential=`` default for one this node may not have) counts as absent. An enrolled
+node has no password credential: it redeems ``enrol_token`` instead.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.metadata
 import os
 import socket
 import typing
@@ -85,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="orch-agent", description="The orchd node agent (see docs/agent.md).")
     a = p.add_argument
     a("--config", "-c", help="TOML file with the same keys as the options (underscores)")
+    a("--version", action="version", version="%(prog)s " + next(
+        (d.version for d in importlib.metadata.distributions(name="spot-orchestrator")), "unknown"))
     a("--node-id")
     a("--nats-url", action="append", dest="nats_urls", help="NATS server URL (repeatable)")
     a("--nats-user")
@@ -175,17 +181,35 @@ def _optional(name: str) -> bool:
     return type(None) in get_args(typing.get_type_hints(AgentConfig)[name])
 
 
+CREDENTIAL_FILES: dict[str, tuple[str, bool]] = {
+    "nats.password": ("nats_password", True),
+    "nats.token": ("nats_token", True),
+    "nats.creds": ("nats_creds_file", False),
+    "nats-ca.pem": ("nats_tls_ca_file", False),
+}
+"""Credential name -> (setting, the value is the file's text rather than its path)."""
+
+
 def _with_credentials_directory(cfg: AgentConfig, env: Mapping[str, str]) -> AgentConfig:
     creds_dir = env.get("CREDENTIALS_DIRECTORY", "")
     if not creds_dir:
         return cfg
-    pw = os.path.join(creds_dir, "nats.password")
-    if not cfg.nats_password and os.path.exists(pw):
-        with open(pw) as f:
-            cfg = dataclasses.replace(cfg, nats_password=f.read().strip())
-    ca = os.path.join(creds_dir, "nats-ca.pem")
-    if not cfg.nats_tls_ca_file and os.path.exists(ca):
-        cfg = dataclasses.replace(cfg, nats_tls_ca_file=ca)
+    problems = []
+    for name, (key, secret) in CREDENTIAL_FILES.items():
+        path = os.path.join(creds_dir, name)
+        if getattr(cfg, key) or not os.path.isfile(path):
+            continue
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            problems.append(f"CREDENTIALS_DIRECTORY: cannot read credential {path}: {e}")
+            continue
+        if text:
+            change: dict[str, Any] = {key: text if secret else path}
+            cfg = dataclasses.replace(cfg, **change)
+    if problems:
+        raise ConfigError(problems)
     return cfg
 
 

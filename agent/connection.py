@@ -7,6 +7,13 @@ an enrolment token and no other credential, the node's own NATS user comes from 
 ``orch.enrol.<node>``, store the answer in ``<work_dir>/nats-credential.json`` (0600), which later
 restarts of the agent reuse.
 
+Logging while NATS (or orchd) is away: one line per state change, not one per attempt.
+``nats_disconnected`` and ``nats_reconnected`` (with the failed attempts) from nats-py's callbacks;
+the failed attempts themselves (nats-py's error callback, every ``reconnect_time_wait`` - also before
+the first connection, which nats-py retries itself) as ``nats_unreachable`` at the 1st, 2nd, 4th,
+8th ... consecutive one; ``nats_connected`` when the first connection came after failures. Closing a
+connection whose server is gone is quiet (``close_quietly``): no traceback on the way out.
+
 Concurrency contract: ``connect`` is awaited once, from the agent's ``run``, before anything else.
 """
 
@@ -21,6 +28,7 @@ from typing import Any
 
 import anyio
 import nats
+import nats.errors
 import structlog
 
 from agent.config import AgentConfig
@@ -33,7 +41,8 @@ CREDENTIAL_FILE = "nats-credential.json"
 async def connect(cfg: AgentConfig, work_dir: Path, *, pending: Callable[[], int] = lambda: 0) -> nats.NATS:
     """A connected client; retries (capped backoff) until the server answers. ``pending``: the events
     waiting in the outbox, logged on a reconnect."""
-    opts = _options(cfg, pending)
+    state = _LinkLog()
+    opts = _options(cfg, pending, state)
     if cfg.enrol_token and not (cfg.nats_user or cfg.nats_token or cfg.nats_creds_file):
         user, password = await node_credential(cfg, work_dir, opts)
         # agent_permissions (orchestrator/nats_auth.py): replies only on the node's own inbox prefix
@@ -41,22 +50,55 @@ async def connect(cfg: AgentConfig, work_dir: Path, *, pending: Callable[[], int
     wait = 0.2
     while True:
         try:
-            return await nats.connect(**opts)
+            nc = await nats.connect(**opts)
         except Exception as e:  # any failure: the server is not up yet, keep trying
-            log.warning("nats_connect_failed", error=repr(e), retry_s=wait)
+            state.failed(e)
             await anyio.sleep(wait)
             wait = min(2.0, wait * 2)
+            continue
+        if state.failures:
+            log.info("nats_connected", failed_attempts=state.failures)
+            state.failures = 0
+        return nc
 
 
-def _options(cfg: AgentConfig, pending: Callable[[], int]) -> dict[str, Any]:
+class _LinkLog:
+    """Consecutive failed connection attempts, logged at the 1st, 2nd, 4th, 8th ... (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.failures = 0
+
+    def failed(self, e: BaseException) -> None:
+        self.failures += 1
+        if self.failures & (self.failures - 1) == 0:
+            log.warning("nats_unreachable", error=repr(e), failed_attempts=self.failures)
+
+
+async def close_quietly(nc: nats.NATS, timeout_s: float = 2.0) -> None:
+    """Close the connection, bounded in time; a server already gone (connection reset, closed
+    transport) is expected on the way out and logged as one debug line, never raised."""
+    with anyio.move_on_after(timeout_s):
+        try:
+            await nc.close()
+        except Exception as e:  # any failure: the connection is unusable anyway, the agent is leaving
+            log.debug("nats_close_failed", error=repr(e))
+
+
+def _options(cfg: AgentConfig, pending: Callable[[], int], state: _LinkLog | None = None) -> dict[str, Any]:
+    link = state or _LinkLog()
+
     async def on_error(e: Exception) -> None:
-        log.debug("nats_error", error=repr(e))
+        if isinstance(e, (OSError, TimeoutError, nats.errors.NoServersError)):  # a failed (re)connect attempt
+            link.failed(e)
+        else:
+            log.debug("nats_error", error=repr(e))
 
     async def on_disconnect() -> None:
         log.warning("nats_disconnected")
 
     async def on_reconnect() -> None:
-        log.info("nats_reconnected", pending_events=pending())
+        log.info("nats_reconnected", pending_events=pending(), failed_attempts=link.failures)
+        link.failures = 0
 
     opts: dict[str, Any] = dict(
         servers=list(cfg.nats_urls), name=f"orch-agent-{cfg.node_id}", max_reconnect_attempts=-1,

@@ -8,6 +8,11 @@ reports into events: ``GenerationStarted``, one ``CheckpointCommitted`` per chec
 ``RanksExited``. ``on_emergency_end`` is called when an emergency checkpoint committed and when the
 ranks exited (the notice relay then acknowledges what it held back).
 
+Progress in ``orchctl logs``: the ranks' step reports are not log lines, so the runner ships a short
+``step N loss L ...`` line per rank (stream stdout) for the first step of a generation and then at
+most one every ``step_line_interval_s`` (``STEP_LINE_INTERVAL_S``, 10 s): a sane rate whatever the
+step time.
+
 Concurrency contract: used from the agent's event loop only. ``attach`` gives it the agent's task group
 and log shipper once connected; each generation runs as a task in that group (``tg.start``: started
 once every rank is spawned). Report callbacks come from the rank reader tasks and do quick work.
@@ -45,6 +50,9 @@ log = structlog.get_logger("agent")
 
 Report = contract.StepReport | contract.CheckpointReport | contract.ExitReport
 
+STEP_LINE_INTERVAL_S = 10.0
+"""At most one progress line per rank per this many seconds in the shipped logs (plus each first step)."""
+
 
 class GenerationRunner:
     def __init__(self, cfg: AgentConfig, work_dir: Path, publisher: NodePublisher, *, warm: WarmPool | None = None,
@@ -61,6 +69,8 @@ class GenerationRunner:
         self._committed: set[tuple[str, int, str]] = set()
         self._tg: anyio.abc.TaskGroup | None = None
         self._logs: LogShipper | None = None
+        self.step_line_interval_s = STEP_LINE_INTERVAL_S
+        self._step_line_ts: dict[tuple[int, int], float] = {}  # (generation, rank) -> last progress line
 
     def attach(self, tg: anyio.abc.TaskGroup, logs: LogShipper) -> None:
         self._tg = tg
@@ -204,8 +214,26 @@ class GenerationRunner:
         if isinstance(report, contract.StepReport):
             if self.state is AgentState.STARTING:
                 self.state = AgentState.TRAINING
+            self._step_line(g, report)
         elif isinstance(report, contract.CheckpointReport):
             self._on_commit(g, report)
+
+    def _step_line(self, g: RankGroup, r: contract.StepReport) -> None:
+        """A progress line for ``orchctl logs``, rate-limited per rank (see the module docstring)."""
+        key = (r.generation, r.rank)
+        now = time.monotonic()
+        last = self._step_line_ts.get(key)
+        if self._logs is None or (last is not None and now - last < self.step_line_interval_s):
+            return
+        if last is None and len(self._step_line_ts) > 64:  # forget older generations' ranks
+            self._step_line_ts = {k: v for k, v in self._step_line_ts.items() if k[0] >= r.generation}
+        self._step_line_ts[key] = now
+        parts = [f"step {r.step}/{g.cmd.total_steps}", f"loss {r.loss:.4f}", f"step_time {r.step_time_s:.3f}s"]
+        if r.tokens_per_s is not None:
+            parts.append(f"tokens/s {r.tokens_per_s:.0f}")
+        if r.grad_norm is not None:
+            parts.append(f"grad_norm {r.grad_norm:.3f}")
+        self._logs.ship(g.job_id, r.generation, r.rank, "stdout", " ".join(parts))
 
     def _on_commit(self, g: RankGroup, report: contract.CheckpointReport) -> None:
         key = (g.job_id, report.generation, report.checkpoint_id)

@@ -4,7 +4,13 @@ Role: ``Heartbeats`` publishes one ``Heartbeat`` every ``heartbeat_s`` on core N
 (the latest value matters, not history: nothing is buffered during an outage). ``SystemSampler``
 samples what a heartbeat reports about the host. NVML (``pynvml``, from nvidia-ml-py) is used only
 when importable and at least one GPU is present; otherwise ``gpus`` is empty and CPU/memory describe the
-node. Sampling is cheap (no blocking interval): ``psutil.cpu_percent(None)`` measures since the last call.
+node (orchd then exports no GPU series for it: a missing reading is never reported as a value).
+Sampling is cheap (no blocking interval): ``psutil.cpu_percent(None)`` measures since the last call.
+
+The NVML binding is the hardware edge: ``SystemSampler(nvml=...)`` takes any object with pynvml's
+functions (``nvmlInit``, ``nvmlDeviceGetCount``, ``nvmlDeviceGetHandleByIndex``,
+``nvmlDeviceGetUtilizationRates``, ``nvmlDeviceGetMemoryInfo``, ``nvmlDeviceGetTemperature``,
+``nvmlDeviceGetPowerUsage``, ``NVML_TEMPERATURE_GPU``, ``NVMLError``), as tests pass a stub.
 
 Concurrency contract: one sampler per agent, called from the event loop every few seconds;
 ``Heartbeats.run`` is one task in the agent's task group.
@@ -28,18 +34,18 @@ log = structlog.get_logger("agent")
 
 
 class SystemSampler:
-    def __init__(self) -> None:
+    def __init__(self, nvml: Any = None) -> None:
+        """``nvml``: the NVML binding to read (default: ``pynvml`` when importable)."""
         psutil.cpu_percent(None)  # prime: the first call has no interval to measure
         self._nvml: Any = None
         self._handles: list[Any] = []
         try:
-            import pynvml
-
-            pynvml.nvmlInit()
-            n = pynvml.nvmlDeviceGetCount()
+            nv = nvml if nvml is not None else _import_pynvml()
+            nv.nvmlInit()
+            n = nv.nvmlDeviceGetCount()
             if n > 0:
-                self._nvml = pynvml
-                self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+                self._nvml = nv
+                self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
         except Exception:  # any failure: no NVML library, no driver, or no GPU: a CPU-only node
             self._nvml = None
 
@@ -74,12 +80,19 @@ class SystemSampler:
         return tuple(out)
 
 
+def _import_pynvml() -> Any:
+    import pynvml
+
+    return pynvml
+
+
 class Heartbeats:
-    def __init__(self, node_id: NodeId, generations: GenerationRunner, fencing_token: Callable[[], int]) -> None:
+    def __init__(self, node_id: NodeId, generations: GenerationRunner, fencing_token: Callable[[], int],
+                 sampler: SystemSampler | None = None) -> None:
         self.node_id = node_id
         self.generations = generations
         self.fencing_token = fencing_token
-        self.sampler = SystemSampler()
+        self.sampler = sampler or SystemSampler()
         self.seq = 0
 
     def next(self) -> Heartbeat:

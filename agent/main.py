@@ -36,6 +36,7 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -46,7 +47,7 @@ from nats.aio.subscription import Subscription
 
 from agent.commands import CommandHandler
 from agent.config import AgentConfig, ConfigError, load_config
-from agent.connection import connect
+from agent.connection import close_quietly, connect
 from agent.generations import GenerationRunner
 from agent.heartbeat import Heartbeats
 from agent.logship import LogShipper, creates_logs_stream, ensure_logs_stream
@@ -127,8 +128,7 @@ class Agent:
                 if self.warm is not None:
                     await self.warm.close()
                 logs.close()
-                with anyio.move_on_after(2):
-                    await nc.close()
+                await close_quietly(nc)  # no traceback when the server is gone already
                 self.stopped.set()
 
     async def _serve(self, tg: anyio.abc.TaskGroup, nc: nats.NATS, outbox: Outbox, logs: LogShipper,
@@ -149,8 +149,6 @@ class Agent:
         tg.start_soon(self.heartbeats.run, nc, self.cfg.heartbeat_s)
         if self.watcher is not None:
             tg.start_soon(self.watcher.run, self.relay.on_notice)
-        if self.cfg.exit_with_parent:
-            tg.start_soon(self._parent_watch, os.getppid())
         log.info("agent_started", node_id=self.node_id, metadata=self.cfg.metadata, work_dir=str(self.work_dir))
         sdnotify.notify_ready(f"node {self.node_id}: registered, idle")
         wd = sdnotify.watchdog_interval_s()
@@ -191,11 +189,15 @@ class Agent:
         self.generations.state = AgentState.STOPPED
         log.info("agent_leaving", reason=self.shutdown_reason, outbox_flushed=flushed)
 
-    async def _parent_watch(self, parent: int) -> None:
+    async def parent_watch(self, parent: int, on_exit: Callable[[], None]) -> None:
+        """``--exit-with-parent``: leave once the parent (orchd, for a local node) is gone. Runs from the
+        start, before NATS answers: an agent still connecting when its parent died must not wait forever
+        (``on_exit`` then ends it, as a signal does)."""
         while os.getppid() == parent:
             await anyio.sleep(1.0)
         log.warning("parent_exited", parent=parent)
         self.request_shutdown("parent_exited")
+        on_exit()
 
     def _register(self) -> None:
         c = self.cfg
@@ -225,11 +227,16 @@ async def _amain(cfg: AgentConfig) -> int:
             async for s in sigs:
                 log.info("signal_received", signal=signal.Signals(s).name)
                 agent.request_shutdown("sigterm" if s == signal.SIGTERM else "sigint")
-                if agent.nc is None:  # still trying to reach NATS: nothing to checkpoint or report
-                    tg.cancel_scope.cancel()
+                end_if_unconnected()
+
+    def end_if_unconnected() -> None:
+        if agent.nc is None:  # still trying to reach NATS: nothing to checkpoint or report
+            tg.cancel_scope.cancel()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(signals)
+        if cfg.exit_with_parent:
+            tg.start_soon(agent.parent_watch, os.getppid(), end_if_unconnected)
         await agent.run()
         tg.cancel_scope.cancel()
     return 0

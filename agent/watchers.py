@@ -258,6 +258,7 @@ class Watcher:
     def __init__(self, service: MetadataService) -> None:
         self.service = service
         self.failures = 0
+        self._streak = 0  # consecutive failed polls: logged at 1, 2, 4, 8 ... (not once per poll)
         self._seen: set[str] = set()
 
     @property
@@ -273,6 +274,7 @@ class Watcher:
             self._failed(e)
             return []
         observed = time.time()
+        before = self.failures
         fresh: list[Notice] = []
         for resp in responses:
             try:
@@ -284,12 +286,17 @@ class Watcher:
                 if notice.ref not in self._seen:
                     self._seen.add(notice.ref)
                     fresh.append(notice)
+        if self._streak and self.failures == before:
+            log.info("metadata_poll_recovered", cloud=self.cloud, failed_polls=self._streak)
+            self._streak = 0
         return fresh
 
     def _failed(self, e: Exception) -> None:
         self.failures += 1
+        self._streak += 1
         self.service.failed()
-        log.warning("metadata_poll_failed", cloud=self.cloud, error=str(e))
+        if self._streak & (self._streak - 1) == 0:
+            log.warning("metadata_poll_failed", cloud=self.cloud, error=str(e), failed_polls=self._streak)
 
     async def run(self, on_notice: OnNotice) -> None:
         while True:

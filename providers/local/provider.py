@@ -16,8 +16,16 @@ time (see prices.py). ``capacity`` limits live instances per pool (None = unlimi
 Idempotency: a launch with a token already used returns the first call's instances.
 Instance ids are ``local-<n>``; terminated instances stay visible to ``describe`` as TERMINATED.
 
+When orchd stops, its local nodes stop too (``daemon_stopping``, called by orchd on its way out,
+before its NATS connections close): each node's metadata service and this node table live in orchd's
+process, so a node left running would poll a dead metadata service, and a restarted orchd (a new
+provider, empty table) could neither describe nor terminate it. Each agent gets SIGTERM - it
+checkpoints its ranks and publishes ``NodeLeaving`` while NATS is still up - and SIGKILL after
+``terminate_grace_s``. Nodes of a cloud provider, by contrast, outlive orchd by design.
+
 Concurrency contract: thread-safe (one lock around the bookkeeping; process spawning and killing
-happen outside it where they can block). Kill timers are daemon threads. ``close()`` kills every node.
+happen outside it where they can block). Kill timers are daemon threads. ``close()`` kills every node
+at once (SIGKILL); ``daemon_stopping()`` stops them all gracefully, in parallel.
 """
 
 from __future__ import annotations
@@ -209,10 +217,11 @@ class LocalProvider:
                 if node is None or not node.instance.alive:
                     continue
                 node.instance = msgspec.structs.replace(node.instance, state=InstanceState.STOPPING)
-            threading.Thread(target=self._stop_node, args=(iid,), daemon=True, name=f"terminate-{iid}").start()
+            threading.Thread(target=self._stop_node, args=(iid, "terminated"), daemon=True,
+                             name=f"terminate-{iid}").start()
         raise_refused(self.cloud, cluster_id, refused)
 
-    def _stop_node(self, iid: InstanceId) -> None:
+    def _stop_node(self, iid: InstanceId, why: str) -> None:
         """A cloud's terminate: ACPI shutdown (SIGTERM to the agent), then power off after the grace."""
         node = self._nodes[iid]
         if node.proc is not None and node.proc.poll() is None:
@@ -221,7 +230,7 @@ class LocalProvider:
                 node.proc.wait(self.config.terminate_grace_s)
             except subprocess.TimeoutExpired:
                 pass
-        self._kill(iid, "terminated")
+        self._kill(iid, why)
 
     def list_instances(self, cluster_id: str) -> list[Instance]:
         self._refresh()
@@ -282,6 +291,34 @@ class LocalProvider:
             self.events.append((time.time(), "vanished", node_id))
         self._kill(iid, "vanished")
 
+    # --- fault injection by an operator (orchd's admin API: orchctl nodes preempt | kill) -----------
+
+    def inject_preemption(self, node_id: str, instance_id: str | None, notice_s: float) -> float:
+        """``preempt`` for orchd's ``nodes.preempt``, after checking the node is one of ours and alive
+        (LookupError: not ours; ValueError: not running any more, or a preemption is pending). The deadline."""
+        self._injectable(node_id, instance_id)
+        return self.preempt(node_id, notice_s)
+
+    def inject_kill(self, node_id: str, instance_id: str | None) -> None:
+        """``vanish`` for orchd's ``nodes.kill``, after the same checks as ``inject_preemption``."""
+        self._injectable(node_id, instance_id, kill=True)
+        self.vanish(node_id)
+
+    def _injectable(self, node_id: str, instance_id: str | None, *, kill: bool = False) -> None:
+        self._refresh()
+        with self._lock:
+            iid = self._by_node.get(node_id)
+            if iid is None:
+                raise LookupError(f"the local provider has no instance for node {node_id!r} (not launched yet?)")
+            node = self._nodes[iid]
+            if instance_id is not None and instance_id != iid:
+                raise LookupError(f"node {node_id!r} is instance {iid} here, not {instance_id}")
+            if not node.instance.alive:
+                raise ValueError(f"instance {iid} is not running any more (state {node.instance.state.value})")
+            if node.kill_at is not None and not kill:
+                left = node.kill_at - time.time()
+                raise ValueError(f"a preemption of instance {iid} is pending already (deadline in {left:.0f} s)")
+
     def _kill(self, iid: InstanceId, why: str) -> None:
         with self._lock:
             node = self._nodes.get(iid)
@@ -333,6 +370,22 @@ class LocalProvider:
                     if hi > lo:
                         cost += price * (hi - lo) / 3600.0
         return {"cost_usd": cost, "node_seconds": node_s, "on_demand_cost_usd": od * node_s / 3600.0}
+
+    def daemon_stopping(self) -> None:
+        """orchd is stopping: stop every live node gracefully and in parallel (see the module
+        docstring); returns once all are gone (at most ``terminate_grace_s`` plus the kill)."""
+        with self._lock:
+            ids = [iid for iid, n in self._nodes.items()
+                   if n.instance.alive and n.proc is not None and n.proc.poll() is None]
+        if not ids:
+            return
+        log.info("local_nodes_stopping", nodes=len(ids), grace_s=self.config.terminate_grace_s)
+        threads = [threading.Thread(target=self._stop_node, args=(iid, "orchd_stopped"), daemon=True,
+                                    name=f"stop-{iid}") for iid in ids]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
 
     def close(self) -> None:
         with self._lock:

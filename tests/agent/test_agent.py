@@ -178,7 +178,8 @@ async def test_rank_logs_are_shipped_and_read_back(nats_url: str, tmp_path) -> N
         await agent.logs.flush(2)
     lines: list[str] = []
     n = await read_logs([nats_url], "j1", node="n-logs", out=lines.append)
-    assert n == len(lines) == 2
+    assert n == len(lines) == 3  # two printed lines and the agent's progress line for step 1
+    assert any(" g1 r0 | step 1/3 loss " in x for x in lines)
     assert "fake trainer rank 0/1 generation 1" in lines[0] or "fake trainer rank 0/1 generation 1" in lines[1]
     assert any(" r0 ! | a line on stderr" in x for x in lines)
     assert not any('{"orch":' in x for x in lines)  # report lines are parsed, not shipped as logs
@@ -187,11 +188,11 @@ async def test_rank_logs_are_shipped_and_read_back(nats_url: str, tmp_path) -> N
     followed: list[str] = []
     async with anyio.create_task_group() as tg:
         tg.start_soon(lambda: read_logs([nats_url], "j1", node="n-logs", follow=True, out=followed.append))
-        await wait_for(lambda: len(followed) == 2)
+        await wait_for(lambda: len(followed) == 3)
         async with running_agent(_cfg("n-logs", nats_url, tmp_path)) as agent:
             cmd = start_cmd("n-logs", ckpt=str(tmp_path / "ck"), steps=3, step_time_s=0.01, generation=2)
             assert (await send(nc, cmd)).ok
-            await wait_for(lambda: len(followed) == 4)
+            await wait_for(lambda: len(followed) == 6)
         tg.cancel_scope.cancel()
     assert any(" g2 r0 | fake trainer rank 0/1 generation 2" in x for x in followed)
     # a trainer that cannot be started is an error in the ack, not a crash of the agent
