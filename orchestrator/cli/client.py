@@ -5,6 +5,10 @@ Role: one method per admin endpoint, typed request in, typed reply out. Errors a
     AdminUnreachable   no NATS server, or no orchd answering (no responders / no reply in time)
     AdminError         orchd answered with an error (code 400/404/409/500, message)
 
+Inbox: replies come on ``_INBOX.orchctl.>`` (``ORCHCTL_INBOX``), the only inbox the operator role
+(``orchctl_permissions``) may subscribe to; nats-py's default ``_INBOX.>`` would be a subscription
+violation there, and every reply lost.
+
 Fail fast: the connection does not reconnect (``allow_reconnect=False``, one attempt), so a dead server
 is reported within ``timeout_s`` instead of nats-py's default two minutes of retries; a live server
 without orchd gives ``NoRespondersError`` at once.
@@ -22,6 +26,7 @@ import nats
 import nats.errors
 
 import wire as ev
+from orchestrator.security.nats_auth import ORCHCTL_INBOX
 from orchestrator.settings import NatsSettings
 from wire.admin import DeadListReply, DeadListRequest, DeadReplayRequest
 
@@ -56,7 +61,8 @@ class AdminClient:
         try:
             nc = await nats.connect(
                 servers=list(urls), allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.1,
-                connect_timeout=min(timeout_s, 2.0), error_cb=quiet, name="orchctl", **opts,
+                connect_timeout=min(timeout_s, 2.0), error_cb=quiet, name="orchctl", inbox_prefix=ORCHCTL_INBOX,
+                **opts,
             )
         except Exception as e:  # NoServersError, OSError, TimeoutError, auth failures
             raise AdminUnreachable(f"cannot connect to NATS at {', '.join(urls)}: {type(e).__name__}: {e}") from None

@@ -1,26 +1,68 @@
-"""What orchctl's subcommands share: exit codes and where orchd's NATS is (``resolve_server``).
+"""What orchctl's subcommands share: exit codes, time cells, where orchd's NATS is (``resolve_server``)
+and the hint given when it is unreachable (``unreachable_hint``).
 
 Both ``main`` (the admin commands) and the subcommands in their own modules (``logs``, ``demo``) import
 this module; it imports neither of them.
 
 Where orchd is: --server, else $ORCH_SERVER, else nats.urls of --config, else <state-dir>/orchd.json
-written by a running orchd (default state dir ./var/orchd), else nats://127.0.0.1:4222.
+written by a running orchd (default state dir ./var/orchd, removed by orchd on a clean stop), else
+nats://127.0.0.1:4222.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from orchestrator.settings import NatsSettings, load_settings
 
-EXIT_OK, EXIT_DAEMON, EXIT_USAGE = 0, 1, 2
-"""0 ok, 1 orchd answered with an error, 2 usage error, invalid spec, or orchd unreachable."""
+EXIT_OK = 0
+"""Done."""
+EXIT_DAEMON = 1
+"""orchd answered with an error (refused: 400/409, or failed: 500)."""
+EXIT_USAGE = 2
+"""Usage error: bad arguments, an invalid job spec or --config file."""
+EXIT_NOT_FOUND = 66
+"""What was named does not exist (orchd's 404: job, node, dead letter; ``logs`` of an unknown job).
+sysexits' EX_NOINPUT."""
+EXIT_UNREACHABLE = 69
+"""No NATS server, or no orchd answering in time: transient, worth a retry. sysexits' EX_UNAVAILABLE."""
+EXIT_INTERRUPTED = 130
+"""Interrupted (Ctrl-C, SIGINT): 128 + 2, as shells report it."""
+
+EXIT_CODES: dict[int, str] = {
+    EXIT_OK: "ok",
+    EXIT_DAEMON: "orchd answered with an error",
+    EXIT_USAGE: "usage error (arguments, job spec, --config)",
+    EXIT_NOT_FOUND: "not found (job, node, dead letter)",
+    EXIT_UNREACHABLE: "NATS or orchd unreachable (transient: retry)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
 
 DEFAULT_SERVER = "nats://127.0.0.1:4222"
+DEFAULT_STATE_DIR = "./var/orchd"
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("spot-orchestrator")
+    except importlib.metadata.PackageNotFoundError:  # a bare checkout, not installed
+        return "unknown"
+
+
+def format_time(ts: float) -> str:
+    """A wall-clock time as a table cell: date and time in UTC (``2026-11-25 20:10:46Z``)."""
+    return time.strftime("%Y-%m-%d %H:%M:%SZ", time.gmtime(ts))
+
+
+def _discovery_path(args: argparse.Namespace, state_dir: str | None) -> Path:
+    return Path(state_dir or getattr(args, "state_dir", None) or DEFAULT_STATE_DIR) / "orchd.json"
 
 
 def resolve_server(args: argparse.Namespace, env: Mapping[str, str] = os.environ) -> tuple[
@@ -39,10 +81,41 @@ def resolve_server(args: argparse.Namespace, env: Mapping[str, str] = os.environ
         return [u.strip() for u in env["ORCH_SERVER"].split(",") if u.strip()], nats_settings
     if nats_settings and nats_settings.urls:
         return list(nats_settings.urls), nats_settings
-    disc = Path(state_dir or "./var/orchd") / "orchd.json"
-    if disc.exists():
-        try:
-            return json.loads(disc.read_text())["nats_url"].split(","), nats_settings
-        except (ValueError, KeyError):
-            pass
+    disc = _read_discovery(_discovery_path(args, state_dir))
+    if disc is not None and isinstance(disc.get("nats_url"), str):
+        return disc["nats_url"].split(","), nats_settings
     return [DEFAULT_SERVER], nats_settings
+
+
+def _read_discovery(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def unreachable_hint(args: argparse.Namespace, urls: list[str], env: Mapping[str, str] = os.environ) -> str:
+    """A line to add to "orchd unreachable" when the address came from orchd.json: a stale file (its
+    orchd is gone: killed, or the host rebooted) names the file and the pid; no file, the defaults."""
+    if args.server or env.get("ORCH_SERVER") or args.config:
+        return ""
+    path = _discovery_path(args, None)
+    disc = _read_discovery(path)
+    if disc is None:
+        return (f"hint: no {path} (written by a running orchd): give --server URL, $ORCH_SERVER, "
+                f"--config FILE or --state-dir DIR\n")
+    pid = disc.get("pid")
+    if isinstance(pid, int) and not _alive(pid):
+        return (f"hint: {path} is stale: the orchd that wrote it (pid {pid}, {','.join(urls)}) is not running; "
+                f"start orchd, or remove the file and give --server URL\n")
+    return ""
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).is_running() and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -10,8 +10,13 @@ each); then inject, as the clouds would:
 3. a price spike in the job's zone (the spot price goes above the pause ratio: orchd moves the job),
 
 show live progress (nodes, generation, step, loss, events) and end with a report derived from the
-trainer's step logs (``demo_report``), plus the local cloud's own bill. ``--json`` prints the report
-as one JSON object on stdout.
+trainer's step logs (``demo_report``), plus the local cloud's own bill. ``--json`` (or ``-o json``) prints
+the report as one JSON object on stdout, ``-o yaml`` as YAML.
+
+Stopping: SIGINT (Ctrl-C) or SIGTERM cancels the run; the teardown then stops the nodes (the local
+provider's ``close``), orchd and its embedded nats-server, and finally terminates any descendant process
+still alive (``reap_descendants``: each of them runs in its own session, so none would get the
+terminal's signal). Exit 130 (SIGINT) or 143 (SIGTERM).
 
 Concurrency contract: one anyio (asyncio) event loop hosts the daemon, the price feed, the scenario
 driver and the display; the provider's blocking calls run in the daemon's executor threads.
@@ -20,10 +25,12 @@ driver and the display; the provider's blocking calls run in the daemon's execut
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -154,8 +161,6 @@ class _View:
 async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
     """Run the scenario; return the report. ``progress(view)`` is called about twice a second."""
 
-    from orchestrator.cli.client import AdminClient
-    from orchestrator.daemon.run import run_daemon
     from wire.logs import configure
 
     state_dir = Path(opts.state_dir or tempfile.mkdtemp(prefix="orch-demo-")).resolve()
@@ -168,6 +173,19 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
     injections: list[Injection] = []
     spec = demo_jobspec(state_dir, opts)
     finished = anyio.Event()
+    try:
+        return await _run_and_report(opts, state_dir, settings, provider, view, injections, spec, finished, progress)
+    finally:
+        log_stream.close()
+        if not opts.keep and opts.state_dir is None:
+            shutil.rmtree(state_dir, ignore_errors=True)
+
+
+async def _run_and_report(opts: DemoOptions, state_dir: Path, settings: Any, provider: Any, view: _View,
+                          injections: list[Injection], spec: Any, finished: anyio.Event, progress: Any) -> DemoResult:
+    from orchestrator.cli.client import AdminClient
+    from orchestrator.daemon.run import run_daemon
+
     try:
         async with anyio.create_task_group() as tg:
             d = await tg.start(functools.partial(run_daemon, core=demo_core(settings)), settings, {"local": provider})
@@ -221,14 +239,9 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
         "wall_s": round(time.time() - view.t0, 1),
         "injected": [{"kind": i.kind, "node": i.node, "t_s": round(i.ts - view.t0, 1), "detail": i.detail}
                      for i in injections],
-        "state_dir": str(state_dir),
+        "state_dir": str(state_dir) if opts.keep or opts.state_dir is not None else None,
     }
-    log_stream.close()
-    result = DemoResult(report, state_dir, injections, view.events, logs)
-    if not opts.keep and opts.state_dir is None:
-        shutil.rmtree(state_dir, ignore_errors=True)
-        report["state_dir"] = None
-    return result
+    return DemoResult(report, state_dir, injections, view.events, logs)
 
 
 async def _wait_for_prices(client: Any, finished: anyio.Event, timeout_s: float = 15.0) -> None:
@@ -346,8 +359,9 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
-    s = sub.add_parser("demo", help="the whole loop on this machine (embedded NATS, orchd, 3 local CPU nodes)")
-    s.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    s = sub.add_parser("demo", parents=[common],
+                       help="the whole loop on this machine (embedded NATS, orchd, 3 local CPU nodes)")
+    s.add_argument("--json", action="store_true", help="print the report as one JSON object (= -o json)")
     s.add_argument("--steps", type=int, default=None, help="training steps (default 200, --fast 90)")
     s.add_argument("--fast", action="store_true", help="shorter run: fewer steps, shorter notice, no price spike")
     s.add_argument("--prices", choices=("fixed", "replay"), default="fixed")
@@ -396,18 +410,68 @@ def run(args: argparse.Namespace) -> int:
                              f"gen {j.get('generation', 0)} step {j.get('step', 0)}/{opts.steps} "
                              + (view.events[-1][1] if view.events else "") + "\n")
 
+    stopped_by: list[int] = []
     try:
-        result = anyio.run(lambda: run_demo(opts, progress=progress), backend="asyncio")
-    except KeyboardInterrupt:
-        return 130
+        result = anyio.run(_until_signalled, opts, progress, stopped_by, backend="asyncio")
+    except KeyboardInterrupt:  # a SIGINT before the signal receiver is installed
+        stopped_by.append(signal.SIGINT)
+        result = None
     finally:
         if live is not None:
             live.stop()
-    if getattr(args, "json", False):
+        reap_descendants()
+    if result is None:
+        sig = stopped_by[0] if stopped_by else signal.SIGINT
+        sys.stderr.write(f"orchctl demo: stopped by {signal.Signals(sig).name}; nodes, orchd and NATS stopped\n")
+        return 128 + int(sig)
+    fmt = "json" if getattr(args, "json", False) else getattr(args, "output", "table")
+    if fmt == "json":
         sys.stdout.write(json.dumps(result.report) + "\n")
+    elif fmt == "yaml":
+        import yaml
+
+        sys.stdout.write(yaml.safe_dump(result.report, sort_keys=False))
     else:
         sys.stdout.write(format_report(result.report))
     return 0 if result.report["job_succeeded"] else 1
+
+
+async def _until_signalled(opts: DemoOptions, progress: Any, stopped_by: list[int]) -> DemoResult | None:
+    """``run_demo`` until it ends or SIGINT/SIGTERM arrives (then cancelled: its teardown runs; None)."""
+    result: list[DemoResult] = []
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as sigs:
+                async for sig in sigs:
+                    stopped_by.append(int(sig))
+                    tg.cancel_scope.cancel()
+                    return
+
+        async def demo() -> None:
+            result.append(await run_demo(opts, progress=progress))
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(watch)
+        tg.start_soon(demo)
+    return result[0] if result and not stopped_by else None
+
+
+def reap_descendants(timeout_s: float = 5.0) -> list[int]:
+    """Terminate (then kill) every process this one started that is still alive: the safety net behind
+    the orderly teardown (nats-server and the nodes run in their own sessions). Returns their pids."""
+    import psutil
+
+    procs = psutil.Process().children(recursive=True)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _gone, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(alive, timeout=timeout_s)
+    return [p.pid for p in procs]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,17 +5,27 @@
       jobs submit FILE [--id ID]      TOML/YAML job spec, validated here and by orchd
       jobs list | show JOB | cancel JOB [--reason R]                                        [--watch]
       nodes list [--job JOB] | drain NODE                                                   [--watch]
+      nodes preempt NODE [--notice S] | kill NODE   local nodes only: inject a reclaim / a host failure
       prices                          pools, prices, preemption statistics                  [--watch]
       events [--follow]               decided commands, newest last (tail; --follow polls)
       explain JOB                     the audit of the core's decisions for a job
       reap --dry-run | --yes          orphan instances per provider (plan only with --dry-run)
       dead list [--limit N] | replay SEQ   dead letters (ORCH_DEAD): messages orchd gave up on;
                                       replay republishes one to its original subject
+      logs JOB [--node N] [--follow]  trainer output shipped by the agents (orchestrator/cli/logs.py)
+      demo                            the whole loop on this machine (orchestrator/cli/demo.py)
+      completion bash|zsh             print the shell completion script
+      examples DIR [--force] | --list the example configs, systemd units, alert rules, dashboard
+    orchctl --version
 
 Where orchd is: --server, else $ORCH_SERVER, else nats.urls of --config, else <state-dir>/orchd.json
-written by a running orchd (default state dir ./var/orchd), else nats://127.0.0.1:4222.
+written by a running orchd (default state dir ./var/orchd; removed on a clean stop), else nats://127.0.0.1:4222.
 
-Exit codes: 0 ok, 1 orchd answered with an error, 2 usage error, invalid spec, or orchd unreachable.
+Times in tables are UTC with their date (2026-11-25 20:10:46Z); -o json|yaml gives epoch seconds.
+
+Exit codes (common.EXIT_CODES): 0 ok, 1 orchd answered with an error, 2 usage error (arguments, invalid
+job spec or --config), 66 not found (orchd's 404; logs of an unknown job), 69 NATS or orchd unreachable
+(transient: retry), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -24,20 +34,33 @@ import argparse
 import io
 import json
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
 import msgspec
+import shtab
 import yaml
 
-from orchestrator.cli import demo
+from orchestrator.cli import demo, examples
 from orchestrator.cli import logs as logs_cmd
 from orchestrator.cli.client import AdminClient, AdminError, AdminUnreachable
-from orchestrator.cli.common import EXIT_DAEMON, EXIT_OK, EXIT_USAGE, resolve_server
+from orchestrator.cli.common import (
+    EXIT_CODES,
+    EXIT_DAEMON,
+    EXIT_INTERRUPTED,
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    format_time,
+    package_version,
+    resolve_server,
+    unreachable_hint,
+)
 from orchestrator.jobspec import JobSpecError, load_jobspec
 from orchestrator.settings import NatsSettings, SettingsError
+from wire.admin import KillNodeRequest, PreemptNodeRequest
 
 # --- pure formatting -------------------------------------------------------------------------------
 
@@ -55,7 +78,7 @@ def _cell(v: Any) -> str:
     if v is None:
         return "-"
     if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e9 else time.strftime("%H:%M:%S", time.gmtime(v))
+        return f"{v:.4g}" if abs(v) < 1e9 else format_time(v)
     if isinstance(v, list | tuple):
         return ",".join(map(str, v))
     if isinstance(v, dict):
@@ -127,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--watch", "-w", action="store_true", help="repeat every --interval seconds")
     watch.add_argument("--interval", type=float, default=2.0)
 
-    p = argparse.ArgumentParser(prog="orchctl", description="Admin CLI of orchd", parents=[common])
+    p = argparse.ArgumentParser(prog="orchctl", description="Admin CLI of orchd", parents=[common],
+                                epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     p.add_argument("--server", "-s", help="NATS URL(s), comma separated (default: see below)")
     p.add_argument("--config", "-c", help="orchd's TOML config (for nats.urls and credentials)")
     p.add_argument("--state-dir", default=None, help="orchd's state dir (for orchd.json)")
@@ -137,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("status", parents=[common, watch], help="daemon status")
     jobs = sub.add_parser("jobs", help="jobs").add_subparsers(dest="verb", required=True, metavar="VERB")
     s = jobs.add_parser("submit", parents=[common], help="submit a job spec file")
-    s.add_argument("file")
+    s.add_argument("file").complete = shtab.FILE  # type: ignore[attr-defined]
     s.add_argument("--id", dest="job_id", default=None, help="job id (idempotent resubmit)")
     jobs.add_parser("list", parents=[common, watch], help="list jobs")
     s = jobs.add_parser("show", parents=[common, watch], help="show one job")
@@ -152,6 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = nodes.add_parser("drain", parents=[common], help="drain a node")
     s.add_argument("node_id")
     s.add_argument("--reason", default="admin")
+    s = nodes.add_parser("preempt", parents=[common], help="local nodes: inject a spot reclaim with a notice")
+    s.add_argument("node_id")
+    s.add_argument("--notice", type=float, default=30.0, metavar="SECONDS", dest="notice_s",
+                   help="seconds from the notice to the kill (default 30)")
+    s = nodes.add_parser("kill", parents=[common], help="local nodes: kill every process of the node, no notice")
+    s.add_argument("node_id")
 
     sub.add_parser("prices", parents=[common, watch], help="pools and prices")
     s = sub.add_parser("events", parents=[common], help="tail decided commands")
@@ -173,7 +204,25 @@ def build_parser() -> argparse.ArgumentParser:
     # subcommands that live in their own modules (args.run)
     logs_cmd.add_parser(sub, common)
     demo.add_parser(sub, common)
+    examples.add_parser(sub, common)
+    s = sub.add_parser("completion", help="print the shell completion script (bash or zsh)")
+    s.add_argument("shell", choices=("bash", "zsh"))
+    s.set_defaults(run=lambda a: _completion(p, a.shell))
     return p
+
+
+_EPILOG = "exit codes: " + ", ".join(f"{code} {what}" for code, what in EXIT_CODES.items()) + """
+
+shell completion:
+  bash: orchctl completion bash > /etc/bash_completion.d/orchctl   (or: eval "$(orchctl completion bash)")
+  zsh:  orchctl completion zsh > "${fpath[1]}/_orchctl"
+"""
+
+
+def _completion(parser: argparse.ArgumentParser, shell: str) -> int:
+    sys.stdout.write(shtab.complete(parser, shell=shell))
+    sys.stdout.flush()
+    return EXIT_OK
 
 
 # --- commands --------------------------------------------------------------------------------------
@@ -208,6 +257,13 @@ async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | Non
             return EXIT_OK
         if (cmd, verb) == ("nodes", "drain"):
             out(format_reply("ok", await c.drain(args.node_id, args.reason), fmt))
+            return EXIT_OK
+        if (cmd, verb) == ("nodes", "preempt"):
+            req = PreemptNodeRequest(node_id=args.node_id, notice_s=args.notice_s)
+            out(format_reply("ok", await c.call("nodes", "preempt", req), fmt))
+            return EXIT_OK
+        if (cmd, verb) == ("nodes", "kill"):
+            out(format_reply("ok", await c.call("nodes", "kill", KillNodeRequest(node_id=args.node_id)), fmt))
             return EXIT_OK
         if cmd == "explain":
             out(format_reply("explain", await c.explain(args.job_id, args.limit), fmt))
@@ -260,8 +316,11 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = _stdout,
         return int(e.code or 0) if e.code in (0, None) else EXIT_USAGE
     if not hasattr(args, "output"):
         args.output = "table"
-    if hasattr(args, "run"):  # orchctl demo, orchctl logs
-        return int(args.run(args))
+    if hasattr(args, "run"):  # orchctl demo, orchctl logs, orchctl completion
+        try:
+            return int(args.run(args))
+        except KeyboardInterrupt:
+            return EXIT_INTERRUPTED
     try:
         urls, ns = resolve_server(args)
     except SettingsError as e:
@@ -273,12 +332,12 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = _stdout,
         err(f"orchctl: {e}\n")
         return EXIT_USAGE
     except AdminUnreachable as e:
-        err(f"orchctl: orchd unreachable: {e}\n")
-        return EXIT_USAGE
+        err(f"orchctl: orchd unreachable: {e}\n" + unreachable_hint(args, urls))
+        return EXIT_UNREACHABLE
     except AdminError as e:
         err(f"orchctl: orchd error {e.code}: {e.message}\n")
-        return EXIT_DAEMON
+        return EXIT_NOT_FOUND if e.code == 404 else EXIT_DAEMON
     except KeyboardInterrupt:
-        return EXIT_OK
+        return EXIT_INTERRUPTED
 
 

@@ -7,8 +7,9 @@ security"). Three roles:
 * ``agent``   - one user per node: may publish only its own heartbeats/events/notices/logs, receive only
   its own commands (``orch.cmd.<node>``) and replies on its own inbox prefix (``_INBOX.<node>.>``, so it
   cannot read other parties' replies); it answers command requests through ``allow_responses``.
-* ``orchctl`` - operators: only the admin service (``orch.admin.v1.>``, ``$SRV.>`` discovery) and
-  replies on the ``_INBOX.orchctl.>`` prefix.
+* ``orchctl`` - operators: only the admin service (``orch.admin.v1.>``, ``$SRV.>`` discovery), reading
+  the trainer logs one stored message at a time (``$JS.API.STREAM.MSG.GET.ORCH_LOGS``: read-only, no
+  consumer) and replies on the ``_INBOX.orchctl.>`` prefix.
 * ``feed``    - an external price publisher: only ``orch.price.>`` (``feed:<cloud>``: only
   ``orch.price.<cloud>.>``) and its JetStream PubAcks on the ``_INBOX.feed.>`` prefix.
 
@@ -107,8 +108,8 @@ def agent_permissions(node_id: str, *, job_id: str | None = None, cloud: str | N
 
 
 def orchctl_permissions() -> Permissions:
-    return Permissions(publish=("orch.admin.v1.>", "$SRV.>"), subscribe=(f"{ORCHCTL_INBOX}.>",),
-                       inbox_prefix=ORCHCTL_INBOX)
+    return Permissions(publish=("orch.admin.v1.>", "$SRV.>", "$JS.API.STREAM.MSG.GET.ORCH_LOGS"),
+                       subscribe=(f"{ORCHCTL_INBOX}.>",), inbox_prefix=ORCHCTL_INBOX)
 
 
 def feed_permissions(cloud: str | None = None) -> Permissions:
