@@ -126,7 +126,7 @@ class World(CloudModel):
         return p
 
     def instance_lost(self, n: WNode) -> None:
-        if n.node_id in self.gen_members and n.training:
+        if n.node_id in self.gen_members and (n.training or self.training_since is not None):
             self.stop_training()
             self.p_base = self.committed
 
@@ -225,8 +225,8 @@ class World(CloudModel):
             self.handle_instance(kind, data)
 
     def generation_started(self, gen: int) -> None:
-        if gen != self.gen or not all(self.nodes[m].alive for m in self.gen_members):
-            return
+        if gen != self.gen or gen in self.ckpt_for_gen or not all(self.nodes[m].alive for m in self.gen_members):
+            return  # (a checkpoint ordered before the start: the trainer saves and exits, it does not train)
         self.training_since = self.now
         for m in self.gen_members:
             self.nodes[m].training = True
@@ -263,6 +263,8 @@ class World(CloudModel):
         n = self.nodes.get(nid)
         if n is None or not n.alive or gen != self.gen:
             return
+        if self.training_since is not None:  # one rank exited: the distributed run stops with it
+            self.stop_training()
         n.training = False
         self.feed(RanksExited(id=f"x{next(self.msg)}", node_id=nid, job_id=JOB_ID, generation=gen,
                               exit_code=75, reason=reason, last_step=int(self.p_base // self.step_s), ts=self.now))

@@ -352,12 +352,16 @@ def _checkpoint_committed(tx: Tx, ev: CheckpointCommitted) -> None:
     if measured is not None and measured > 0:
         save = measured if save is None else 0.5 * save + 0.5 * measured
     tx.update_job(job, committed_step=ev.step, committed_url=ev.url, committed_ts=tx.now, save_s=save,
-                  step=max(job.step, ev.step))
+                  step=max(job.step, ev.step), holds=msgspec.UNSET)  # progress saved: the backoff starts over
     tx.record(job.job_id, "checkpoint_committed", "emergency" if ev.emergency else "periodic", step=ev.step,
               url=ev.url, save_s=measured, deadline_margin_s=fin(ev.deadline_margin_s))
 
 
-_COUNTED_EXITS = ("failed", "no_usable_checkpoint")  # RanksExited reasons counted against max_restarts
+# RanksExited reasons counted against max_restarts: a trainer error, "no usable checkpoint" (a restart would
+# fail the same way) and an exit 0 before total_steps ("exited_early"). Each of them, and a storage error
+# (not counted: the checkpoint store, not the trainer), holds the next generation with backoff.
+_COUNTED_EXITS = ("failed", "no_usable_checkpoint", "exited_early")
+_HELD_EXITS = (*_COUNTED_EXITS, "storage_error")
 
 
 def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
@@ -377,15 +381,16 @@ def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
         tx.job_phase(job, J.SUCCEEDED, reason="completed")
         return
     if job.phase in (J.STARTING, J.RUNNING):
-        # counted: a trainer error, and "no usable checkpoint" (a restart would fail the same way). Not
-        # counted: storage_error / checkpoint_failed (a full or failing checkpoint store is not the trainer's)
-        if ev.reason in _COUNTED_EXITS:
+        why = "exited_early" if ev.reason == "completed" else ev.reason
+        if why in _COUNTED_EXITS:
             job = tx.update_job(job, failures=job.failures + 1)
             if job.failures > tx.cfg.max_restarts:
-                why = "trainer_failed" if ev.reason == "failed" else ev.reason
+                why = "trainer_failed" if why == "failed" else why
                 job = lc.terminate_all(tx, job, why)
                 tx.job_phase(job, J.FAILED, reason=why)
                 return
+        if why in _HELD_EXITS:
+            job = lc.hold(tx, job, why)
         job = lc.abandon_generation(tx, job, f"ranks_exited_{ev.reason}")
     job = lc.maybe_end_generation(tx, job)
     lc.replenish(tx, job)

@@ -40,6 +40,7 @@ from typing import Final
 
 from orchestrator.core.inputs import CoreEvent
 from orchestrator.core.model import Job, State
+from orchestrator.core.roots import under_root
 from wire.messages import (
     CheckpointCommitted,
     CommandAck,
@@ -63,7 +64,6 @@ REASONS: Final = (UNKNOWN_NODE, WRONG_JOB, STALE_GENERATION, BAD_GENERATION, WRO
                   FOREIGN_CHECKPOINT, BAD_STEP)
 
 # Characters of a path segment an agent may add below its job's checkpoint root.
-_SEGMENT_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.=+")
 
 
 def authorize(state: State, event: CoreEvent, now: float) -> str | None:
@@ -127,33 +127,3 @@ def _commit(job: Job, ev: CheckpointCommitted) -> str | None:
     if not under_root(ev.url, job.spec.checkpoint.url):
         return FOREIGN_CHECKPOINT
     return None
-
-
-def _split(url: str) -> tuple[str, str]:
-    """(lower-case scheme, path) of a URL; no scheme -> ("", url)."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return "", url
-    return scheme.lower(), rest
-
-
-def _collapse(path: str) -> str:
-    """``path`` without repeated and trailing slashes (a leading slash is kept: it is significant)."""
-    lead = "/" if path.startswith("/") else ""
-    return lead + "/".join(p for p in path.split("/") if p)
-
-
-def under_root(url: str, root: str) -> bool:
-    """Whether ``url`` names a directory strictly below the checkpoint root ``root``: same scheme, the
-    root's path as a prefix (both without repeated and trailing slashes), then one or more plain
-    segments (``[A-Za-z0-9_.=+-]``, never ``.`` or ``..``). The root is the job spec's (admin-given,
-    trusted); only what the agent adds below it is restricted."""
-    scheme, path = _split(url)
-    root_scheme, root_path = _split(root)
-    if scheme != root_scheme:
-        return False
-    base, path = _collapse(root_path), _collapse(path)
-    prefix = base if base.endswith("/") else base + "/"  # base "/" (a file root of "/") ends with it
-    if not path.startswith(prefix) or len(path) == len(prefix):
-        return False  # elsewhere, or the root itself (not a checkpoint)
-    return all(seg not in (".", "..") and _SEGMENT_OK.issuperset(seg) for seg in path[len(prefix):].split("/"))

@@ -157,7 +157,9 @@ def remove_node(
     if ps is not None and (billed or preempted):
         ps = tx.put_pool(
             node.pool_name,
-            msgspec.structs.replace(ps, **record_exposure(ps, cfg, tx.now, -1 if billed else 0, preempted)),
+            msgspec.structs.replace(
+                ps, **record_exposure(ps, cfg, tx.now, -1 if billed else 0, preempted, node.job_id)
+            ),
         )
     tx.drop_node(node, N.GONE if lost else N.TERMINATED)
     if job is None:
@@ -286,10 +288,37 @@ def end_generation(tx: Tx, job: Job) -> Job:
     return try_start(tx, job)
 
 
+def keep_or_leave(tx: Tx, job: Job) -> Job:
+    """A job leaving pools (``avoid_pools``, a price migration) keeps them when the move failed: fewer
+    usable nodes outside them than the job needs to start (the new nodes were preempted or never came).
+    Without this the old nodes would be terminated as unusable and, where no other pool is open, the job
+    would wait for capacity that is not coming (``no_feasible_pool`` for good)."""
+    if not job.avoid_pools:
+        return job
+    usable = sum(1 for n in job_nodes(tx, job) if acceptable(job, n, suspect_ok=True))
+    if usable >= max(job.spec.nodes_min, 1):
+        return job
+    tx.record(job.job_id, "migrate_abandoned", "destination_lost", pools=list(job.avoid_pools), usable=usable)
+    return tx.update_job(job, avoid_pools=())
+
+
+def hold(tx: Tx, job: Job, reason: str) -> Job:
+    """Hold the job's next generation for the restart backoff (CoreConfig.restart_backoff_s): its nodes
+    stay, lost ones are replaced, and a Tick starts the generation once the hold is over."""
+    k = job.holds if isinstance(job.holds, int) else 0
+    until = tx.now + tx.cfg.restart_backoff_s(k)
+    tx.record(job.job_id, "hold", reason, until=until, holds=k + 1, failures=job.failures)
+    return tx.update_job(job, hold_until=until, hold_reason=reason, holds=k + 1)
+
+
 def try_start(tx: Tx, job: Job) -> Job:
-    """PLACING/RESIZING: start the next generation when enough acceptable nodes are registered."""
+    """PLACING/RESIZING: start the next generation when enough acceptable nodes are registered (and no
+    restart hold is in force)."""
     if job.phase not in (J.PLACING, J.RESIZING):
         return job
+    job = keep_or_leave(tx, job)
+    if job.held(tx.now):
+        return replenish(tx, drop_unusable(tx, job))
     spec = job.spec
     job = drop_unusable(tx, job)
     nodes = job_nodes(tx, job)
@@ -346,18 +375,19 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     if job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED or job.intent in _STOP_PHASE:
         return job
     cfg, spec = tx.cfg, job.spec
-    job = drop_unusable(tx, job)
+    job = drop_unusable(tx, keep_or_leave(tx, job))
     nodes = job_nodes(tx, job)
     have = [n for n in nodes if acceptable(job, n, suspect_ok=True)]
     deficit = job.target_nodes - len(have)
     if deficit <= 0:
         return job
     step = progress_step(tx, job)
+    given = exclude
     exclude = exclude | frozenset(job.avoid_pools)  # pools being left: never refill them
     if job.zone and (have or job.generation):  # stay in the zone it runs/ran in (members, checkpoint locality)
         rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, zone=job.zone, exclude=exclude)
-        if rank:
-            return launch(tx, job, rank[0][2], deficit, "replacement", alternatives(rank, cfg))
+        if rank:  # (a PENDING job that has a zone - it ran before, or a move failed - is placing now)
+            return _placing(tx, launch(tx, job, rank[0][2], deficit, "replacement", alternatives(rank, cfg)))
         if len(have) >= max(spec.nodes_min, 1):
             if job.reason != "no_capacity_in_zone":
                 tx.record(job.job_id, "wait", "no_capacity_in_zone", zone=job.zone, nodes=len(have))
@@ -367,6 +397,9 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     if rank and job.committed_url and job.zone:  # moving the checkpoint elsewhere costs too
         moved = ((c + transfer_cost_usd(job.zone, ps, cfg), n, ps) for c, n, ps in rank)
         rank = sorted(moved, key=lambda t: (t[0], t[1]))
+    if not rank and job.avoid_pools:  # the pools being left are the only ones open: stay after all
+        tx.record(job.job_id, "migrate_abandoned", "no_other_pool", pools=list(job.avoid_pools))
+        return replenish(tx, tx.update_job(job, avoid_pools=()), given)
     if not rank:
         if job.reason != "no_feasible_pool":
             tx.record(job.job_id, "wait", "no_feasible_pool")
@@ -383,7 +416,11 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
         tx.record(job.job_id, "move_zone", "no_capacity_in_zone", alternatives(rank, cfg), src=job.zone, dst=new_zone)
     job = drop_unusable(tx, tx.update_job(job, zone=new_zone), "zone_move")
     reason = "placement" if job.phase == J.PENDING else "move"
-    job = launch(tx, job, best, count, reason, alternatives(rank, cfg))
+    return _placing(tx, launch(tx, job, best, count, reason, alternatives(rank, cfg)))
+
+
+def _placing(tx: Tx, job: Job) -> Job:
+    """A PENDING job with nodes on the way is PLACING (try_start starts it once they registered)."""
     if job.phase == J.PENDING and any(n.phase in _INFLIGHT for n in job_nodes(tx, job)):
         job = tx.job_phase(job, J.PLACING, reason="placement")
     return job

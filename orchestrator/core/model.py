@@ -103,6 +103,10 @@ class Intent(StrEnum):
 DEFAULT_MAX_PRICE_USD_H: Final = 1000.0  # per node-hour, spot or on-demand
 DEFAULT_MAX_SPOT_OVER_ON_DEMAND: Final = 10.0  # spot at most this many times the on-demand price
 DEFAULT_PRICE_CONFIRM_S: Final = 60.0  # a new price acts only once it has held this long
+DEFAULT_RESTART_BACKOFF_BASE_S: Final = 30.0  # the first restart hold; doubles with each hold in a row
+DEFAULT_RESTART_BACKOFF_MAX_S: Final = 900.0
+DEFAULT_DEADLINE_MARGIN_RESTARTS: Final = 3.0  # the deadline margin, in restarts (restart + boot + save)
+DEFAULT_LINE_SLACK_SHARE: Final = 0.5  # share of the uniform-progress line's slack kept before on-demand
 
 
 class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,11 +159,13 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     cross_region_usd_per_gb: float = 0.02
     cross_cloud_usd_per_gb: float = 0.09
     transfer_gbps: float = 1.0
-    # Deadline: fall back to on-demand when slack < remaining work x (1 + margin) + overheads.
+    # Deadline margin as a share of the remaining work: no longer used (the margin is in time, see
+    # deadline_margin_restarts); kept so that older configs and records still load.
     deadline_margin: float = 0.1
-    # Uniform progress (Can't Be Late): under spot_with_fallback with a deadline, launch on-demand only
-    # while progress is behind total_steps x elapsed / (deadline - submitted), the line shifted by
-    # progress_line_margin_s (a safety lead; 0 = the line itself); ahead of it, wait for spot.
+    # Slack-aware on-demand (policy.py, placement.py): under spot_with_fallback with a deadline, launch
+    # on-demand only once the spare slack (deadline - now - remaining work - one restart) no longer covers
+    # the expected cost of waiting for spot (the deadline margin + the expected restarts of the rest on
+    # spot + progress_line_margin_s); before that, wait for spot. progress_line=False: on-demand at once.
     progress_line: bool = True
     progress_line_margin_s: float = 0.0
     max_alternatives: int = 5
@@ -176,8 +182,37 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     # 0 = at once). Pause, migration, scale-up, cost accrual and budgets see confirmed prices only.
     price_confirm_s: float | msgspec.UnsetType = msgspec.UNSET
     # "cloud/instance_type" entries the providers can launch (the catalog and configuration of orchd's
-    # clouds). When set, a pool of any other instance type is never a launch target. UNSET = no list.
+    # clouds; "cloud/*" for a provider without a fixed list). When set, a pool of any other instance type
+    # is never a launch target. UNSET = no list.
     known_instance_types: tuple[str, ...] | msgspec.UnsetType = msgspec.UNSET
+    # Restart hold: after a generation ends by the trainer's doing (a counted exit, or exit 0 before
+    # total_steps) or by a storage error (not counted), the next generation waits base x 2^k seconds (k =
+    # holds in a row since the job last committed a checkpoint), at most max. UNSET = the defaults above.
+    restart_backoff_base_s: float | msgspec.UnsetType = msgspec.UNSET
+    restart_backoff_max_s: float | msgspec.UnsetType = msgspec.UNSET
+    # Deadline fallback margin in restarts: the job is forced on-demand when the slack no longer covers
+    # the remaining work + one restart + this many restarts (restart + boot + save each); it goes back
+    # to spot once the slack covers twice the margin again. UNSET = DEFAULT_DEADLINE_MARGIN_RESTARTS.
+    deadline_margin_restarts: float | msgspec.UnsetType = msgspec.UNSET
+    # Slack-aware on-demand: the spare slack a waiting job keeps is at least this share of the uniform-
+    # progress line's (initial slack x time left / time from submit to deadline): 1 = on-demand as soon
+    # as the job is behind the line, 0 = only when the slack is down to the margin and the expected
+    # restarts. UNSET = DEFAULT_LINE_SLACK_SHARE.
+    line_slack_share: float | msgspec.UnsetType = msgspec.UNSET
+
+    def slack_share(self) -> float:
+        v = self.line_slack_share
+        return DEFAULT_LINE_SLACK_SHARE if isinstance(v, msgspec.UnsetType) else v
+
+    def margin_restarts(self) -> float:
+        v = self.deadline_margin_restarts
+        return DEFAULT_DEADLINE_MARGIN_RESTARTS if isinstance(v, msgspec.UnsetType) else v
+
+    def restart_backoff_s(self, holds: int) -> float:
+        base, top = self.restart_backoff_base_s, self.restart_backoff_max_s
+        b = DEFAULT_RESTART_BACKOFF_BASE_S if isinstance(base, msgspec.UnsetType) else base
+        m = DEFAULT_RESTART_BACKOFF_MAX_S if isinstance(top, msgspec.UnsetType) else top
+        return min(m, b * 2.0 ** min(holds, 30))
 
     def confirm_s(self) -> float:
         v = self.price_confirm_s
@@ -186,7 +221,8 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     def knows(self, pool: PoolKey) -> bool:
         """The pool's instance type is one the providers can launch (always, without a list)."""
         known = self.known_instance_types
-        return isinstance(known, msgspec.UnsetType) or f"{pool.cloud}/{pool.instance_type}" in known
+        return (isinstance(known, msgspec.UnsetType) or f"{pool.cloud}/{pool.instance_type}" in known
+                or f"{pool.cloud}/*" in known)
 
     def price_ceiling_usd_h(self) -> float:
         v = self.max_price_usd_h
@@ -236,6 +272,16 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     migrate_ts: float | None = None
     price_eval_ts: float = 0.0  # last migration / scale-up evaluation
     avoid_pools: tuple[str, ...] = ()  # pools being left (price migration): their nodes go at the next checkpoint
+    # Restart hold (CoreConfig.restart_backoff_s): no generation starts before hold_until; hold_reason says
+    # why (a RanksExited reason, or "exited_early"); holds counts holds in a row since the last commit.
+    # UNSET (not encoded) when the job was never held.
+    hold_until: float | msgspec.UnsetType = msgspec.UNSET
+    hold_reason: str | msgspec.UnsetType = msgspec.UNSET
+    holds: int | msgspec.UnsetType = msgspec.UNSET
+
+    def held(self, now: float) -> bool:
+        """A restart hold is in force: no new generation yet."""
+        return not isinstance(self.hold_until, msgspec.UnsetType) and now < self.hold_until
 
 
 class Node(msgspec.Struct, frozen=True, kw_only=True):
@@ -280,6 +326,10 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     live: int = 0  # billed nodes in this pool now
     stats_ts: float = 0.0
     last_preempted_ts: float | None = None
+    # The job whose node was preempted at last_preempted_ts: more of its nodes lost within
+    # PREEMPTION_EVENT_S of it are the same event (a zone-wide loss counts once per job, see pricing.py).
+    # UNSET (not encoded) until a preemption with a known job.
+    last_preempted_job: str | msgspec.UnsetType = msgspec.UNSET
     noticed_until: float = 0.0  # a terminate notice's deadline + notice_skip_grace_s: no new launches here before
     changed_ts: float = 0.0  # last write of this record (Tx.put_pool): lets a job skip re-ranking unchanged pools
     # Launch failures.

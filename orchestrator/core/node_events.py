@@ -48,7 +48,8 @@ def notice(tx: Tx, ev: PreemptionNotice) -> None:
         skip = ps.noticed_until
         if node.pool.market == Market.SPOT:
             skip = max(skip, deadline + tx.cfg.notice_skip_grace_s)
-        tx.put_pool(node.pool_name, _replace(ps, noticed_until=skip, **record_exposure(ps, tx.cfg, tx.now, 0, True)))
+        exposure = record_exposure(ps, tx.cfg, tx.now, 0, True, node.job_id)
+        tx.put_pool(node.pool_name, _replace(ps, noticed_until=skip, **exposure))
     node = tx.node_phase(node, N.NOTICED, notice_deadline=deadline)
     job = tx.jobs.get(node.job_id)
     tx.record(node.job_id, "preemption_notice", ev.source, node_id=node.node_id, pool=node.pool_name,

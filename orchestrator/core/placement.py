@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import immutables
 
 from orchestrator.core.model import CoreConfig, Job, PoolStats
-from orchestrator.core.pricing import expected_cost_usd
+from orchestrator.core.pricing import expected_cost_usd, spare_slack_s, wait_reserve_s
 from wire.messages import Market, MarketPolicy, PoolKey
 
 Alternative = tuple[str, float, float]  # (pool name, price_usd_h, expected_cost_usd)
@@ -62,14 +62,15 @@ def ahead_of_line(job: Job, step: int, cfg: CoreConfig, now: float, shift_s: flo
 
 def launch_markets_for(job: Job, step: int, cfg: CoreConfig, now: float) -> frozenset[Market]:
     """Markets a NEW launch may use now. Under ``spot_with_fallback`` with a deadline (and the
-    ``progress_line`` policy on): on-demand only while the job is behind the uniform-progress line
-    (Can't Be Late, NSDI'24); ahead of it the job waits for spot. The deadline fallback
-    (``force_on_demand``) stays the safety net. Nodes already running keep being acceptable
-    (``markets_for``): this only gates launches."""
+    ``progress_line`` policy on): on-demand only once the spare slack (``spare_slack_s``) no longer
+    covers the expected cost of waiting for spot (``wait_reserve_s``); before that the job waits for
+    spot, even behind the uniform-progress line. The deadline fallback (``force_on_demand``) stays the
+    safety net. Nodes already running keep being acceptable (``markets_for``): this only gates launches."""
     allowed = markets_for(job)
     if not cfg.progress_line or len(allowed) < 2:
         return allowed
-    if ahead_of_line(job, step, cfg, now):
+    spare = spare_slack_s(job, step, cfg, now)
+    if spare is not None and spare >= wait_reserve_s(job, step, cfg, now):
         return _SPOT_ONLY
     return allowed
 

@@ -35,10 +35,13 @@ from orchestrator.core.model import (
 )
 from orchestrator.core.placement import Ranked, alternatives, ranked, zone_of
 from orchestrator.core.pricing import (
+    deadline_margin_s,
     expected_cost_usd,
     migration_cost_usd,
     remaining_work_s,
     save_seconds,
+    spare_slack_s,
+    step_seconds,
 )
 from orchestrator.core.tx import Tx
 from wire.messages import AbandonGenerationCmd, Market, MarketPolicy, PriceTick
@@ -240,20 +243,33 @@ def check_budget(tx: Tx, job: Job) -> bool:
 
 
 def _deadline(tx: Tx, job: Job) -> None:
-    """Fall back to on-demand when the slack no longer covers the remaining work plus a restart."""
+    """Fall back to on-demand when the slack no longer covers the remaining work, the work since the last
+    checkpoint, one restart and the deadline margin (in time: ``deadline_margin_s``); back to spot once
+    it covers a checkpoint interval and twice the margin again (the job ran faster than estimated)."""
     spec = job.spec
-    if spec.deadline_ts is None or job.force_on_demand or spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
+    if spec.deadline_ts is None or spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
         return
-    cfg = tx.cfg
     step = progress_step(tx, job)
-    need = (
-        remaining_work_s(job, step, live_step_time(tx, job))
-        + cfg.restart_overhead_s + cfg.boot_s_estimate + save_seconds(job)
-    )
-    slack = spec.deadline_ts - tx.now
-    if slack >= need * (1.0 + cfg.deadline_margin):
+    spare = spare_slack_s(job, step, tx.cfg, tx.now, live_step_time(tx, job))
+    if spare is None:
         return
-    tx.record(job.job_id, "on_demand_fallback", "deadline", slack_s=round(slack, 3), need_s=round(need, 3), step=step)
+    # A node that vanishes loses the work since the last checkpoint (at most one checkpoint interval):
+    # that work is at risk. Going back to spot counts a whole interval, so a commit never flips it back.
+    per_step = live_step_time(tx, job) or step_seconds(job)
+    interval = job.ckpt_interval_s or 0.0
+    at_risk = min(interval, max(0, step - job.committed_step) * per_step)
+    margin = deadline_margin_s(job, tx.cfg)
+    if job.force_on_demand:
+        if spare - interval >= 2.0 * margin:
+            tx.record(job.job_id, "spot_again", "deadline_slack_regained", spare_s=round(spare, 3),
+                      margin_s=round(margin, 3), step=step)
+            tx.update_job(job, force_on_demand=False)
+        return
+    spare -= at_risk
+    if spare >= margin:
+        return
+    tx.record(job.job_id, "on_demand_fallback", "deadline", slack_s=round(spec.deadline_ts - tx.now, 3),
+              spare_s=round(spare, 3), margin_s=round(margin, 3), step=step)
     tx.update_job(job, force_on_demand=True)
 
 
@@ -310,7 +326,9 @@ def _moves(tx: Tx, job: Job, step: int, *, exclude: Iterable[str] = (),
 
 def _migrate(tx: Tx, job: Job, rank: list[Ranked], reason: str, cur: PoolStats | None) -> Job:
     best = rank[0][2]
-    avoid = tuple(sorted({tx.nodes[n].pool_name for n in job.gen_nodes if n in tx.nodes}))
+    # the pools being left: the members' pools, never the destination (a generation may span two pools
+    # of one zone; leaving the destination too would make the new nodes unusable at once)
+    avoid = tuple(sorted({tx.nodes[n].pool_name for n in job.gen_nodes if n in tx.nodes} - {best.pool.name}))
     tx.record(job.job_id, "migrate", reason, alternatives(rank, tx.cfg), src=cur.pool.name if cur else None,
               dst=best.pool.name)
     job = tx.update_job(job, zone=zone_of(best.pool), avoid_pools=avoid, migrate_ts=tx.now)

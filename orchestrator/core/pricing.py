@@ -6,10 +6,13 @@ Model (documented in docs/core.md):
 - A pool's preemption rate (per node-hour) is a decayed count of observed preemptions over decayed
   node-hours of exposure, with a prior (``spot_prior_rate_h`` worth ``prior_weight_h`` node-hours).
   Both decay with ``stats_half_life_s``, so a pool that calmed down regains trust.
-- A job of n nodes is interrupted at n times the per-node rate. Each interruption costs the restart
-  overhead, the checkpoint save, and - when the emergency save cannot fit the cloud's notice window -
-  half a checkpoint interval of lost work. Expected cost = price x nodes x remaining hours / efficiency,
-  times a decaying penalty right after a preemption in that pool.
+- A preemption counts once per job and event: more nodes of the same job lost in the same pool within
+  ``PREEMPTION_EVENT_S`` of the last counted one are the same (zone-wide) event. The rate is then per
+  node-hour of exposure, and a job of n nodes is interrupted at n times that rate: n independent losses
+  count n times, one zone-wide loss of all n nodes counts once (not n, and not n x n). Each
+  interruption costs the restart overhead, the checkpoint save, and - when the emergency save cannot
+  fit the cloud's notice window - half a checkpoint interval of lost work. Expected cost = price x
+  nodes x remaining hours / efficiency, times a decaying penalty right after a preemption in that pool.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ class ExposureChanges(TypedDict):
     stats_ts: float
     live: int
     last_preempted_ts: NotRequired[float]
+    last_preempted_job: NotRequired[str]
+
+
+PREEMPTION_EVENT_S = 300.0  # losses of one job's nodes in one pool this close together are one event
 
 
 def decay(value: float, since_ts: float, now: float, half_life_s: float) -> float:
@@ -48,19 +55,34 @@ def preemption_rate_h(ps: PoolStats, cfg: CoreConfig, now: float) -> float:
     return (cfg.spot_prior_rate_h * cfg.prior_weight_h + events) / (cfg.prior_weight_h + exposure)
 
 
-def record_exposure(ps: PoolStats, cfg: CoreConfig, now: float, live_delta: int, preempted: bool) -> ExposureChanges:
+def same_event(ps: PoolStats, job_id: str | None, now: float) -> bool:
+    """A preemption of ``job_id``'s node now belongs to the last one counted in this pool."""
+    last = ps.last_preempted_ts
+    return (
+        job_id is not None and ps.last_preempted_job == job_id and last is not None
+        and 0.0 <= now - last <= PREEMPTION_EVENT_S
+    )
+
+
+def record_exposure(
+    ps: PoolStats, cfg: CoreConfig, now: float, live_delta: int, preempted: bool, job_id: str | None = None
+) -> ExposureChanges:
     """Field changes for ``ps``: integrate the live nodes' exposure up to now, then add ``live_delta``
-    billed nodes (+1 billing starts, -1 node gone) and one preemption when ``preempted``."""
+    billed nodes (+1 billing starts, -1 node gone) and one preemption when ``preempted`` - unless it is
+    another node of ``job_id`` lost in the same event (``same_event``)."""
     hl = cfg.stats_half_life_s
     dt_h = max(0.0, now - ps.stats_ts) / 3600.0
+    counted = preempted and not same_event(ps, job_id, now)
     changes = ExposureChanges(
-        preemptions=decay(ps.preemptions, ps.stats_ts, now, hl) + (1.0 if preempted else 0.0),
+        preemptions=decay(ps.preemptions, ps.stats_ts, now, hl) + (1.0 if counted else 0.0),
         exposure_h=decay(ps.exposure_h, ps.stats_ts, now, hl) + ps.live * dt_h,
         stats_ts=max(now, ps.stats_ts),
         live=max(0, ps.live + live_delta),
     )
-    if preempted:
+    if counted:
         changes["last_preempted_ts"] = now
+        if job_id is not None:
+            changes["last_preempted_job"] = job_id
     return changes
 
 
@@ -92,6 +114,43 @@ def step_seconds(job: Job) -> float:
 def remaining_work_s(job: Job, step: int, step_time_s: float | None = None) -> float:
     per_step = min(step_time_s, MAX_DURATION_S) if step_time_s else step_seconds(job)
     return max(0, job.spec.total_steps - step) * per_step
+
+
+def restart_loss_s(job: Job, cfg: CoreConfig) -> float:
+    """Time one interruption costs before training again: boot, restart, a checkpoint save."""
+    return cfg.restart_overhead_s + cfg.boot_s_estimate + save_seconds(job)
+
+
+def deadline_margin_s(job: Job, cfg: CoreConfig) -> float:
+    """The deadline margin, in time: ``CoreConfig.margin_restarts()`` restarts (not a share of the work)."""
+    return cfg.margin_restarts() * restart_loss_s(job, cfg)
+
+
+def spare_slack_s(job: Job, step: int, cfg: CoreConfig, now: float, step_time_s: float | None = None) -> float | None:
+    """Slack left beyond finishing on on-demand from now: deadline - now - remaining work - one restart.
+    None without a deadline."""
+    deadline = job.spec.deadline_ts
+    if deadline is None:
+        return None
+    return deadline - now - remaining_work_s(job, step, step_time_s) - restart_loss_s(job, cfg)
+
+
+def wait_reserve_s(job: Job, step: int, cfg: CoreConfig, now: float) -> float:
+    """The spare slack a job keeps before it launches on-demand instead of waiting for spot: the deadline
+    margin, the expected restarts of the rest of the work on spot (a job of n nodes is interrupted n
+    times as often per node-hour, at the prior rate) and ``progress_line_margin_s`` - and at least
+    ``slack_share()`` of what the uniform-progress line keeps at ``now`` (the initial slack x the share
+    of the time to the deadline still left)."""
+    rate_job_h = cfg.spot_prior_rate_h * max(job.target_nodes, 1)
+    expected = remaining_work_s(job, step) / 3600.0 * rate_job_h * restart_loss_s(job, cfg)
+    base = deadline_margin_s(job, cfg) + expected + max(cfg.progress_line_margin_s, 0.0)
+    deadline = job.spec.deadline_ts
+    span = (deadline - job.submitted_ts) if deadline is not None else 0.0
+    if deadline is None or span <= 0:
+        return base
+    initial = span - remaining_work_s(job, 0)
+    left = min(1.0, max(0.0, (deadline - now) / span))
+    return max(base, cfg.slack_share() * max(initial, 0.0) * left)
 
 
 def emergency_fits(job: Job, cfg: CoreConfig, cloud: str) -> bool:

@@ -24,7 +24,7 @@ from typing import Literal, NamedTuple
 
 from wire.messages import CheckpointPolicy
 
-__all__ = ["Overlap", "Relation", "find_overlap", "normalise", "relation", "start_from"]
+__all__ = ["Overlap", "Relation", "find_overlap", "normalise", "relation", "start_from", "under_root"]
 
 Relation = Literal["equal", "inside", "contains"]
 
@@ -91,6 +91,24 @@ def relation(root: str, other: str) -> Relation | None:
     """How ``root`` relates to ``other``: ``equal``, ``inside`` (a descendant of it), ``contains`` (an
     ancestor of it), or None (disjoint: other scheme, bucket or host, or sibling paths)."""
     return _relate(_key(root), _key(other))
+
+
+_SEGMENT_OK = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.=+")
+
+
+def under_root(url: str, root: str) -> bool:
+    """Whether ``url`` names a directory strictly below the checkpoint root ``root`` (the trust gate's
+    check of a committed checkpoint): ``inside`` it by ``relation`` (compared as every root is), no ``.``
+    or ``..`` segment anywhere in ``url`` as given (nothing to resolve around the comparison), and what it
+    adds below the root in plain segments (``[A-Za-z0-9_.=+-]``). The root is the job spec's (admin-given,
+    trusted); only what the agent adds below it is restricted."""
+    if relation(url, root) != "inside":
+        return False
+    path = url.partition("://")[2].partition("/")[2] if "://" in url else url
+    if any(seg in (".", "..") for seg in path.split("/")):
+        return False
+    below = _key(url).segments[len(_key(root).segments):]
+    return all(_SEGMENT_OK.issuperset(seg) for seg in below)
 
 
 def _relate(a: _Key, b: _Key) -> Relation | None:

@@ -145,8 +145,8 @@ def test_start_from_resumes_the_first_generation_and_writes_under_its_own_root()
     # once the job committed its own checkpoint, it resumes from that one
     drv(CheckpointCommitted(id="cb", node_id=ids[0], job_id="b", generation=1, step=250, checkpoint_id="s250",
                             url="file:///ck/b/step_000000250", save_s=1.0, ts=drv.now), dt=5)
-    d = drv(RanksExited(id="xb", node_id=ids[0], job_id="b", generation=1, exit_code=1, reason="failed",
-                        last_step=251, ts=drv.now))
+    d = drv(RanksExited(id="xb", node_id=ids[0], job_id="b", generation=1, exit_code=77, reason="peer_lost",
+                        last_step=251, ts=drv.now))  # restarts at once (a trainer failure would be held)
     (start2,) = cmds(d, StartGenerationCmd)
     assert start2.generation == 2 and start2.resume_from == "file:///ck/b/step_000000250"
 
