@@ -128,6 +128,9 @@ tick_s = 5.0
 heartbeat_interval_s = 1.0
 heartbeat_timeout_s = 15.0
 command_ack_timeout_s = 5.0
+# the capacity phase floods every node's heartbeat subject far above any real agent's rate: the per-node
+# rate limit (which would refuse most of it, cheaply) is off so that the figure is orchd's decide rate
+sender_rate_per_s = 0
 [metrics]
 port = 0
 [log]

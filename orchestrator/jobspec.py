@@ -7,15 +7,20 @@ choices not offered and numbers out of bounds are all collected with their key p
 valid, the cross-field rules run (the file's own, then ``spec_problems`` on the built ``JobSpec``) and
 every one of them is collected too. ``JobSpecError`` lists them all.
 
-``spec_problems`` holds the rules a ``JobSpec`` must satisfy however it was made, so orchd re-checks
-specs that arrive over the wire (``jobs submit``). Defaults come from the wire structs themselves.
+``spec_problems`` is the one validator of a ``JobSpec`` however it was made: orchctl runs it on a file
+before sending it, and orchd runs it again on specs that arrive over the wire (``jobs submit``), each
+listing every problem at once. It runs every check of ``SPEC_CHECKS`` (the fields' rules, the built-in
+trainer's arguments against ``trainer.contract.TRAINER_ARGS``); a new rule joins that tuple. Defaults
+come from the wire structs themselves.
 
 File layout (see config/jobs/*.toml|yaml)::
 
     name, total_steps, gpu_type, gpus_per_node, nodes, nodes_min, nodes_max, step_time_s_estimate,
     clouds, regions, zones, instance_types, market (spot | on_demand | spot_with_fallback),
     deadline (TOML/YAML date-time or ISO-8601 string; no zone = UTC) or deadline_ts (unix seconds), budget_usd
-    [trainer]    command = [...] | config = "path" (passed as args.config), args = {...}, env = {...}
+    [trainer]    command = [...], args = {...} (without a command: the built-in trainer's, checked against
+                 trainer.contract.TRAINER_ARGS; with one: passed unchecked), env = {...}; ``config`` (once
+                 passed as args.config) is refused: the built-in trainer reads no config file
     [checkpoint] url (file:// s3:// gs:// az:// abfs://; one job, one root: orchd refuses a url equal to,
                  inside or containing another job's), interval_s, keep, save_s_estimate,
                  start_from (a committed checkpoint, e.g. another job's, to resume from; written under url)
@@ -31,7 +36,7 @@ import math
 import os
 import tomllib
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -40,10 +45,12 @@ import msgspec
 import yaml
 
 from orchestrator.core.roots import relation
+from trainer.contract import trainer_args_problems
 from wire import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrainerSpec
 from wire.config import SettingsError, load_dataclass, merge, problem_path, without_problems
 
-__all__ = ["JobSpecError", "JobFile", "build_jobspec", "load_jobspec", "parse_jobspec", "spec_problems"]
+__all__ = ["SPEC_CHECKS", "JobSpecError", "JobFile", "build_jobspec", "load_jobspec", "parse_jobspec",
+           "spec_problems"]
 
 Cloud = Literal["aws", "gcp", "azure", "local", "fake"]
 KNOWN_CLOUDS: tuple[str, ...] = typing.get_args(Cloud)
@@ -69,11 +76,12 @@ def _job_default(name: str, **bounds: float) -> Any:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerTable:
-    """``[trainer]``: ``command`` (your own program) or ``config`` (the built-in trainer's), not both."""
+    """``[trainer]``: ``command`` (your own program) or none (the built-in trainer, ``python -m trainer``)."""
 
     command: tuple[str, ...] | None = None
     config: str | None = None
-    """Passed to the built-in trainer as ``args.config``."""
+    """Refused (``check``): the built-in trainer reads no config file. Kept in the layout so that a spec
+    written for it gets that reason rather than "unknown key"."""
     args: Mapping[str, str | int | float | bool] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
 
@@ -134,6 +142,9 @@ class JobFile:
         out = []
         if self.trainer.command is not None and self.trainer.config is not None:
             out.append("trainer: give either command or config, not both")
+        elif self.trainer.config is not None:
+            out.append("trainer.config: the built-in trainer reads no config file; give its arguments in "
+                       "trainer.args (trainer.contract.TRAINER_ARGS, docs/trainer-contract.md)")
         if self.deadline is not None and self.deadline_ts is not None:
             out.append("deadline: give either deadline or deadline_ts, not both")
         return out
@@ -214,7 +225,8 @@ def build_jobspec(raw: Mapping[str, Any]) -> tuple[JobSpec | None, list[str]]:
         return None, problems
     failed = [problem_path(p) for p in problems]
     spec = job.to_spec()
-    rules = job.check() + spec_problems(spec)
+    rules = job.check() + [r for r in spec_problems(spec)  # trainer.config said so in the file's own terms
+                           if not (job.trainer.config is not None and r.startswith("trainer.args.config:"))]
     problems += [r for r in rules if not _touches(problem_path(r), failed)]
     return (None if problems else spec), problems
 
@@ -229,8 +241,10 @@ def _layout_problems(raw: Mapping[str, Any]) -> list[str]:
 
 def _touches(rule: str, failed: list[str]) -> bool:
     """Whether a rule about ``rule`` reads a key that failed (then the rule ran on a stand-in)."""
-    return any(i == f or f.startswith(i + ".") or i.startswith(f + ".") or not f
-               for i in _RULE_INPUTS.get(rule, (rule,)) for f in failed)
+    inputs = _RULE_INPUTS.get(rule, (rule,))
+    if rule.startswith("trainer.args."):  # checked only when no command is given
+        inputs = (rule, "trainer.command")
+    return any(i == f or f.startswith(i + ".") or i.startswith(f + ".") or not f for i in inputs for f in failed)
 
 
 def _checkpoint_url_problems(key: str, url: str) -> list[str]:
@@ -241,8 +255,24 @@ def _checkpoint_url_problems(key: str, url: str) -> list[str]:
     return []
 
 
+SpecCheck = Callable[[JobSpec], list[str]]
+"""One rule set of a JobSpec: every problem it finds, each ``key.path: what is wrong``."""
+
+
 def spec_problems(spec: JobSpec) -> list[str]:
-    """Rules of a JobSpec (also applied by orchd to specs that arrive over the wire)."""
+    """Every problem of a JobSpec, from every check in ``SPEC_CHECKS`` (the one validator: orchctl runs
+    it on a file, orchd on every spec submitted over the wire)."""
+    return [problem for check in SPEC_CHECKS for problem in check(spec)]
+
+
+def _trainer_problems(spec: JobSpec) -> list[str]:
+    """The built-in trainer's arguments (an empty ``trainer.command``) against its torch-free schema; a job's
+    own command is not checked (its program owns its arguments)."""
+    return [] if spec.trainer.command else trainer_args_problems(spec.trainer.args)
+
+
+def _field_problems(spec: JobSpec) -> list[str]:
+    """The fields' own rules and bounds."""
     p: list[str] = []
     if not spec.name.strip():
         p.append("name: must not be empty")
@@ -292,11 +322,17 @@ _MAGNITUDES: tuple[tuple[str, float, float], ...] = (
     ("deadline_ts", 1e9, 1e11),  # 2001 .. 5138, in unix seconds
     ("checkpoint.interval_s", 1.0, 30 * _DAY_S),
     ("checkpoint.keep", 1, 1000),
-    ("checkpoint.save_s_estimate", 0.0, _DAY_S),
+    ("checkpoint.save_s_estimate", 1e-3, _DAY_S),
     ("price.pause_above_ratio", 1e-3, 1000.0),
     ("price.resume_below_ratio", 1e-3, 1000.0),
     ("price.migrate_min_saving", 0.0, 1.0),
 )
+
+
+SPEC_CHECKS: tuple[SpecCheck, ...] = (_field_problems, _trainer_problems)
+"""The checks ``spec_problems`` runs, in this order, all of them on every spec. A further rule on the spec
+alone is one more entry here. A check that needs orchd's state (e.g. checkpoint-root ownership or feasibility
+against the pools) is a ``SpecCheck`` bound to that state which orchd's submit path appends to these."""
 
 
 def _magnitude_problems(spec: JobSpec) -> list[str]:

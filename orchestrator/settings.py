@@ -9,22 +9,52 @@ Environment overrides: ``ORCH_<SECTION>__<KEY>`` (double underscore between path
 value is converted by its field's type (``wire.config.from_env``): ``ORCH_DAEMON__CLUSTER_ID=2024`` is the
 string "2024", a comma splits only a list.
 
+Secrets from systemd credentials: when ``$CREDENTIALS_DIRECTORY`` is set (``LoadCredential=`` in
+systemd/orchd.service), each file of ``CREDENTIAL_FILES`` found there fills its setting - a secret
+(``nats.password``, ``nats.token``) with the file's text, a file setting (``nats.creds_file``,
+``nats.tls_ca_file``, ``credentials.issuer_seed_file`` ...) with the file's path. Precedence: a value
+given in the TOML file or an ``ORCH_*`` variable wins; the credentials directory fills only settings left
+empty; an empty credential file (the unit's ``SetCredential=`` default for one it may not have) counts
+as absent. So the configuration file holds no secret at all.
+
 Sections are frozen dataclasses built by the one loader, ``wire.config``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from wire.config import SettingsError, from_env, load_dataclass, merge, read_toml
+from wire.config import (
+    SettingsError,
+    from_env,
+    load_dataclass,
+    merge,
+    problem_path,
+    read_toml,
+    without_problems,
+)
 
-__all__ = ["Settings", "SettingsError", "load_settings"]
+__all__ = ["Settings", "SettingsError", "load_settings", "settings_and_problems"]
 
 ENV_PREFIX = "ORCH_"
+CREDENTIAL_FILES: dict[str, tuple[str, str, bool]] = {
+    "nats.password": ("nats", "password", True),
+    "nats.token": ("nats", "token", True),
+    "nats.creds": ("nats", "creds_file", False),
+    "nats.nkey": ("nats", "nkey_seed_file", False),
+    "nats-ca.pem": ("nats", "tls_ca_file", False),
+    "nats-client.pem": ("nats", "tls_cert_file", False),
+    "nats-client.key": ("nats", "tls_key_file", False),
+    "callout-issuer.seed": ("credentials", "issuer_seed_file", False),
+    "callout-auth.password": ("credentials", "auth_password_file", False),
+}
+"""Credential name in ``$CREDENTIALS_DIRECTORY`` -> (section, setting, the value is the file's text (a
+secret) rather than its path). The same names as ``orchestrator.security.nats_auth.connect_options``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +92,15 @@ class DaemonSettings:
     price_confirm_s: float = field(default=60.0, metadata={"ge": 0})
     """A new pool price moves money (pause, migration, scale-up, cost accrual, budget stops) only once
     it has held this long (docs/core.md, "Price confirmation"); 0 = at once."""
+    sender_rate_per_s: float = field(default=20.0, metadata={"ge": 0})
+    """Per-node rate limit on heartbeats, node events and notices, each (orchestrator/daemon/ratelimit.py):
+    messages over it are refused and counted (``rate_limited``) before they are buffered; 0 = no limit."""
+    sender_burst: float = field(default=200.0, metadata={"ge": 1})
+    restart_backoff_base_s: float = field(default=30.0, metadata={"gt": 0})
+    """A job whose generation ended by a trainer failure (also an exit 0 before total_steps) or a storage
+    error waits this long before its next generation, doubling with each such end in a row (a commit starts
+    over), at most ``restart_backoff_max_s`` (docs/core.md, "Restart hold")."""
+    restart_backoff_max_s: float = field(default=900.0, metadata={"gt": 0})
     shutdown_grace_s: float = 10.0
     command_ack_timeout_s: float = 2.0
     command_retries: int = 5
@@ -170,20 +209,64 @@ class Settings:
 
 def load_settings(path: str | os.PathLike[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
     """Load the TOML file (if any), apply ORCH_* overrides, validate everything, return Settings."""
-    raw: dict[str, Any] = read_toml(path) if path is not None else {}
-    source = str(path) if path is not None else "settings"
-    overrides, problems = from_env(Settings, os.environ if env is None else env, ENV_PREFIX)
-    settings, more = load_dataclass(Settings, merge(raw, overrides))
-    problems += more
-    if settings is not None:
-        problems += _cross_checks(settings)
+    settings, problems = settings_and_problems(path, env)
     if problems or settings is None:
-        raise SettingsError(problems, source)
+        raise SettingsError(problems, str(path) if path is not None else "settings")
     return settings
+
+
+def settings_and_problems(path: str | os.PathLike[str] | None = None,
+                          env: Mapping[str, str] | None = None) -> tuple[Settings | None, list[str]]:
+    """(settings, every problem). With problems the settings are built from the valid part (each bad key at
+    its default), so that orchd's later start-up checks (providers, ports) still run and join the one
+    report; None only when the file cannot be read. Never use such settings to run."""
+    env = os.environ if env is None else env
+    try:
+        raw: dict[str, Any] = read_toml(path) if path is not None else {}
+    except SettingsError as e:
+        return None, list(e.problems)
+    overrides, problems = from_env(Settings, env, ENV_PREFIX)
+    merged = merge(raw, overrides)
+    settings, more = load_dataclass(Settings, merged)
+    problems += more
+    if settings is None:
+        settings, _ = load_dataclass(Settings, without_problems(merged, more))
+    if settings is not None:
+        settings = _with_credentials_directory(settings, env, problems)
+        failed = {problem_path(p).split(".")[0] for p in problems}  # a rule on a stand-in default says nothing
+        problems += [p for p in _cross_checks(settings) if problem_path(p).split(".")[0] not in failed]
+    return settings, problems
+
+
+def _with_credentials_directory(s: Settings, env: Mapping[str, str], problems: list[str]) -> Settings:
+    """``s`` with every empty setting of ``CREDENTIAL_FILES`` filled from ``$CREDENTIALS_DIRECTORY``."""
+    cdir = env.get("CREDENTIALS_DIRECTORY", "")
+    if not cdir:
+        return s
+    if not os.path.isdir(cdir):
+        problems.append(f"CREDENTIALS_DIRECTORY: {cdir!r} is not a directory")
+        return s
+    for name, (section, key, secret) in CREDENTIAL_FILES.items():
+        path = os.path.join(cdir, name)
+        table = getattr(s, section)
+        if getattr(table, key) or not os.path.isfile(path):
+            continue  # the configuration's own value wins; a credential the unit did not load is absent
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            problems.append(f"{section}.{key}: cannot read credential {path}: {e}")
+            continue
+        if text:  # empty: the unit's SetCredential= default, i.e. not given
+            s = dataclasses.replace(s, **{section: dataclasses.replace(table, **{key: text if secret else path})})
+    return s
 
 
 def _cross_checks(s: Settings) -> list[str]:
     out = []
+    if s.nats.password and not s.nats.user:
+        out.append("nats.password: given (in the settings or as credential nats.password) but nats.user is "
+                   "empty: name the user it belongs to")
     if s.daemon.heartbeat_timeout_s <= s.daemon.heartbeat_interval_s:
         out.append("daemon.heartbeat_timeout_s: must be greater than daemon.heartbeat_interval_s")
     if s.nats.tls_cert_file and not s.nats.tls_key_file:

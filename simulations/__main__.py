@@ -15,12 +15,17 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from simulations import scenario as scen
-from simulations import traces
-from simulations.cli import format_table, progress_bar, to_json
-from simulations.overheads import Overheads
-from simulations.policies import ALL_POLICIES
-from simulations.replay import make_jobs, replay
+try:
+    from simulations import scenario as scen
+    from simulations import traces
+    from simulations.cli import format_table, progress_bar, to_json
+    from simulations.overheads import Overheads
+    from simulations.policies import ALL_POLICIES
+    from simulations.replay import make_jobs, replay
+except ModuleNotFoundError as e:  # a base install: numpy/matplotlib come with the [sim] extra
+    if e.name not in ("numpy", "matplotlib"):
+        raise
+    sys.exit(f"python -m simulations needs {e.name}: pip install 'spot-orchestrator[sim]' (or -e '.[sim]')")
 
 
 def _overhead_args(p: argparse.ArgumentParser) -> None:

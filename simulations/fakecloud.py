@@ -60,8 +60,12 @@ class FakeCloud:
         clock: Callable[[], float] | None = None,
         gpu_type: str = "A100",
         gpus_per_node: int = 1,
+        pools: Sequence[PoolKey] | None = None,
     ) -> None:
         self.cloud = cloud
+        if pools is not None:  # a configured catalog, like a real provider's: only these pools are launchable
+            listed = tuple(pools)
+            self.pools = lambda: list(listed)
         self._clock = clock or time.time
         self._lock = threading.Lock()
         self._ids = itertools.count(1)

@@ -58,6 +58,21 @@ class DrainNodeRequest(_Admin, frozen=True, kw_only=True):
     reason: str = "admin"
 
 
+class PreemptNodeRequest(_Admin, frozen=True, kw_only=True):
+    """nodes.preempt: a spot reclaim injected into a local node (local provider only): its metadata
+    service announces termination ``notice_s`` from now and the node is killed at that deadline."""
+
+    node_id: str
+    notice_s: float = 30.0  # 0 .. 3600
+
+
+class KillNodeRequest(_Admin, frozen=True, kw_only=True):
+    """nodes.kill: a host failure injected into a local node (local provider only): every process of
+    the node is killed now, with no notice."""
+
+    node_id: str
+
+
 class TailEventsRequest(_Admin, frozen=True, kw_only=True):
     after_seq: int = 0  # only entries with seq > after_seq (for --watch)
     limit: int = 100
@@ -160,6 +175,8 @@ ADMIN_ENDPOINTS: Final[dict[tuple[str, str], tuple[type[_Admin], type[_Admin]]]]
     ("jobs", "explain"): (JobRequest, ExplainReply),
     ("nodes", "list"): (ListNodesRequest, NodesReply),
     ("nodes", "drain"): (DrainNodeRequest, OkReply),
+    ("nodes", "preempt"): (PreemptNodeRequest, OkReply),
+    ("nodes", "kill"): (KillNodeRequest, OkReply),
     ("prices", "list"): (EmptyRequest, PricesReply),
     ("events", "tail"): (TailEventsRequest, EventsReply),
     ("reap", "run"): (ReapRequest, ReapReply),

@@ -5,7 +5,12 @@ daemon's current (immutable) state; intents (submit, cancel, drain) are fed to t
 events and answered only after their decision is persisted. Request/reply types are in
 ``wire`` (``ADMIN_ENDPOINTS``); docs/admin.md lists them.
 
-Errors: bad request 400, unknown job/node 404, internal 500 - sent with the micro error headers and an
+Fault injection (``nodes.preempt``, ``nodes.kill``) is the provider's work, not the core's: the handler
+asks the node's provider (only the local provider can: ``inject_preemption`` / ``inject_kill``) and the
+core learns of it as of any reclaim - the agent reports the notice, the instance ends, the heartbeats
+stop. A node of any other provider is refused (409).
+
+Errors: bad request 400, unknown job/node 404, conflict 409, internal 500 - sent with the micro error headers and an
 ``AdminErrorBody`` payload. No exception text other than ours leaves the daemon.
 
 Concurrency contract: handlers run on the daemon's event loop (one task per subscription, nats-py);
@@ -29,6 +34,7 @@ from nats.micro.request import Request
 
 import wire as ev
 from orchestrator import bus
+from orchestrator.core.feasibility import submit_problems
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
 from orchestrator.core.roots import Overlap, find_overlap
 from orchestrator.daemon.state import (
@@ -41,7 +47,14 @@ from orchestrator.daemon.state import (
     record_dict,
 )
 from orchestrator.jobspec import spec_problems
-from wire.admin import DeadLetter, DeadListReply, DeadListRequest, DeadReplayRequest
+from wire.admin import (
+    DeadLetter,
+    DeadListReply,
+    DeadListRequest,
+    DeadReplayRequest,
+    KillNodeRequest,
+    PreemptNodeRequest,
+)
 
 log = structlog.get_logger("orchd.admin")
 
@@ -150,6 +163,9 @@ class Handlers:
         problems = spec_problems(req.spec)
         if problems:
             raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems), "invalid_spec")
+        problems = submit_problems(req.spec, self.d.state.meta.config, time.time(), clouds=self.d.providers)
+        if problems:  # no enabled cloud / catalog entry can run it, or its deadline is out of reach
+            raise AdminFailure(400, "job cannot run:\n" + "\n".join(f"  - {p}" for p in problems), "infeasible")
         job_id = req.job_id or new_job_id(req.spec, secrets.token_hex(3))
         if job_id in self.d.state.jobs:
             return ev.SubmitJobReply(job_id=job_id, created=False)
@@ -207,6 +223,43 @@ class Handlers:
         node = self.d.state.nodes.get(req.node_id)
         phase = getattr(getattr(node, "phase", None), "value", "gone")
         return ev.OkReply(message=f"drain of {req.node_id} decided; phase now {phase}")
+
+    def _injectable(self, node_id: str, verb: str, hook: str) -> tuple[Any, Callable[..., Any]]:
+        """The node and its provider's fault-injection hook; 404 for an unknown node, 409 for a node
+        that is not the local provider's (a cloud's reclaim or host failure cannot be caused from here)."""
+        node = self.d.state.nodes.get(node_id)
+        if node is None:
+            raise AdminFailure(404, f"no node {node_id!r}")
+        cloud = node.pool.cloud
+        fn = getattr(self.d.providers.get(cloud), hook, None)
+        if fn is None:
+            raise AdminFailure(409, f"nodes {verb} {node_id}: the node runs on {cloud!r}; faults can be injected "
+                                    f"only into the local provider's nodes (to take a cloud node out, use "
+                                    f"'orchctl nodes drain {node_id}')", "not_local")
+        return node, fn
+
+    async def _inject(self, call: Callable[[], Any], node_id: str, verb: str) -> Any:
+        try:
+            return await anyio.to_thread.run_sync(call)
+        except LookupError as e:
+            raise AdminFailure(404, f"nodes {verb} {node_id}: {e.args[0] if e.args else e}") from None
+        except ValueError as e:
+            raise AdminFailure(409, f"nodes {verb} {node_id}: {e}") from None
+
+    async def nodes_preempt(self, req: PreemptNodeRequest) -> ev.OkReply:
+        if not 0.0 <= req.notice_s <= 3600.0:  # NaN fails too
+            raise AdminFailure(400, f"notice_s must be within 0 .. 3600 seconds, got {req.notice_s}")
+        node, fn = self._injectable(req.node_id, "preempt", "inject_preemption")
+        deadline = await self._inject(lambda: fn(req.node_id, node.instance_id, req.notice_s), req.node_id, "preempt")
+        log.warning("node_preemption_injected", node=req.node_id, notice_s=req.notice_s, deadline_ts=deadline)
+        return ev.OkReply(message=f"preemption of {req.node_id} injected: termination notice for "
+                                  f"{req.notice_s:g} s from now, its processes are killed at the deadline")
+
+    async def nodes_kill(self, req: KillNodeRequest) -> ev.OkReply:
+        node, fn = self._injectable(req.node_id, "kill", "inject_kill")
+        await self._inject(lambda: fn(req.node_id, node.instance_id), req.node_id, "kill")
+        log.warning("node_kill_injected", node=req.node_id)
+        return ev.OkReply(message=f"{req.node_id} killed (every process, no notice)")
 
     async def prices_list(self, req: ev.EmptyRequest) -> ev.PricesReply:
         pools = [pool_summary(p) for p in self.d.state.pools.values()]

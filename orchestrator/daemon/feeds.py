@@ -13,6 +13,10 @@ started with ``await tg.start(run_price_feed, js, provider, ...)``; it signals r
 round and runs until cancelled (cancellation is re-raised, never swallowed). The blocking SDK call runs
 in ``anyio.to_thread.run_sync`` under the optional per-cloud ``limiter`` (share the executor's).
 A failing round (``ProviderError``) is logged and counted; the next round happens on schedule.
+
+Logging: a round is a debug line (``price_feed_round``); at info, one ``price_feed_summary`` per cloud
+every ``summary_s`` (default 300 s) with the rounds, quotes, published ticks, duplicates and failures
+since the previous summary. A round that fails still logs its own warning at once.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from providers.base import CloudProvider, PriceQuote, ProviderError
 from wire import PoolKey, PriceTick, encode, subject_price
 
 log = structlog.get_logger("orch.feeds")
+
+SUMMARY_S = 300.0
+"""How often a running feed logs its ``price_feed_summary`` at info."""
 
 def tick_id(pool: PoolKey, ts: float) -> str:
     """Stable id of the price of ``pool`` at ``ts``: the tick's ``id`` and its Nats-Msg-Id."""
@@ -98,7 +105,7 @@ async def feed_once(js: Any, provider: CloudProvider, *, pools: Sequence[PoolKey
         return FeedRound(provider.cloud, error=f"{type(e).__name__}: {e}")
     published, duplicates, failed = await publish_quotes(js, quotes)
     r = FeedRound(provider.cloud, len(quotes), published, duplicates, failed)
-    log.info("price_feed_round", cloud=provider.cloud, quotes=r.quotes, published=published,
+    log.debug("price_feed_round", cloud=provider.cloud, quotes=r.quotes, published=published,
              duplicates=duplicates, failed=failed)
     return r
 
@@ -111,16 +118,50 @@ async def run_price_feed(
     pools: Sequence[PoolKey] | None = None,
     limiter: anyio.CapacityLimiter | None = None,
     on_round: Callable[[FeedRound], Any] | None = None,
+    summary_s: float = SUMMARY_S,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run rounds every ``interval_s`` (from the start of one round to the next) until cancelled."""
+    """Run rounds every ``interval_s`` (from the start of one round to the next) until cancelled; a
+    summary at info every ``summary_s``."""
     first = True
+    summary = _Summary(provider.cloud, anyio.current_time())
     while True:
         started = anyio.current_time()
         r = await feed_once(js, provider, pools=pools, limiter=limiter)
+        summary.add(r)
+        if started - summary.since >= summary_s:
+            summary = summary.log_and_restart(started)
         if on_round is not None:
             on_round(r)
         if first:
             first = False
             task_status.started()
         await anyio.sleep(max(0.0, interval_s - (anyio.current_time() - started)))
+
+
+@dataclass(slots=True)
+class _Summary:
+    """What a feed did since its last ``price_feed_summary`` line."""
+
+    cloud: str
+    since: float
+    rounds: int = 0
+    quotes: int = 0
+    published: int = 0
+    duplicates: int = 0
+    failed: int = 0
+    failed_rounds: int = 0
+
+    def add(self, r: FeedRound) -> None:
+        self.rounds += 1
+        self.quotes += r.quotes
+        self.published += r.published
+        self.duplicates += r.duplicates
+        self.failed += r.failed
+        self.failed_rounds += r.error is not None
+
+    def log_and_restart(self, now: float) -> _Summary:
+        log.info("price_feed_summary", cloud=self.cloud, period_s=round(now - self.since, 1), rounds=self.rounds,
+                 quotes=self.quotes, published=self.published, duplicates=self.duplicates, failed=self.failed,
+                 failed_rounds=self.failed_rounds)
+        return _Summary(self.cloud, now)

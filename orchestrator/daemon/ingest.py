@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ from orchestrator.core.inputs import CoreEvent
 from orchestrator.core.model import CoreConfig
 from orchestrator.core.pricing import MAX_DURATION_S
 from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.ratelimit import SenderLimiter, sender_of
 
 if TYPE_CHECKING:
     from orchestrator.daemon.executor import Result
@@ -69,12 +71,28 @@ class Intake:
     _wake: anyio.Event = field(default_factory=anyio.Event)
     _room: anyio.Event = field(default_factory=anyio.Event)
     hb_dropped: int = 0
+    limiter: SenderLimiter | None = None  # per-sender rate limit (ratelimit.py); None = none
+    rate_limited: int = 0
+
+    def _over_limit(self, subject: str) -> bool:
+        """The sender of ``subject`` is over its rate: count the refusal (the caller drops the message)."""
+        if self.limiter is None or self.limiter.allow(subject, time.monotonic()):
+            return False
+        self.rate_limited += 1
+        sender = sender_of(subject)
+        kind = {"hb": "heartbeat", "event": "node_event"}.get(sender[0], sender[0]) if sender else "other"
+        self.metrics.rejected.labels(kind, "rate_limited").inc()
+        if self.rate_limited & (self.rate_limited - 1) == 0:  # 1st, 2nd, 4th, 8th...: a log that cannot flood
+            log.warning("sender_rate_limited", subject=subject, refused_total=self.rate_limited)
+        return True
 
     def put_shell(self, item: ShellItem) -> None:
         self.shell.append(item)
         self._wake.set()
 
     async def on_heartbeat(self, msg: Msg) -> None:
+        if self._over_limit(msg.subject):
+            return
         if len(self.hb) >= self.max_hb:
             self.hb_dropped += 1
             self.metrics.rejected.labels("heartbeat", "overload").inc()
@@ -89,6 +107,14 @@ class Intake:
         if self.pending():
             return
         await self._wake.wait()
+
+    def take_urgent(self) -> Batch:
+        """What is buffered except heartbeats (JetStream messages and shell inputs, in arrival order): what
+        the decide loop handles before its next bulk stage."""
+        batch = Batch(self.js, [], self.shell)
+        self.js, self.shell = [], []
+        self._room.set()
+        return batch
 
     def take(self, max_hb: int | None = None) -> Batch:
         """Everything buffered, but at most ``max_hb`` heartbeats: a bounded batch keeps a notice that
@@ -123,11 +149,15 @@ class Intake:
                 if status != "100":  # 100 = idle heartbeat / flow control; others end the request
                     state.done.set()
                 return
-            self.js.append((kind, msg))
-            self._wake.set()
             state.delivered += 1
             if state.delivered >= batch:
                 state.done.set()
+            if self._over_limit(msg.subject):  # refused before it is buffered: never decided, never redelivered
+                with contextlib.suppress(Exception):
+                    await msg.term()
+                return
+            self.js.append((kind, msg))
+            self._wake.set()
 
         sub = await nc.subscribe(inbox, cb=on_msg, pending_msgs_limit=10 * batch + 1000)
         subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"

@@ -30,6 +30,8 @@ from orchestrator.daemon.executor import Executor, Result, agent_command_kind
 from orchestrator.daemon.ingest import Batch, Intake, ShellItem
 from orchestrator.daemon.liveness import LivenessFlusher
 from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.observe import MetricsObserver
+from orchestrator.daemon.ratelimit import SenderLimiter
 from orchestrator.daemon.state import CoreApi, RejectionLog, refresh_gauges, summarize_event
 from orchestrator.daemon.store import Store
 from orchestrator.settings import Settings
@@ -43,6 +45,7 @@ log = structlog.get_logger("orchd")
 
 MAX_HEARTBEATS_PER_BATCH = 1000
 SLOW_BATCH_S = 0.25
+URGENT_ROUNDS = 4
 GAUGE_REFRESH_S = 10.0
 
 
@@ -59,7 +62,9 @@ class Daemon:
         self.providers = providers
         self.core = core
         self.metrics = metrics
-        self.intake = Intake(metrics)
+        d = settings.daemon
+        self.intake = Intake(metrics, limiter=SenderLimiter(d.sender_rate_per_s, d.sender_burst)
+                             if d.sender_rate_per_s > 0 else None)
         self.state: State | None = None
         self.store: Store | None = None
         self.executor: Executor | None = None
@@ -75,6 +80,7 @@ class Daemon:
         self.rejections = RejectionLog()  # the trust gate's refusals in `recent`, rate-limited
         self.notice_ts: dict[str, float] = {}  # cmd_id -> notice publish ts (latency metric)
         self.liveness = LivenessFlusher(self._write_liveness, settings.daemon.liveness_flush_max)
+        self.observer = MetricsObserver(metrics)  # the metrics the state does not hold (observe.py)
         self._stop = stop if stop is not None else anyio.Event()  # the caller's: signals arrive while standing by
         self.exit_code = 0
         self._reaper: Reaper | None = None
@@ -97,8 +103,10 @@ class Daemon:
         self.intake.put_shell(ShellItem(LeaseChanged(revision=self.fencing_token)))
 
     def attach_background(self, tg: TaskGroup) -> None:
-        """The task group that runs background work of the loop (liveness flush slices)."""
+        """The task group that runs background work of the loop (liveness flush slices, the backlog poll)."""
         self.liveness.attach(tg)
+        if self.store is not None:
+            tg.start_soon(self.observer.poll_backlog, self.store.js, self.settings.daemon.tick_s)
 
     def may_act(self) -> bool:
         """True while this daemon may change the world (single daemon, or HA with a valid lease)."""
@@ -159,12 +167,25 @@ class Daemon:
             if urgent:
                 await self.process(urgent, urgent=True)
             if tick is not None:
+                await self._urgent_first()
                 await self.process(tick)
                 if time.monotonic() >= next_gauges:  # O(nodes): not on every tick, never before urgent work
                     refresh_gauges(self)
                     next_gauges = time.monotonic() + GAUGE_REFRESH_S
             if heartbeats:
+                await self._urgent_first()
                 await self.process(heartbeats)
+
+    async def _urgent_first(self) -> None:
+        """Urgent inputs that arrived while the previous stage ran (its persist and dispatch await): they are
+        decided, persisted and dispatched before the next bulk stage (the Tick, a heartbeat batch), so a
+        notice never waits behind bulk work taken before it arrived. At most ``URGENT_ROUNDS`` rounds: a
+        flood of urgent inputs cannot starve the Tick."""
+        for _ in range(URGENT_ROUNDS):
+            batch = self.intake.take_urgent()
+            if not batch:
+                return
+            await self.process(batch, urgent=True)
 
     async def finish(self) -> None:
         """The final batch: what intake already took in is decided and persisted, with every pending
@@ -187,6 +208,7 @@ class Daemon:
         t_persisted = time.perf_counter()
         self._observe_batch(decided, records, t_begin, t_decided, t_persisted)
         self.state = decided.state
+        self.observer.after_batch(state, decided, time.time())
         if not urgent and not final:
             self.liveness.write_slice()
         await pipeline.acknowledge(decided)
@@ -199,6 +221,8 @@ class Daemon:
             self.metrics.events.labels(name).inc(n)
         for c in decided.commands.values():
             self.metrics.decisions.labels(type(c).__name__).inc()
+        for reason, n in decided.holds.items():
+            self.metrics.holds.labels(reason).inc(n)
 
     def _running(self) -> tuple[Store, Executor, State]:
         if self.store is None or self.executor is None or self.state is None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+HOLD_REASONS = ("storage_error", "failed", "no_usable_checkpoint", "exited_early")
+"""The reasons of the core's restart holds (docs/core.md, "Restart hold")."""
+
 
 class Metrics:
     """All orchd metrics on one registry (a fresh one per daemon, so tests can run several)."""
@@ -32,6 +35,12 @@ class Metrics:
             ["kind", "reason"], registry=r,
         )
         self.decisions = Counter("orchd_decisions", "Commands decided, by kind", ["kind"], registry=r)
+        self.holds = Counter(
+            "orchd_job_holds", "Restart holds (a generation ended by the trainer or a storage error), by reason",
+            ["reason"], registry=r,
+        )
+        for reason in HOLD_REASONS:  # from 0: increase() sees the first hold
+            self.holds.labels(reason)
         self.preemptions = Counter(
             "orchd_preemptions", "Preemptions by cloud, pool and kind (notice|vanished)",
             ["cloud", "pool", "kind"], registry=r,

@@ -249,12 +249,14 @@ class Decided:
     done_keys: list[str] = field(default_factory=list)  # outbox entries whose results were decided
     audit: list[tuple[str | None, bytes]] = field(default_factory=list)  # (job id, encoded entry)
     counts: Counter[str] = field(default_factory=Counter)  # decided events by type name
+    holds: Counter[str] = field(default_factory=Counter)  # restart holds decided, by reason (a metric)
     decided: int = 0
     notice_ts: dict[str, float] = field(default_factory=dict)  # checkpoint cmd_id -> its notice's publish ts
     to_ack: list[Msg] = field(default_factory=list)
     to_term: list[Msg] = field(default_factory=list)  # rejected, or poison for the core: never redelivered
     to_park: list[tuple[Msg, str]] = field(default_factory=list)  # (message, reason): dead-lettered, then termed
     replies: list[asyncio.Future[None]] = field(default_factory=list)  # admin requests answered after persist
+    seen: list[CoreEvent] = field(default_factory=list)  # the events decided (not refused, not failed): metrics
 
 
 class Decider:
@@ -324,6 +326,8 @@ class Decider:
             if type(event) is notice:
                 self._count_preemption(state, event)
         out.state = state
+        skip = set(failed)
+        out.seen.extend(e for i, e in enumerate(events) if i not in skip)
         by_type = Counter(map(type, events))
         for i in failed:
             by_type[type(events[i])] -= 1
@@ -349,6 +353,8 @@ class Decider:
         encode = self.core.encode_audit
         for a in d.audit:
             out.audit.append((a.job_id, encode(a)))
+            if a.action == "hold":
+                out.holds[a.reason] += 1
 
     def _count_preemption(self, state: State, event: ev.PreemptionNotice) -> None:
         node = state.nodes.get(event.node_id)

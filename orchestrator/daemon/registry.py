@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.settings import FeedSettings, Settings, SettingsError
+from orchestrator.settings import FeedSettings, ProvidersSettings, Settings, SettingsError
 from providers.base import CloudProvider
 
 PROVIDERS: dict[str, tuple[str, tuple[str, ...], str]] = {
@@ -45,17 +45,25 @@ def _importable(module: str) -> bool:
         return False
 
 
-def build_providers(settings: Settings) -> dict[str, CloudProvider]:
+def build_providers(settings: Settings | ProvidersSettings) -> dict[str, CloudProvider]:
     """The enabled providers by name. Raises SettingsError listing every problem."""
-    out: dict[str, CloudProvider] = {}
-    problems: list[str] = []
-    for name in settings.providers.enabled:
-        provider = _build_one(name, getattr(settings.providers, name), problems)
-        if provider is not None:
-            out[name] = provider
+    out, problems = providers_and_problems(settings)
     if problems:
         raise SettingsError(problems, "providers")
     return out
+
+
+def providers_and_problems(settings: Settings | ProvidersSettings) -> tuple[dict[str, CloudProvider], list[str]]:
+    """(the providers that could be built, every problem of every enabled provider's table): orchd's start
+    joins these to the settings' own problems in one report."""
+    section = settings.providers if isinstance(settings, Settings) else settings
+    out: dict[str, CloudProvider] = {}
+    problems: list[str] = []
+    for name in section.enabled:
+        provider = _build_one(name, getattr(section, name), problems)
+        if provider is not None:
+            out[name] = provider
+    return out, problems
 
 
 def _build_one(name: str, table: Mapping[str, Any], problems: list[str]) -> CloudProvider | None:
@@ -78,6 +86,10 @@ def _build_one(name: str, table: Mapping[str, Any], problems: list[str]) -> Clou
         provider = factory(table)
     except SettingsError as e:
         problems += e.problems
+        return None
+    except (ValueError, TypeError, OSError, LookupError) as e:  # a provider that checks late: still one line
+        text = str(e)
+        problems.append(text if text.startswith(f"providers.{name}") else f"providers.{name}: {text}")
         return None
     if not isinstance(provider, CloudProvider):
         problems.append(f"providers.{name}: {module_name}.from_settings did not return a CloudProvider")
@@ -102,3 +114,17 @@ def feed_plan(settings: Settings, providers: Mapping[str, CloudProvider]) -> lis
         if fs.enabled:
             out.append(FeedPlan(name, provider, fs.interval_s))
     return out
+
+
+def known_instance_types(providers: Mapping[str, CloudProvider]) -> tuple[str, ...] | None:
+    """The "cloud/instance_type" entries these providers can launch (``CoreConfig.known_instance_types``):
+    a pool of any other type is never a launch target. A provider without a fixed list of pools (the
+    fake cloud of the tests, a plugin) contributes "cloud/*". None without providers (no list: any pool)."""
+    out: set[str] = set()
+    for provider in providers.values():
+        pools = getattr(provider, "pools", None) or getattr(getattr(provider, "config", None), "pools", None)
+        if callable(pools):  # a configured list, possibly empty: exactly those types
+            out.update(f"{p.cloud}/{p.instance_type}" for p in pools())
+        else:
+            out.add(f"{provider.cloud}/*")
+    return tuple(sorted(out)) if providers else None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.metadata
 import json
 import os
 import signal
@@ -51,12 +52,20 @@ from orchestrator.daemon.lease import LeaderLease, lease_bucket
 from orchestrator.daemon.loop import Daemon
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.metrics_http import MetricsServer, serve_metrics
-from orchestrator.daemon.startup import StartupError, node_credentials, quietly, retrying, start_auth_callout
+from orchestrator.daemon.registry import known_instance_types
+from orchestrator.daemon.startup import (
+    StartupError,
+    bind_error,
+    node_credentials,
+    quietly,
+    retrying,
+    start_auth_callout,
+)
 from orchestrator.daemon.state import CoreApi, default_core, known_nodes
 from orchestrator.daemon.store import Store
-from orchestrator.natsserver import NatsServer
+from orchestrator.natsserver import NatsServer, NatsServerError
 from orchestrator.security.credentials import Credentials
-from orchestrator.settings import Settings, SettingsError, load_settings
+from orchestrator.settings import Settings, SettingsError, settings_and_problems
 from providers.base import CloudProvider
 from wire import sdnotify
 
@@ -105,7 +114,8 @@ async def run_daemon(
     streams and KV, the lease (``_take_lease``), the state (``_load_state``), the executor and
     ``/metrics`` (``_start_executor``), then ``_serve`` (outbox, feeds, reaper, heartbeats, consumers,
     admin, discovery, the decide loop, the final batch); ``_close`` on the way out."""
-    d = Daemon(settings, providers, core or default_core(settings), metrics or Metrics(), stop=stop)
+    core = core or default_core(settings, known_instance_types(providers))
+    d = Daemon(settings, providers, core, metrics or Metrics(), stop=stop)
     settings.state_path.mkdir(parents=True, exist_ok=True)
     res = _Resources()
     try:
@@ -143,7 +153,10 @@ async def _start_embedded_nats(settings: Settings, res: _Resources) -> tuple[str
         return settings.nats.urls
     server = res.server = NatsServer(settings.state_path / "nats", host=settings.nats.embedded_host,
                                      port=settings.nats.embedded_port, name="orchd-embedded")
-    await anyio.to_thread.run_sync(server.start)
+    try:
+        await anyio.to_thread.run_sync(server.start)
+    except NatsServerError as e:  # e.g. nats.embedded_port taken since the pre-flight check
+        raise StartupError(f"nats.embedded_port: the embedded nats-server did not start: {e}") from None
     log.info("embedded_nats_started", url=server.url, store=str(server.store_dir))
     return (server.url,)
 
@@ -191,7 +204,10 @@ def _start_executor(d: Daemon, ctl: Client, urls: tuple[str, ...], lease: Leader
                                      may_act=(lease.valid if lease is not None else _always),
                                      credentials=credentials)
     if settings.metrics.enabled:
-        res.http = serve_metrics(d.metrics, settings.metrics.host, settings.metrics.port)
+        try:
+            res.http = serve_metrics(d.metrics, settings.metrics.host, settings.metrics.port)
+        except OSError as e:  # taken since the pre-flight check
+            raise bind_error("metrics.port", settings.metrics.host, settings.metrics.port, e) from None
         d.metrics_url = f"http://{settings.metrics.host}:{res.http.server_port}/metrics"
     return executor
 
@@ -256,12 +272,17 @@ async def _close(d: Daemon, res: _Resources) -> None:
     d.metrics.up.set(0)
     if res.http is not None:
         res.http.shutdown()
+    for provider in d.providers.values():  # nodes that cannot outlive orchd (the local provider's)
+        stopping = getattr(provider, "daemon_stopping", None)
+        if stopping is not None:
+            await quietly(anyio.to_thread.run_sync(stopping))
     for conn in (res.hbc, res.ctl, res.nc, res.authc):  # the callout connection last: the others log in through it
         if conn is not None:
             with anyio.move_on_after(3):
                 await quietly(conn.close())
     if res.server is not None:
         await anyio.to_thread.run_sync(res.server.stop)
+    _remove_discovery(d)
     log.info("orchd_stopped", events=d.events_decided, exit_code=d.exit_code)
 
 
@@ -358,24 +379,43 @@ def _write_discovery(d: Daemon) -> None:
     tmp.replace(path)
 
 
+def _remove_discovery(d: Daemon) -> None:
+    """On the way out, orchd.json goes if this process wrote it: no stale address left for orchctl."""
+    path = d.settings.state_path / "orchd.json"
+    try:
+        if json.loads(path.read_text()).get("pid") == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
-    from orchestrator.daemon.registry import build_providers
+    from orchestrator.daemon.registry import providers_and_problems
+    from orchestrator.daemon.startup import preflight_problems
     from wire.logs import configure
 
     p = argparse.ArgumentParser(prog="orchd", description="Control plane for training on spot GPUs")
     p.add_argument("--config", "-c", help="TOML settings file (ORCH_* env overrides apply)")
+    p.add_argument("--check", action="store_true",
+                   help="check the settings, the providers' tables and the ports, then exit: 0 fine, 2 problems")
+    p.add_argument("--version", action="version", version="%(prog)s " + next(
+        (d.version for d in importlib.metadata.distributions(name="spot-orchestrator")), "unknown"))
     args = p.parse_args(argv)
-    try:
-        settings = load_settings(args.config)
-    except SettingsError as e:
-        print(f"orchd: {e}", file=sys.stderr)
+    # Every start-up problem in ONE report, exit 2: the settings' (file, ORCH_* and credentials), every
+    # enabled provider's table, and what would fail later (a busy port, an unwritable state directory).
+    settings, problems = settings_and_problems(args.config)
+    providers: dict[str, CloudProvider] = {}
+    if settings is not None:
+        providers, more = providers_and_problems(settings)
+        failed = {problem.split(":")[0] for problem in problems}  # a check of a stand-in default says nothing
+        problems += more + [pf for pf in preflight_problems(settings) if pf.split(":")[0] not in failed]
+    if problems or settings is None:
+        print(f"orchd: {SettingsError(problems, args.config or 'settings')}", file=sys.stderr)
         return 2
+    if args.check:
+        print(f"orchd: {args.config or 'settings'}: no problems (providers: {', '.join(providers) or 'none'})")
+        return 0
     configure(settings.log.level, settings.log.format)
-    try:
-        providers = build_providers(settings)
-    except SettingsError as e:
-        print(f"orchd: {e}", file=sys.stderr)
-        return 2
     try:
         return anyio.run(_serve_until_stopped, settings, providers, backend="asyncio")
     except KeyboardInterrupt:
@@ -383,12 +423,17 @@ def main(argv: list[str] | None = None) -> int:
     except StartupError as e:
         print(f"orchd: {e}", file=sys.stderr)
         return 2
-    except BaseExceptionGroup as eg:  # a StartupError raised inside the task group
+    except BaseExceptionGroup as eg:  # StartupErrors raised inside the task groups
         startup = eg.subgroup(StartupError)
         if startup is None:
             raise
-        print(f"orchd: {startup.exceptions[0]}", file=sys.stderr)
+        print("orchd: " + "; ".join(map(str, _leaves(startup))), file=sys.stderr)
         return 2
+
+
+def _leaves(eg: BaseExceptionGroup[Any]) -> list[BaseException]:
+    """The exceptions of a (nested) group, groups flattened."""
+    return [leaf for e in eg.exceptions for leaf in (_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])]
 
 
 async def _serve_until_stopped(settings: Settings, providers: Mapping[str, CloudProvider]) -> int:

@@ -5,14 +5,21 @@ wrong (reported as ``StartupError``, without a traceback) or that a cluster in a
 (``retrying``). The credentials helpers build ``[credentials]``'s two modes: ``node_credentials``
 (``file``: an external nats-server's users include) and ``start_auth_callout`` (``callout``).
 
-Concurrency contract: coroutines on the daemon's event loop; ``node_credentials`` is synchronous.
+``preflight_problems`` checks, before anything starts, what would otherwise fail deep in the start (a
+busy port, an unwritable state directory), so that ``run.main`` reports it with the settings' and the
+providers' problems in one message (exit 2).
+
+Concurrency contract: coroutines on the daemon's event loop; ``node_credentials`` and
+``preflight_problems`` are synchronous.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import random
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -143,6 +150,44 @@ async def start_auth_callout(stopping: Callable[[], bool], settings: Settings, u
         raise
     log.info("auth_callout_serving", issuer=issuer.public_key, auth_user=c.auth_user, static_users=len(static))
     return authc, CalloutCredentials(store, enrol_ttl_s=c.enrol_ttl_s)
+
+
+def preflight_problems(settings: Settings) -> list[str]:
+    """What would stop orchd later in its start, checked before anything starts, each ``key: why``: every
+    address it binds is free (``metrics.port``, the embedded server's ``nats.embedded_port``) and the state
+    directory can be written."""
+    out = []
+    if settings.metrics.enabled and settings.metrics.port > 0:
+        out += _bind_problems("metrics.port", settings.metrics.host, settings.metrics.port)
+    if not settings.nats.urls and settings.nats.embedded_port > 0:
+        out += _bind_problems("nats.embedded_port", settings.nats.embedded_host, settings.nats.embedded_port)
+    state = settings.state_path.absolute()
+    existing = next(p for p in (state, *state.parents) if p.exists())  # orchd creates the rest
+    if not existing.is_dir():
+        out.append(f"daemon.state_dir: {state} cannot be created: {existing} is not a directory")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        out.append(f"daemon.state_dir: {state} cannot be created or written: no write access to {existing}")
+    return out
+
+
+def _bind_problems(key: str, host: str, port: int) -> list[str]:
+    """[] when ``host:port`` can be bound now (the same SO_REUSEADDR as the servers: a TIME_WAIT is fine)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        return [f"{key}: cannot resolve {host!r}: {e.strerror}"]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            return [f"{key}: cannot listen on {host}:{port}: {e.strerror} (another process has the port?)"]
+    return []
+
+
+def bind_error(key: str, host: str, port: int, e: OSError) -> StartupError:
+    """A server that failed to bind after the pre-flight check (the port was taken meanwhile)."""
+    return StartupError(f"{key}: cannot listen on {host}:{port}: {e.strerror or e}")
 
 
 async def quietly(aw: Awaitable[Any]) -> None:

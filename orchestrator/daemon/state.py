@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 import wire as ev
-from orchestrator.core import AuditEntry, Decision, Job, Node, PoolStats, State, job_cost_usd, job_step
+from orchestrator.core import AuditEntry, Decision, Job, JobPhase, Node, PoolStats, State, job_cost_usd, job_step
+from orchestrator.core.feasibility import wake_up
 from orchestrator.core.inputs import CoreEvent
+from orchestrator.core.model import DEFAULT_RESTART_BACKOFF_BASE_S, DEFAULT_RESTART_BACKOFF_MAX_S
 from orchestrator.settings import Settings
 
 if TYPE_CHECKING:
@@ -49,7 +51,9 @@ class CoreApi:
         return self.configure(state) if self.configure is not None else state
 
 
-def default_core(settings: Settings) -> CoreApi:
+def default_core(settings: Settings, known_instance_types: tuple[str, ...] | None = None) -> CoreApi:
+    """The real core, configured by ``settings``; ``known_instance_types`` (``registry.known_instance_types``
+    of the providers): a pool of any other type is never a launch target (None: no list)."""
     from orchestrator import core
 
     config = core.CoreConfig(
@@ -59,6 +63,13 @@ def default_core(settings: Settings) -> CoreApi:
     if settings.daemon.price_confirm_s != config.confirm_s():
         # set only when not the core's default: the persisted meta record keeps the bytes older releases wrote
         config = msgspec.structs.replace(config, price_confirm_s=settings.daemon.price_confirm_s)
+    if known_instance_types is not None:
+        config = msgspec.structs.replace(config, known_instance_types=known_instance_types)
+    d = settings.daemon
+    if (d.restart_backoff_base_s, d.restart_backoff_max_s) != (DEFAULT_RESTART_BACKOFF_BASE_S,
+                                                               DEFAULT_RESTART_BACKOFF_MAX_S):
+        config = msgspec.structs.replace(config, restart_backoff_base_s=d.restart_backoff_base_s,
+                                         restart_backoff_max_s=d.restart_backoff_max_s)
     return CoreApi(
         decide=core.decide,
         state_to_records=core.state_to_records,
@@ -84,6 +95,9 @@ def _s(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
+_WAITING = frozenset({JobPhase.PENDING, JobPhase.PLACING, JobPhase.RESIZING})
+
+
 def job_summary(state: State, job: Job, now: float) -> dict[str, Any]:
     """A job for orchctl: ``cost_usd`` is accrued up to ``now`` (closed nodes plus the live ones);
     ``step`` is the job's current step (``orchestrator.core.job_step``)."""
@@ -103,6 +117,13 @@ def job_summary(state: State, job: Job, now: float) -> dict[str, Any]:
         "zone": job.zone,
         "cost_usd": round(job_cost_usd(state, job.job_id, now), 4),
         "budget_usd": spec.budget_usd,
+        "failures": job.failures,
+        # a restart hold in force (docs/core.md, "Restart hold"): why, until when, how many in a row
+        "hold": {"reason": job.hold_reason, "until": job.hold_until, "holds": job.holds}
+        if job.held(now) else None,
+        # a job not training: why, and the earliest time that changes without an event (None: on an event)
+        "waiting": dict(zip(("reason", "until"), wake_up(job, state.pools, state.config, now), strict=True))
+        if job.phase in _WAITING else None,
     }
 
 
@@ -183,6 +204,9 @@ def refresh_gauges(d: Daemon) -> None:
         if stats.on_demand_usd_h is not None:
             m.pool_on_demand_price.labels(p.cloud, p.region, p.zone, p.instance_type).set(stats.on_demand_usd_h)
     m.lease_revision.set(d.fencing_token)
+    observer = getattr(d, "observer", None)  # None: a stand-in with the state gauges' fields only (tests)
+    if observer is not None:
+        observer.refresh(state, now)  # heartbeat age, GPUs, goodput, on-demand cost, missed checkpoints
 
 
 def new_job_id(spec: ev.JobSpec, entropy: str) -> str:

@@ -35,6 +35,7 @@ import anyio
 import msgspec
 
 import wire as ev
+from orchestrator import bus
 from orchestrator.natsserver import NatsServer
 from simulations.chaos import common
 from simulations.chaos.agents import SimFleet
@@ -45,6 +46,10 @@ from simulations.fakecloud import read_fake_file
 TOTAL_STEPS = 400
 STEP_S = 0.03
 JOBS = {"adv-a": 2, "adv-b": 1}
+VOLUME = 3000
+"""Above this many hostile messages a run is a volume run: at most ``HUGE_BUDGET`` ~200 KB huge arrays."""
+HUGE_BUDGET = 2000
+ADMIN_IN_FLIGHT = 64
 DROP = {"phase_ts", "submitted_ts", "gen_ts", "committed_ts", "cost_usd", "save_s", "step_time_s", "ckpt_interval_s",
         "price_eval_ts", "migrate_ts", "requested_ts", "launched_ts", "last_seen", "hb_seq", "loss", "cmd_seq",
         "price_ts", "cum_usd", "cum_ts", "exposure_h", "stats_ts", "changed_ts", "detect_paused_until"}
@@ -67,6 +72,9 @@ class AdvResult:
     seed: str
     skipped_kinds: list[str] = field(default_factory=list)  # EXPECTED_FAILURES not sent
     hostile_messages: int = 0
+    hostile_send_s: float = 0.0
+    hostile_drain_s: float = 0.0
+    hostile_messages_per_s: float = 0.0  # sent / (send + drain): what orchd got through
     by_kind: dict[str, int] = field(default_factory=dict)
     by_target: dict[str, int] = field(default_factory=dict)
     admin_errors: int = 0
@@ -91,7 +99,11 @@ class _Run:
     state: dict = field(default_factory=dict)
     cloud: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)
-    sent: list[Shot] = field(default_factory=list)
+    sent: int = 0
+    send_s: float = 0.0  # sending the hostile messages
+    drain_s: float = 0.0  # after sending, until orchd's consumers had nothing pending
+    by_kind: Counter = field(default_factory=Counter)
+    by_target: Counter = field(default_factory=Counter)
     terminated_in_batch: list[str] = field(default_factory=list)
     alive: list[bool] = field(default_factory=list)
     loads: list[bool] = field(default_factory=list)
@@ -202,7 +214,10 @@ class _Scenario:
         shutil.rmtree(self.work, ignore_errors=True)
         self.work.mkdir(parents=True)
         server = NatsServer(self.work / "nats").start()
-        orchd = self.orchd = Orchd(self.work, server.url)
+        # The per-sender rate limit is off here: the oracle replays the same legitimate traffic, and the
+        # limiter would rightly refuse a flooding node's own legitimate messages too (it has its own tests,
+        # tests/integration/test_sender_limit.py). This drill is about what lies behind it.
+        orchd = self.orchd = Orchd(self.work, server.url, daemon_extra="sender_rate_per_s = 0")
         self.url = server.url
         nc = pub = None
         try:
@@ -212,7 +227,7 @@ class _Scenario:
             fleet = self.fleet = SimFleet(nc, orchd.fake_file, step_s=STEP_S)
             client = self.client = await common.admin(server.url, timeout_s=20.0)
             gen = Hostile(random.Random(f"{self.seed}-adversarial"), _ctx(fleet, orchd, set(), set()),
-                          str(self.seed), self.skip)
+                          str(self.seed), self.skip, huge_budget=None if self.n_hostile <= VOLUME else HUGE_BUDGET)
             async with anyio.create_task_group() as tg:
                 await tg.start(fleet.run)
                 try:
@@ -284,22 +299,30 @@ class _Scenario:
             return
         gen.ctx = _ctx(self.fleet, self.orchd, terminal, self.noticed)
         alive0 = {(str(i.node_id), i.instance_id) for i in _cloud(self.orchd) if i.alive}
-        shots = [gen.next() for _ in range(n)]
-        js = self.pub.jetstream(timeout=10.0)
-        admin: list[Shot] = []
-        for k, shot in enumerate(shots):
-            self.run.sent.append(shot)
-            if shot.target == "admin":
-                admin.append(shot)
-            elif shot.target == "heartbeat":
-                await self.pub.publish(shot.subject, shot.data)
-            else:  # a fresh Nats-Msg-Id: the stream never drops it as a duplicate
-                await js.publish(shot.subject, shot.data,
-                                 headers={"Nats-Msg-Id": f"adv-{self.seed}-{len(self.run.sent)}-{k}"})
+        limiter = anyio.CapacityLimiter(ADMIN_IN_FLIGHT)
+        t0 = time.monotonic()
         async with anyio.create_task_group() as tg:
-            for shot in admin:
-                tg.start_soon(self.admin_call, shot)
+            for k in range(n):
+                shot = gen.next()
+                self.run.sent += 1
+                self.run.by_kind[shot.kind] += 1
+                self.run.by_target[shot.target] += 1
+                if shot.target == "admin":
+                    tg.start_soon(self.admin_call, shot, limiter)
+                    await anyio.sleep(0)
+                    continue
+                # fire and forget, as a hostile sender would: on a JetStream subject the stream stores it
+                # (a fresh Nats-Msg-Id: never dropped as a duplicate); no wait for the stream's ack
+                msg_id = f"adv-{self.seed}-{self.run.sent}-{k}"
+                headers = None if shot.target == "heartbeat" else {"Nats-Msg-Id": msg_id}
+                await self.pub.publish(shot.subject, shot.data, headers=headers)
+                if k % 500 == 499 or len(shot.data) > 65536:
+                    await self.pub.flush()
         await self.pub.flush()
+        t1 = time.monotonic()
+        await self.drained(timeout_s=120.0 + n / 2000)
+        self.run.send_s += t1 - t0
+        self.run.drain_s += time.monotonic() - t1
         await anyio.sleep(1.5)  # the daemon's tick is 0.25 s: decisions on what was accepted are made by then
         phases = await self.jobs()
         for node, inst in sorted(alive0 - {(str(i.node_id), i.instance_id) for i in _cloud(self.orchd) if i.alive}):
@@ -311,9 +334,23 @@ class _Scenario:
         loaded = alive and await anyio.to_thread.run_sync(load_fresh, self.url) is not None
         self.run.loads.append(loaded)
 
-    async def admin_call(self, shot: Shot) -> None:
+    async def drained(self, timeout_s: float) -> None:
+        """Until orchd's consumers have nothing pending or unacknowledged (every hostile JetStream message
+        decided, refused or terminated); a timeout is a problem of the run."""
+        js = self.pub.jetstream(timeout=10.0)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            infos = [await js.consumer_info(stream, consumer) for stream, consumer in
+                     ((bus.STREAM_EVENTS, bus.CONSUMER_EVENTS), (bus.STREAM_MARKET, bus.CONSUMER_MARKET))]
+            if all(i.num_pending == 0 and i.num_ack_pending == 0 for i in infos):
+                return
+            await anyio.sleep(0.5)
+        self.run.problems.append(f"orchd's consumers not drained after {timeout_s:.0f} s")
+
+    async def admin_call(self, shot: Shot, limiter: anyio.CapacityLimiter) -> None:
         try:
-            reply = await self.pub.request(shot.subject, shot.data, timeout=30.0)
+            async with limiter:
+                reply = await self.pub.request(shot.subject, shot.data, timeout=30.0)
         except Exception as e:
             self.run.problems.append(f"admin {shot.kind}: no reply ({type(e).__name__})")
             return
@@ -352,9 +389,12 @@ async def run(seed: int, root: Path, n_hostile: int, include_expected: bool = Fa
     res.skipped_kinds = [] if include_expected else list(EXPECTED_FAILURES)
     clean = await _Scenario(seed, root / "adv-clean", 0).main()
     hostile = await _Scenario(seed, root / "adv-hostile", n_hostile, tuple(res.skipped_kinds)).main()
-    res.hostile_messages = len(hostile.sent)
-    res.by_kind = dict(sorted(Counter(s.kind for s in hostile.sent).items()))
-    res.by_target = dict(sorted(Counter(s.target for s in hostile.sent).items()))
+    res.hostile_messages = hostile.sent
+    res.hostile_send_s, res.hostile_drain_s = round(hostile.send_s, 1), round(hostile.drain_s, 1)
+    busy = hostile.send_s + hostile.drain_s
+    res.hostile_messages_per_s = round(hostile.sent / busy) if busy > 0 else 0.0
+    res.by_kind = dict(sorted(hostile.by_kind.items()))
+    res.by_target = dict(sorted(hostile.by_target.items()))
     res.admin_errors, res.admin_ok = hostile.admin_errors, hostile.admin_ok
     res.crashes = clean.crashes + hostile.crashes + sum(1 for a in hostile.alive if not a)
     res.alive_after_batches, res.fresh_loads_ok = hostile.alive, hostile.loads

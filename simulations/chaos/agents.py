@@ -67,8 +67,9 @@ class SimNode:
 
 class SimFleet:
     def __init__(self, nc: Any, fake_file: Path, *, step_s: float = 0.05, hb_s: float = 0.5,
-                 garbage_replies: int = 0) -> None:
+                 garbage_replies: int = 0, sampler: Any = None) -> None:
         self.nc = nc
+        self.sampler = sampler  # an agent.heartbeat.SystemSampler: its GPU readings go in every heartbeat
         self.js = nc.jetstream(timeout=2.0)
         self.fake_file = fake_file
         self.step_s = step_s
@@ -165,7 +166,8 @@ class SimFleet:
                 hb = ev.Heartbeat(node_id=ev.NodeId(node.node_id), seq=node.seq, ts=now,
                                   state=ev.AgentState.TRAINING if node.training else ev.AgentState.IDLE,
                                   job_id=ev.JobId(node.job_id) if node.job_id else None, generation=node.generation,
-                                  step=step, fencing_token=node.fencing)
+                                  step=step, fencing_token=node.fencing,
+                                  gpus=self.sampler.gpus() if self.sampler is not None else ())
                 with contextlib.suppress(Exception):  # disconnected: a lost heartbeat only delays liveness
                     await self.nc.publish(ev.subject_heartbeat(node.node_id), ev.encode(hb))
             await anyio.sleep(self.hb_s)

@@ -41,6 +41,7 @@ reconnect_wait_s = 0.2
 [daemon]
 state_dir = "{state}"
 cluster_id = "{cluster}"
+{daemon_extra}
 tick_s = 0.25
 price_confirm_s = 0.0
 heartbeat_interval_s = 0.5
@@ -64,14 +65,14 @@ state_file = "{fake_file}"
 class Orchd:
     """orchd as a real subprocess. ``start`` waits for readiness; ``kill9`` is SIGKILL."""
 
-    def __init__(self, workdir: Path, nats_url: str) -> None:
+    def __init__(self, workdir: Path, nats_url: str, daemon_extra: str = "") -> None:
         self.workdir = workdir
         self.state = workdir / "state"
         self.fake_file = workdir / "fake-cloud.json"
         self.cfg = workdir / "orchd.toml"
         self.log = workdir / "orchd.log"
         self.cfg.write_text(CONFIG.format(url=nats_url, state=self.state, cluster=CLUSTER_ID,
-                                          fake_file=self.fake_file))
+                                          fake_file=self.fake_file, daemon_extra=daemon_extra))
         self.proc: subprocess.Popen | None = None
         self.metrics_url = ""
         self.starts = 0

@@ -71,11 +71,13 @@ class Ctx:
 
 
 class Hostile:
-    def __init__(self, rng: random.Random, ctx: Ctx, tag: str, skip: tuple[str, ...] = ()) -> None:
+    def __init__(self, rng: random.Random, ctx: Ctx, tag: str, skip: tuple[str, ...] = (),
+                 huge_budget: int | None = None) -> None:
         self.rng, self.ctx, self.tag = rng, ctx, tag
         self.kinds = [(k, w) for k, w in KINDS if k not in skip]
         self.skip = skip
         self.n = 0
+        self.huge_left = huge_budget  # at most this many ~200 KB huge_array messages (None: no cap)
 
     def _id(self) -> str:
         self.n += 1
@@ -91,6 +93,11 @@ class Hostile:
             kind, built = "foreign_job", self.foreign_job()
         target, subject, d = built
         wrapper = r.choice(WRAPPERS)
+        if wrapper == "huge_array" and self.huge_left is not None:
+            if self.huge_left <= 0:
+                wrapper = "deep_nest"  # a volume run: the bytes of a million 200 KB messages are not the point
+            else:
+                self.huge_left -= 1
         return Shot(f"{kind}/{wrapper}", target, subject, self.wrap(d, wrapper, target))
 
     # --- references ------------------------------------------------------------------------------

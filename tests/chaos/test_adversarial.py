@@ -15,7 +15,8 @@ from simulations.chaos.harness import POOL_A
 from simulations.chaos.hostile import HUGE_ARRAY, NEST, Ctx, Hostile
 
 pytestmark = pytest.mark.timeout(240)
-MUTATING = {("jobs", "cancel"), ("nodes", "drain"), ("dead", "replay"), ("reap", "run")}
+MUTATING = {("jobs", "cancel"), ("nodes", "drain"), ("nodes", "preempt"), ("nodes", "kill"), ("dead", "replay"),
+            ("reap", "run")}
 
 
 def test_small_seeded_adversarial_set(tmp_path):

@@ -200,6 +200,6 @@ async def test_dead_letters_parked_listed_and_replayed(server, tmp_path):
         assert code == 0, err
         assert len(await parked(3)) == 3
         code, out, err = await actl(url, "dead", "replay", "999")
-        assert code == 1 and "404" in err
+        assert code == 66 and "404" in err  # EXIT_NOT_FOUND
         d.request_stop()
     await nc.close()

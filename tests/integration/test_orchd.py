@@ -116,7 +116,7 @@ async def test_submit_notice_commands_and_every_verb(server, tmp_path):
         code, out, _ = await actl(url, "reap", "--dry-run", "-o", "json")
         assert json.loads(out)["report"]["dry_run"] is True
         code, _, err = await actl(url, "jobs", "show", "no-such-job")
-        assert code == 1 and "no job" in err
+        assert code == 66 and "no job" in err  # EXIT_NOT_FOUND
         code, out, err = await actl(url, "nodes", "drain", victim, "-o", "json")
         assert code == 0, err
         code, out, err = await actl(url, "jobs", "cancel", job_id, "-o", "json")

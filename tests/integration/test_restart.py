@@ -178,10 +178,10 @@ def test_orchctl_fails_fast_without_server_or_daemon(server):
     dead = f"nats://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     code, _, err = ctl(dead, "status")
-    assert code == 2 and "unreachable" in err and time.monotonic() - t0 < 5
+    assert code == 69 and "unreachable" in err and time.monotonic() - t0 < 5  # EXIT_UNREACHABLE
     t0 = time.monotonic()
     code, _, err = ctl(server.url, "jobs", "list")  # a server, no orchd: no responders, at once
-    assert code == 2 and "not running" in err and time.monotonic() - t0 < 5
+    assert code == 69 and "not running" in err and time.monotonic() - t0 < 5
     code, _, err = ctl(server.url, "bogus-command")
     assert code == 2
 

@@ -1,6 +1,10 @@
 """Prometheus: alert rules load, their unit tests pass (each alert fires in one case and stays silent
-in another), the tests can fail, and the real exposition of orchestrator.daemon.metrics passes
-`promtool check metrics`."""
+in another), the tests can fail, and the names of every metric orchestrator.daemon.metrics declares pass
+`promtool check metrics` and cover what the rules query.
+
+Names only: whether orchd really sets each metric, from its real source, is tested against a running
+orchd scraped by a real Prometheus in tests/ops/test_metrics_sources.py (which also runs `promtool check
+metrics` on that live exposition)."""
 
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ def _rules() -> list[dict]:
 
 
 def full_exposition() -> str:
-    """Every metric of Metrics with at least one sample, as orchd would serve it."""
+    """Every metric Metrics declares, each with one placeholder sample (label values "x", value 1): the
+    names, types and label names orchd can expose - not what it serves (see test_metrics_sources.py)."""
     m = Metrics()
     for metric in m.registry._names_to_collectors.values():  # noqa: SLF001 - only to enumerate
         names = getattr(metric, "_labelnames", ())
@@ -95,7 +100,7 @@ def test_alerts_query_only_exported_metrics() -> None:
             assert used in names, (rule["alert"], used)
 
 
-def test_metric_names_pass_promtool_check_metrics() -> None:
+def test_declared_metric_names_pass_promtool_check_metrics() -> None:
     exposition = full_exposition()
     assert "orchd_preemptions_total" in exposition and "orchd_job_phase" in exposition
     res = _promtool("check", "metrics", stdin=exposition)

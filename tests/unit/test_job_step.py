@@ -96,6 +96,8 @@ def test_members_that_carry_over_into_the_resumed_generation_report_its_step() -
     d = drv(RanksExited(id="x1", node_id=ids[0], job_id="j1", generation=1, exit_code=1, reason="failed",
                         last_step=100, ts=drv.now), dt=1.0)
     while not cmds(d, StartGenerationCmd):  # the job restarts on the same node after its backoff
+        node = drv.state.nodes[ids[0]]
+        drv(Heartbeat(node_id=ids[0], seq=node.hb_seq + 1, ts=drv.now, state=AgentState.IDLE))
         d = drv(Tick(), dt=1.0)
     assert _started(drv, d) == 2
     assert job_step(drv.state, "j1") == 40

@@ -1,0 +1,314 @@
+"""The metrics the core's state does not hold, computed from what the decide loop already sees.
+
+Role: ``MetricsObserver`` watches every decided batch (the state before and after it, the events the
+core decided, the commands it produced) and keeps the little history these metrics need:
+
+    orchd_node_gpu_utilization_ratio / _temperature_celsius   the latest NVML readings carried in each
+        known node's heartbeats (``Heartbeat.gpus``); a node without NVML sends none and has no series
+    orchd_job_goodput_ratio          steps kept / steps executed per job (generations lost to a
+        preemption executed steps that were not kept)
+    orchd_recovery_seconds           a preemption notice, or the loss of a member of a running generation
+        (``NodeGone``), to the first step of the job's next generation
+    orchd_emergency_checkpoint_margin_seconds / _missed_total    from the emergency ``CheckpointCommitted``
+        reports, and the preemption checkpoints that never committed
+    orchd_job_on_demand_cost_usd     node-hours of the job's nodes at their pool's on-demand price
+    orchd_preemptions_total{kind="vanished"}   a spot node gone without a notice (the core's rule)
+    orchd_event_backlog              the ingestion consumers' pending messages (``poll_backlog``)
+
+``refresh`` (with the state gauges, ``state.refresh_gauges``) also sets ``orchd_node_heartbeat_age_seconds``.
+History starts when this orchd starts leading: goodput counts the steps executed since then, and the
+on-demand cost of nodes that left a job before then is not known (docs/operations.md, "Metrics").
+
+Concurrency contract: ``after_batch`` and ``refresh`` run on the decide loop's task; ``poll_backlog`` is
+a task of its own that only sets a gauge.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+import wire as ev
+from orchestrator import bus
+from orchestrator.core import Job, Node, State, job_step
+from orchestrator.core.commands import SendToAgent, Terminate
+from orchestrator.core.inputs import NodeGone
+from orchestrator.core.model import GEN_PHASES, NodePhase
+from orchestrator.daemon.metrics import Metrics
+
+if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+    from orchestrator.daemon.pipeline import Decided
+
+log = structlog.get_logger("orchd")
+
+MISS_GRACE_S = 30.0
+"""An emergency checkpoint not committed this long after its deadline is counted missed."""
+MAX_GPUS = 64
+"""GPU series per node at most (``ingest.MAX_GPUS_PER_NODE``): a node cannot flood the registry."""
+MAX_TEMP_C = 200.0
+
+
+@dataclass(slots=True)
+class _JobTrack:
+    """A job's step history as seen by this orchd."""
+
+    kept0: int  # the step counting starts from (its committed step when first seen)
+    gen: int  # the generation being tracked
+    base: int  # the step the tracked generation resumed from
+    top: int  # the highest step it reached
+    executed: int = 0  # steps executed by the generations before it
+    od_closed: float = 0.0  # on-demand $ of the nodes that left the job
+    recover_t0: float | None = None  # when the current interruption began
+    recover_gen: int = 0  # the generation it interrupted
+
+    def goodput(self, step: int) -> float | None:
+        executed = self.executed + max(0, self.top - self.base)
+        return min(1.0, max(0.0, (step - self.kept0) / executed)) if executed > 0 else None
+
+
+class MetricsObserver:
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+        self.jobs: dict[str, _JobTrack] = {}
+        self.gpus: dict[str, tuple[float, tuple[ev.GpuStats, ...]]] = {}  # node -> (when, latest readings)
+        self.ckpt_due: dict[tuple[str, int], float] = {}  # (job, generation) -> emergency checkpoint deadline
+        self.ckpt_seen: set[tuple[str, int]] = set()  # emergency commits observed (one per job and generation)
+        self.ckpt_missed: set[tuple[str, int]] = set()
+        self._hb_labels: set[tuple[str, str]] = set()
+        self._gpu_labels: set[tuple[str, str]] = set()
+        self._goodput_labels: set[str] = set()
+
+    # --- per batch -----------------------------------------------------------------------------------
+
+    def after_batch(self, before: State, decided: Decided, now: float) -> None:
+        """Observe one decided batch: ``before`` is the state it was decided from."""
+        after = decided.state
+        for c in decided.commands.values():
+            if (isinstance(c, SendToAgent) and isinstance(c.command, ev.CheckpointCmd)
+                    and c.command.reason == "preemption_notice" and c.command.deadline_ts is not None
+                    and (job := after.jobs.get(str(c.command.job_id))) is not None
+                    and job_step(after, job.job_id) > job.committed_step):  # else nothing to lose
+                due = (job.job_id, c.command.generation)
+                self.ckpt_due[due] = min(self.ckpt_due.get(due, math.inf), c.command.deadline_ts)
+        heartbeat, live = ev.Heartbeat, after.nodes
+        for e in decided.seen:
+            if type(e) is heartbeat:
+                if e.gpus and e.node_id in live:
+                    self.gpus[e.node_id] = (now, e.gpus)
+                elif e.node_id in self.gpus:
+                    del self.gpus[e.node_id]
+            elif isinstance(e, ev.PreemptionNotice) and e.kind != ev.NoticeKind.REBALANCE:
+                self._interrupted(before, e.node_id, now)
+            elif isinstance(e, NodeGone):
+                self._node_gone(before, e, now)
+            elif isinstance(e, ev.CheckpointCommitted) and e.emergency and e.job_id in after.jobs:
+                self._emergency_commit(e)
+        touched: set[str] = set()
+        for key in decided.dirty:
+            if key.startswith("job."):
+                touched.add(key[4:])
+            elif key.startswith("node."):
+                nid = key[5:]
+                node = after.nodes.get(nid)
+                if node is None and (gone := before.nodes.get(nid)) is not None:
+                    self._node_left(after, gone, decided, now)
+                    node = gone
+                if node is not None:
+                    touched.add(node.job_id)
+        for key in decided.liveness:
+            node = after.nodes.get(key[5:])
+            if node is not None:
+                touched.add(node.job_id)
+        for jid in touched:
+            job = after.jobs.get(jid)
+            if job is not None:
+                self._progress(after, job, now)
+
+    def _track(self, job: Job) -> _JobTrack:
+        t = self.jobs.get(job.job_id)
+        if t is None:
+            t = self.jobs[job.job_id] = _JobTrack(kept0=job.committed_step, gen=job.generation,
+                                                  base=job.committed_step, top=job.committed_step)
+        return t
+
+    def _progress(self, state: State, job: Job, now: float) -> None:
+        """Steps of the job's generation; the first step of a new one ends an interruption."""
+        t = self._track(job)
+        step = job_step(state, job.job_id)
+        if job.generation != t.gen:
+            t.executed += max(0, t.top - t.base)
+            t.gen, t.base = job.generation, job.committed_step
+            t.top = max(t.base, step) if job.phase in GEN_PHASES else t.base
+        elif job.phase in GEN_PHASES:
+            t.top = max(t.top, step)
+        if (t.recover_t0 is not None and job.generation > t.recover_gen and job.phase in GEN_PHASES
+                and step > t.base):
+            self.m.recovery.observe(max(0.0, now - t.recover_t0))
+            t.recover_t0 = None
+
+    def _interrupted(self, before: State, node_id: str, t0: float) -> None:
+        """A member of a running generation is going away: its job's recovery clock starts at ``t0``."""
+        node = before.nodes.get(node_id)
+        job = before.jobs.get(node.job_id) if node is not None else None
+        if node is None or job is None or job.phase not in GEN_PHASES or node_id not in job.gen_nodes:
+            return
+        t = self._track(job)
+        if t.recover_t0 is None or t.recover_gen < job.generation:
+            t.recover_t0, t.recover_gen = t0, job.generation
+
+    def _node_gone(self, before: State, e: NodeGone, now: float) -> None:
+        """The cloud lost a node: a preemption without notice when the core counts it as one (spot, not
+        terminated by orchd, no notice), and a recovery from its last heartbeat."""
+        node = before.nodes.get(e.node_id)
+        if node is None or (e.instance_id is not None and node.instance_id is not None
+                            and e.instance_id != node.instance_id) or e.reason == "terminated_by_us":
+            return
+        if node.pool.market == ev.Market.SPOT and node.phase != NodePhase.NOTICED:
+            self.m.preemptions.labels(node.pool.cloud, node.pool_name, "vanished").inc()
+        self._interrupted(before, e.node_id, node.last_seen or now)
+
+    def _emergency_commit(self, e: ev.CheckpointCommitted) -> None:
+        key = (str(e.job_id), e.generation)
+        self.ckpt_due.pop(key, None)
+        if key in self.ckpt_seen:
+            return  # the same checkpoint from another member of the generation
+        self.ckpt_seen.add(key)
+        margin = e.deadline_margin_s
+        if margin is not None and math.isfinite(margin):
+            self.m.checkpoint_margin.observe(margin)
+            if margin < 0:
+                self._missed(key)
+
+    def _missed(self, key: tuple[str, int]) -> None:
+        if key not in self.ckpt_missed:
+            self.ckpt_missed.add(key)
+            self.m.checkpoint_missed.labels(key[0]).inc()
+
+    def _node_left(self, after: State, node: Node, decided: Decided, now: float) -> None:
+        """A node's record was deleted: its node-hours (and termination tail) at on-demand price."""
+        if node.phase == NodePhase.REQUESTED:
+            return
+        od = _on_demand_usd_h(after, node)
+        if od is None:
+            return
+        hours = max(0.0, now - (node.launched_ts or node.requested_ts)) / 3600.0
+        if any(isinstance(c, Terminate) and c.node_id == node.node_id for c in decided.commands.values()):
+            hours += after.meta.config.terminate_s / 3600.0
+        t = self.jobs.get(node.job_id)
+        job = after.jobs.get(node.job_id)
+        if t is None and job is not None:
+            t = self._track(job)
+        if t is not None:
+            t.od_closed += od * hours
+
+    # --- per gauge refresh ---------------------------------------------------------------------------
+
+    def refresh(self, state: State, now: float) -> None:
+        """Set the gauges of this module, close the emergency checkpoints that can no longer commit, and
+        forget what left the state."""
+        self._refresh_nodes(state, now)
+        for jid in [j for j in self.jobs if j not in state.jobs]:
+            del self.jobs[jid]
+        goodput: set[str] = set()
+        for job in state.jobs.values():
+            t = self._track(job)
+            g = t.goodput(job_step(state, job.job_id))
+            if g is not None:
+                self.m.goodput.labels(job.job_id).set(g)
+                goodput.add(job.job_id)
+            od = t.od_closed
+            for nid in job.nodes:
+                node = state.nodes.get(nid)
+                if node is not None and node.phase != NodePhase.REQUESTED:
+                    rate = _on_demand_usd_h(state, node)
+                    if rate is not None:
+                        od += rate * max(0.0, now - (node.launched_ts or node.requested_ts)) / 3600.0
+            self.m.on_demand_cost.labels(job.job_id).set(od)
+            # a 0 from the start: Prometheus's increase() cannot see a counter's first miss otherwise
+            self.m.checkpoint_missed.labels(job.job_id)
+        for name, ps in state.pools.items():  # at 0 from the start, like checkpoint_missed
+            for kind in ("notice", "vanished"):
+                self.m.preemptions.labels(ps.pool.cloud, name, kind)
+        for jid in self._goodput_labels - goodput:
+            self.m.goodput.remove(jid)
+        self._goodput_labels = goodput
+        for due, deadline in list(self.ckpt_due.items()):
+            owner = state.jobs.get(due[0])
+            if owner is None:
+                del self.ckpt_due[due]
+            elif owner.generation > due[1] or now > deadline + MISS_GRACE_S:
+                del self.ckpt_due[due]  # the generation ended, or the deadline passed, with no emergency commit
+                self._missed(due)
+        for done in (self.ckpt_seen, self.ckpt_missed):
+            for key in [k for k in done if k[0] not in state.jobs or state.jobs[k[0]].generation > k[1] + 1]:
+                done.discard(key)
+
+    def _refresh_nodes(self, state: State, now: float) -> None:
+        """Heartbeat age of every node heard from; the latest GPU readings of the live ones."""
+        hb_labels: set[tuple[str, str]] = set()
+        age = self.m.node_heartbeat_age
+        for node in state.nodes.values():
+            if node.last_seen > 0:
+                hb = (str(node.node_id), str(node.job_id))
+                hb_labels.add(hb)
+                age.labels(*hb).set(max(0.0, now - node.last_seen))
+        for hb in self._hb_labels - hb_labels:
+            age.remove(*hb)
+        self._hb_labels = hb_labels
+        stale = state.meta.config.heartbeat_timeout_s
+        gpu_labels: set[tuple[str, str]] = set()
+        util, temp = self.m.gpu_util, self.m.gpu_temp
+        for nid, (ts, gpus) in list(self.gpus.items()):
+            if nid not in state.nodes or now - ts > stale:
+                del self.gpus[nid]  # gone, or silent: no reading is better than an old one
+                continue
+            for g in gpus[:MAX_GPUS]:
+                key = (nid, str(g.index))
+                if 0.0 <= g.util_pct <= 100.0:
+                    util.labels(*key).set(g.util_pct / 100.0)
+                    gpu_labels.add(key)
+                if g.temp_c is not None and -MAX_TEMP_C <= g.temp_c <= MAX_TEMP_C:
+                    temp.labels(*key).set(g.temp_c)
+                    gpu_labels.add(key)
+        for key in self._gpu_labels - gpu_labels:
+            for gauge in (util, temp):
+                with contextlib.suppress(KeyError):  # set for one of the two only
+                    gauge.remove(*key)
+        self._gpu_labels = gpu_labels
+
+    # --- the consumers' backlog ----------------------------------------------------------------------
+
+    async def poll_backlog(self, js: JetStreamContext, period_s: float) -> None:
+        """Every ``period_s``: messages of the ingestion consumers not yet delivered (``num_pending``) plus
+        delivered and not yet acked (``num_ack_pending``: taken in, not yet decided). A failed request
+        keeps the last value; once this orchd stops leading (the task is cancelled) the gauge is 0: a
+        standby reads no consumer."""
+        try:
+            while True:
+                try:
+                    total = 0
+                    for _kind, stream, consumer in bus.CONSUMERS:
+                        info = await js.consumer_info(stream, consumer, timeout=2.0)
+                        total += (info.num_pending or 0) + (info.num_ack_pending or 0)
+                    self.m.backlog.set(total)
+                except Exception as e:  # disconnected, or a stream leader election: the next poll tries again
+                    log.debug("backlog_poll_failed", error=repr(e))
+                await anyio.sleep(period_s)
+        finally:
+            self.m.backlog.set(0)
+
+
+def _on_demand_usd_h(state: State, node: Node) -> float | None:
+    ps = state.pools.get(node.pool_name)
+    if ps is None:
+        return None
+    if ps.on_demand_usd_h is not None:
+        return ps.on_demand_usd_h
+    return ps.price_usd_h if node.pool.market == ev.Market.ON_DEMAND else None
