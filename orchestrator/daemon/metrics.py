@@ -61,7 +61,9 @@ class Metrics:
         self.on_demand_cost = Gauge(
             "orchd_job_on_demand_cost_usd", "What the same node-hours would have cost on demand", ["job_id"], registry=r
         )
-        self.budget = Gauge("orchd_job_budget_usd", "Budget cap per job (absent when none)", ["job_id"], registry=r)
+        self.budget = Gauge(
+            "orchd_job_budget_usd", "Budget cap per job not yet finished (absent when none)", ["job_id"], registry=r
+        )
         self.job_step = Gauge("orchd_job_step", "Last reported training step per job", ["job_id"], registry=r)
         self.recovery = Histogram(
             "orchd_recovery_seconds", "Preemption or failure to the next generation's first step",

@@ -111,9 +111,9 @@ async def run_daemon(
     event (signals arrive even while standing by).
 
     Start-up steps, in order: embedded NATS (``_start_embedded_nats``), connections (``_connect``),
-    streams and KV, the lease (``_take_lease``), the state (``_load_state``), the executor and
-    ``/metrics`` (``_start_executor``), then ``_serve`` (outbox, feeds, reaper, heartbeats, consumers,
-    admin, discovery, the decide loop, the final batch); ``_close`` on the way out."""
+    streams and KV, ``/metrics`` (``_start_metrics``), the lease (``_take_lease``), the state
+    (``_load_state``), the executor (``_start_executor``), then ``_serve`` (outbox, feeds, reaper,
+    heartbeats, consumers, admin, discovery, the decide loop, the final batch); ``_close`` on the way out."""
     core = core or default_core(settings, known_instance_types(providers))
     d = Daemon(settings, providers, core, metrics or Metrics(), stop=stop)
     settings.state_path.mkdir(parents=True, exist_ok=True)
@@ -123,6 +123,7 @@ async def run_daemon(
         d.nats_url = ",".join(urls)
         nc, ctl, hbc = await _connect(d, settings, urls, res)
         topo = await _retrying(d, "ensure_topology", lambda: bus.ensure_topology(nc, settings.nats.stream_replicas))
+        _start_metrics(d, res)  # a standby serves /metrics too (orchd_up 0): HA alerts need both sides
         try:
             lease = await _take_lease(d, topo.js)
         except ValueError as e:  # e.g. the lease bucket's TTL differs from daemon.lease_ttl_s
@@ -137,7 +138,7 @@ async def run_daemon(
             outbox = await _load_state(d, topo, ctl, tune_gc=tune_gc)
             credentials: Credentials | None = res.callout_credentials or (
                 node_credentials(settings) if settings.credentials.enabled else None)
-            executor = _start_executor(d, ctl, urls, lease, credentials, res)
+            executor = d.executor = _start_executor(d, ctl, urls, lease, credentials)
             await _serve(d, executor, topo.js, (nc, ctl, hbc), outbox, credentials, feeds=feeds,
                          task_status=task_status)
             lease_tg.cancel_scope.cancel()  # releases the lease (clean exit)
@@ -196,20 +197,22 @@ async def _load_state(d: Daemon, topo: bus.Topology, ctl: Client, *, tune_gc: bo
 
 
 def _start_executor(d: Daemon, ctl: Client, urls: tuple[str, ...], lease: LeaderLease | None,
-                    credentials: Credentials | None, res: _Resources) -> Executor:
-    """The executor (acting only while the lease is valid) and the ``/metrics`` server."""
+                    credentials: Credentials | None) -> Executor:
+    """The executor (acting only while the lease is valid)."""
+    return Executor(d.settings, d.providers, ctl, d.on_result, d.metrics, nats_urls=urls,
+                    on_agent_sent=d.on_agent_sent, may_act=(lease.valid if lease is not None else _always),
+                    credentials=credentials)
+
+
+def _start_metrics(d: Daemon, res: _Resources) -> None:
+    """The ``/metrics`` server, from before the lease: a standby answers with ``orchd_up`` 0."""
     settings = d.settings
-    executor = d.executor = Executor(settings, d.providers, ctl, d.on_result, d.metrics, nats_urls=urls,
-                                     on_agent_sent=d.on_agent_sent,
-                                     may_act=(lease.valid if lease is not None else _always),
-                                     credentials=credentials)
     if settings.metrics.enabled:
         try:
             res.http = serve_metrics(d.metrics, settings.metrics.host, settings.metrics.port)
         except OSError as e:  # taken since the pre-flight check
             raise bind_error("metrics.port", settings.metrics.host, settings.metrics.port, e) from None
         d.metrics_url = f"http://{settings.metrics.host}:{res.http.server_port}/metrics"
-    return executor
 
 
 async def _serve(d: Daemon, executor: Executor, js: JetStreamContext, conns: tuple[Client, Client, Client],

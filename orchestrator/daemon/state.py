@@ -23,7 +23,7 @@ import wire as ev
 from orchestrator.core import AuditEntry, Decision, Job, JobPhase, Node, PoolStats, State, job_cost_usd, job_step
 from orchestrator.core.feasibility import wake_up
 from orchestrator.core.inputs import CoreEvent
-from orchestrator.core.model import DEFAULT_RESTART_BACKOFF_BASE_S, DEFAULT_RESTART_BACKOFF_MAX_S
+from orchestrator.core.model import DEFAULT_RESTART_BACKOFF_BASE_S, DEFAULT_RESTART_BACKOFF_MAX_S, TERMINAL_JOB_PHASES
 from orchestrator.settings import Settings
 
 if TYPE_CHECKING:
@@ -182,11 +182,13 @@ def refresh_gauges(d: Daemon) -> None:
     ).items():
         m.nodes.labels(cloud, pool, phase).set(n)
     now = time.time()
-    m.job_phase.clear()
-    m.job_nodes.clear()
+    # Series of deleted jobs go; a finished job keeps its final cost and step but no budget, so a budget
+    # alert resolves when the job stops instead of firing for as long as the job is kept.
+    for family in (m.job_phase, m.job_nodes, m.cost, m.budget, m.job_step):
+        family.clear()
     for job in state.jobs.values():
         m.cost.labels(job.job_id).set(job_cost_usd(state, job.job_id, now))
-        if job.spec.budget_usd is not None:
+        if job.spec.budget_usd is not None and job.phase not in TERMINAL_JOB_PHASES:
             m.budget.labels(job.job_id).set(job.spec.budget_usd)
         m.job_phase.labels(job.job_id, _s(job.phase)).set(1)
         m.job_step.labels(job.job_id).set(job_step(state, job.job_id))

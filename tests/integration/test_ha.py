@@ -4,6 +4,8 @@ continues from the same persisted state."""
 
 from __future__ import annotations
 
+import urllib.request
+
 import anyio
 import nats
 import pytest
@@ -15,6 +17,7 @@ from orchestrator.jobspec import parse_jobspec
 from orchestrator.natsserver import NatsServer
 from orchestrator.settings import load_settings
 from simulations.fakecloud import FakeCloud
+from tests.conftest import free_port
 from tests.integration import helpers as h
 
 pytestmark = pytest.mark.anyio
@@ -23,9 +26,10 @@ pytestmark = pytest.mark.anyio
 async def test_standby_takes_over_with_greater_token_and_same_state(tmp_path):
     server = NatsServer(tmp_path / "nats").start()
     settings = []
+    b_metrics = free_port()
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        cfg = h.write_config(tmp_path / name, server.url)
+        cfg = h.write_config(tmp_path / name, server.url, metrics_port=b_metrics if name == "b" else 0)
         cfg.write_text(cfg.read_text().replace("[daemon]\n", "[daemon]\nha = true\nlease_ttl_s = 2.0\n"))
         settings.append(load_settings(cfg, env={}))
     sa, sb = settings
@@ -43,6 +47,9 @@ async def test_standby_takes_over_with_greater_token_and_same_state(tmp_path):
             tg.start_soon(standby)
             await anyio.sleep(1.0)
             assert not b_handle  # B stands by: not started
+            # ... and answers /metrics with orchd_up 0 (OrchdNoLeader and OrchdDown resolve only so)
+            text = await anyio.to_thread.run_sync(_scrape, f"http://127.0.0.1:{b_metrics}/metrics")
+            assert "\norchd_up 0.0\n" in text and "\norchd_lease_revision 0.0\n" in text
             await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL, 1.0, 3.0))
             client = await AdminClient.connect([server.url])
             job = await client.submit(parse_jobspec(h.JOB_TOML.format(nodes=1)))
@@ -70,3 +77,8 @@ class _Started:
 
     def started(self, value=None) -> None:
         self.sink.append(value)
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        return r.read().decode()

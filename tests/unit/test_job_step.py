@@ -6,8 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import msgspec
+
 from orchestrator.core import Decision, JobPhase, job_step
-from orchestrator.core.inputs import JobSubmitted, NodeGone, Tick
+from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeGone, Tick
+from orchestrator.core.model import TERMINAL_JOB_PHASES, State
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.state import job_summary, refresh_gauges
 from tests.core.harness import (
@@ -104,3 +107,25 @@ def test_members_that_carry_over_into_the_resumed_generation_report_its_step() -
     for step in range(41, 46):
         _beat(drv, ids, step)
     assert job_step(drv.state, "j1") == 45
+
+
+def test_a_finished_job_keeps_its_cost_but_no_budget_and_a_deleted_job_no_series() -> None:
+    """``orchd_job_budget_usd`` exists only while the job can still spend: OrchdBudgetNearlySpent resolves
+    when the job stops. A job no longer in the state leaves no series behind."""
+    drv = Driver()
+    drv(price(A, 10.0))
+    drv.launched(drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, budget_usd=100.0))))
+    metrics = Metrics()
+
+    def gauges(state: State | None = None) -> tuple[float | None, float | None, float | None]:
+        refresh_gauges(SimpleNamespace(state=state or drv.state, metrics=metrics, fencing_token=1))
+        return tuple(metrics.registry.get_sample_value(name, {"job_id": "j1"})  # type: ignore[return-value]
+                     for name in ("orchd_job_cost_usd", "orchd_job_budget_usd", "orchd_job_step"))
+
+    cost, budget, _ = gauges()
+    assert cost is not None and budget == 100.0
+    drv(JobCancelled(job_id="j1"), dt=1.0)  # before any generation: cancelled at once
+    assert drv.job().phase in TERMINAL_JOB_PHASES
+    cost, budget, step = gauges()
+    assert cost is not None and budget is None and step is not None
+    assert gauges(msgspec.structs.replace(drv.state, jobs=drv.state.jobs.delete("j1"))) == (None, None, None)
