@@ -319,10 +319,12 @@ async def _take_lease(d: Daemon, js: JetStreamContext) -> LeaderLease | None:
     None when stopped first). Single daemon: a put on the lease bucket gives a revision greater than
     any earlier one (no lease is held, returns None)."""
     ds = d.settings.daemon
-    kv = await lease_bucket(js, ttl_s=ds.lease_ttl_s, replicas=d.settings.nats.stream_replicas)
+    kv = await _retrying(d, "lease_bucket", lambda: lease_bucket(js, ttl_s=ds.lease_ttl_s,
+                                                                replicas=d.settings.nats.stream_replicas))
     if not ds.ha:
-        d.fencing_token = await kv.put("epoch", json.dumps({"pid": os.getpid(), "host": os.uname().nodename,
-                                                            "ts": time.time()}).encode())
+        epoch = json.dumps({"pid": os.getpid(), "host": os.uname().nodename, "ts": time.time()}).encode()
+        # retried: a put that timed out but landed only makes the next revision (the token) greater
+        d.fencing_token = await _retrying(d, "epoch", lambda: kv.put("epoch", epoch))
         return None
     lease = LeaderLease(kv, ttl_s=ds.lease_ttl_s, holder=f"{os.uname().nodename}:{os.getpid()}")
     log.info("standby", lease_ttl_s=ds.lease_ttl_s)

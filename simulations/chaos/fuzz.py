@@ -324,7 +324,10 @@ async def run(seed: int, root: Path, *, n_messages: int = 100_000, garbage_repli
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     server = NatsServer(work / "nats").start()
-    orchd = Orchd(work, server.url)
+    # No per-sender limit: the fuzzer speaks as the fleet's own nodes (it bypasses the NATS permissions
+    # that would stop it), so a limit would also drop those nodes' legitimate heartbeats and break the
+    # count below. The limit has its own test (tests/integration/test_sender_limit.py).
+    orchd = Orchd(work, server.url, daemon_extra="sender_rate_per_s = 0")
     nc = pub = None
     job_id = "chaos-fuzz-j0"
     try:
