@@ -152,7 +152,7 @@ def recorded_topology() -> _RecordingJetStream:
     js = _RecordingJetStream()
     replicas = NatsSettings().stream_replicas
     _drive(bus.ensure_topology(js, replicas))  # type: ignore[arg-type]
-    _drive(bus.ensure_consumers(js))  # type: ignore[arg-type]
+    _drive(bus.ensure_consumers(js, ack_wait=bus.ack_wait_s(DaemonSettings().lease_ttl_s)))  # type: ignore[arg-type]
     _drive(orchestrator.daemon.lease.lease_bucket(js, ttl_s=DaemonSettings().lease_ttl_s, replicas=replicas))
     return js
 

@@ -76,6 +76,16 @@ HDR_DEAD_STREAM_SEQ = "Orch-Dead-Stream-Seq"
 DUPLICATE_WINDOW_S = 120.0
 MAX_DELIVER = 20
 ACK_WAIT_S = 30.0
+"""The consumers' ack wait where no lease TTL is given (tools, tests); orchd uses ``ack_wait_s``."""
+
+
+def ack_wait_s(lease_ttl_s: float) -> float:
+    """orchd's consumers' ack wait: twice the leader lease's TTL, at least 10 s. A message the server
+    delivered to a leader that was then cut off stays unacked until this passes; only then does the new
+    leader get it. So a notice delivered just before a partition reaches the new leader within this
+    time (12 s at the default 6 s TTL, inside a 30 s GCP/Azure notice). Redelivery is harmless (the
+    core ignores what it has seen); the floor keeps a busy orchd from redelivering its own backlog."""
+    return max(10.0, 2.0 * lease_ttl_s)
 MAX_ACK_PENDING = 100_000
 
 
@@ -218,13 +228,13 @@ CONSUMERS: tuple[tuple[str, str, str], ...] = (
 """(kind, stream, durable consumer) of the daemon's ingestion."""
 
 
-def consumer_config(durable: str, subjects: tuple[str, ...]) -> ConsumerConfig:
+def consumer_config(durable: str, subjects: tuple[str, ...], ack_wait: float = ACK_WAIT_S) -> ConsumerConfig:
     return ConsumerConfig(
         durable_name=durable,
         name=durable,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
-        ack_wait=ACK_WAIT_S,
+        ack_wait=ack_wait,
         max_deliver=MAX_DELIVER,
         max_ack_pending=MAX_ACK_PENDING,
         max_waiting=64,
@@ -232,7 +242,8 @@ def consumer_config(durable: str, subjects: tuple[str, ...]) -> ConsumerConfig:
     )
 
 
-async def ensure_consumers(js: JetStreamContext, timeout_s: float | None = None) -> None:
+async def ensure_consumers(js: JetStreamContext, timeout_s: float | None = None,
+                           ack_wait: float = ACK_WAIT_S) -> None:
     """Create the durable pull consumers (an existing one is updated to this config).
 
     ``timeout_s``: per request, shorter than the context's 5 s for a caller that retries (idempotent):
@@ -240,7 +251,7 @@ async def ensure_consumers(js: JetStreamContext, timeout_s: float | None = None)
     retry find the new leader seconds sooner."""
     for _kind, stream, durable in CONSUMERS:
         subjects = SUBJECTS_EVENTS if stream == STREAM_EVENTS else SUBJECTS_MARKET
-        await js.add_consumer(stream, consumer_config(durable, subjects), timeout=timeout_s)
+        await js.add_consumer(stream, consumer_config(durable, subjects, ack_wait), timeout=timeout_s)
 
 
 def message_kind(subject: str) -> str:

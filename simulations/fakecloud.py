@@ -16,12 +16,14 @@ Concurrency contract: thread-safe (one lock); calls are cheap and never block.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,18 +206,45 @@ def _with_state(inst: Instance, state: InstanceState) -> Instance:
 class FileFakeCloud(FakeCloud):
     """FakeCloud persisted to a JSON file after every change (and loaded at construction)."""
 
-    def __init__(self, state_file: str | os.PathLike[str], cloud: str = "fake", **kw: Any) -> None:
+    def __init__(self, state_file: str | os.PathLike[str], cloud: str = "fake", *, shared: bool = False,
+                 **kw: Any) -> None:
         super().__init__(cloud, **kw)
         self.state_file = Path(state_file)
+        self.shared = shared
+        self.calls_file = self.state_file.with_suffix(".calls.jsonl")
         self._file_lock = threading.Lock()
-        if self.state_file.exists():
-            data = json.loads(self.state_file.read_text())
+        self._reload()
+
+    def _reload(self) -> None:
+        if not self.state_file.exists():
+            return
+        data = json.loads(self.state_file.read_text())
+        with self._lock:
+            self._instances = {}
             for raw in data.get("instances", []):
                 inst = msgspec.convert(raw, Instance)
                 self._instances[inst.instance_id] = inst
             self._by_token = {k: tuple(v) for k, v in data.get("tokens", {}).items()}
             self.launch_calls = data.get("launch_calls", 0)
             self._ids = itertools.count(len(self._instances) + 1)
+
+    @contextlib.contextmanager
+    def _shared(self, op: str, what: Sequence[str]) -> Iterator[None]:
+        """Shared mode: the whole call under an exclusive file lock, on the file's current content, and
+        one line per call in ``calls_file`` (pid, op, ids, time): several processes (an HA leader and
+        its standby) act on one cloud, and the partition drills attribute every call to its caller."""
+        if not self.shared:
+            yield
+            return
+        with open(self.state_file.with_suffix(".lock"), "a") as lk:
+            fcntl.flock(lk, fcntl.LOCK_EX)
+            try:
+                self._reload()
+                with open(self.calls_file, "a") as calls:
+                    calls.write(json.dumps({"pid": os.getpid(), "op": op, "ids": list(what), "ts": time.time()}) + "\n")
+                yield
+            finally:
+                fcntl.flock(lk, fcntl.LOCK_UN)
 
     def _save(self) -> None:
         with self._file_lock:  # one writer at a time; the snapshot is taken under the cloud's lock
@@ -230,16 +259,26 @@ class FileFakeCloud(FakeCloud):
             tmp.replace(self.state_file)
 
     def launch(self, request: LaunchRequest) -> LaunchResult:
-        try:
-            return super().launch(request)
-        finally:
-            self._save()
+        with self._shared("launch", request.node_ids):
+            try:
+                return super().launch(request)
+            finally:
+                self._save()
 
     def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
-        try:
-            super().terminate(instance_ids, cluster_id)
-        finally:
-            self._save()
+        with self._shared("terminate", instance_ids):
+            try:
+                super().terminate(instance_ids, cluster_id)
+            finally:
+                self._save()
+
+    def list_instances(self, cluster_id: str) -> list[Instance]:
+        with self._shared("list", ()):
+            return super().list_instances(cluster_id)
+
+    def describe(self, instance_ids: Sequence[InstanceId]) -> list[Instance]:
+        with self._shared("describe", instance_ids):
+            return super().describe(instance_ids)
 
     def add_instance(self, pool: PoolKey, tags: Mapping[str, str] | None = None) -> Instance:
         out = super().add_instance(pool, tags)
@@ -247,9 +286,10 @@ class FileFakeCloud(FakeCloud):
         return out
 
     def preempt(self, instance_id: InstanceId) -> Instance:
-        out = super().preempt(instance_id)
-        self._save()
-        return out
+        with self._shared("preempt", (instance_id,)):
+            out = super().preempt(instance_id)
+            self._save()
+            return out
 
 
 def read_fake_file(path: str | os.PathLike[str]) -> list[Instance]:
@@ -275,6 +315,9 @@ class FakeConfig:
 
     state_file: str = ""
     """Keep instances and idempotency tokens in this JSON file (a FileFakeCloud): they survive a restart."""
+    shared: bool = False
+    """Several processes share ``state_file`` (HA orchd): each call re-reads it under a file lock and is
+    logged to ``<state_file stem>.calls.jsonl`` with the caller's pid."""
     prices: tuple[FakePrice, ...] = ()
     gpu_type: str = "A100"
     gpus_per_node: int = 1
@@ -284,7 +327,8 @@ def from_settings(table: Mapping[str, Any]) -> FakeCloud:
     """``[providers.fake]`` -> FakeCloud (FileFakeCloud with a ``state_file``); one SettingsError with
     every problem (``wire.config.load_checked``)."""
     cfg = load_checked(FakeConfig, table, "providers.fake")
-    cloud = (FileFakeCloud(cfg.state_file, gpu_type=cfg.gpu_type, gpus_per_node=cfg.gpus_per_node) if cfg.state_file
+    cloud = (FileFakeCloud(cfg.state_file, shared=cfg.shared, gpu_type=cfg.gpu_type, gpus_per_node=cfg.gpus_per_node)
+             if cfg.state_file
              else FakeCloud(gpu_type=cfg.gpu_type, gpus_per_node=cfg.gpus_per_node))
     for row in cfg.prices:
         cloud.set_price(row.pool, row.price_usd_h, row.on_demand_usd_h)

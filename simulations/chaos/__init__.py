@@ -10,9 +10,12 @@ trainer processes, to keep a drill in seconds.
 
     python -m simulations.chaos [--seed S] [--iterations N] [--fuzz N] [--json]
     python -m simulations.chaos --adversarial N [--seed S] [--adversarial-all] [--json]
+    python -m simulations.chaos --partitions [--seed S] [--drills a,b] [--drop-s S] [--json]
 
 Modules: ``harness`` (nats-server, the orchd subprocess, metrics, cloud-side counting), ``agents``
 (simulated agents), ``kill9`` (kill -9 drill), ``natsrestart`` (NATS restart drill), ``fuzz`` (the
 fuzzer), ``hostile`` / ``adversarial`` (well-formed attacks from real ids, and the clean-vs-hostile
-drill with its oracle), ``__main__`` (the command). See docs/chaos.md.
+drill with its oracle), ``netns`` / ``nsworld`` / ``simhost`` / ``partitions`` (each process in its own
+network namespace; cuts, one-way blocks and random drops; the partition drills), ``__main__`` (the
+command). See docs/chaos.md.
 """

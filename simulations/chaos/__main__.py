@@ -1,6 +1,8 @@
 """``python -m simulations.chaos [--seed S] [--iterations N] [--fuzz N] [--json]``: run the drills, print
 one JSON object (``--json``) or a short table. Exit 0 when every figure that must be zero is zero and
-the fuzzer's counters add up, else 1. See docs/chaos.md."""
+the fuzzer's counters add up, else 1. ``--partitions`` runs the network-namespace drills instead
+(``partitions.py``; root): exit 0 when every drill passed, 1 when one failed, 2 when they cannot run.
+See docs/chaos.md."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from simulations.chaos import adversarial, fuzz, kill9, natsrestart
+from simulations.chaos import adversarial, fuzz, kill9, natsrestart, netns, partitions
 
 
 async def run_all(*, seed: int, iterations: int, n_fuzz: int, nats_restarts: int, max_kills: int,
@@ -92,7 +94,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="run only the adversarial drill with N hostile messages (docs/chaos.md section 4)")
     p.add_argument("--adversarial-all", action="store_true",
                    help="also send the hostile kinds known to fail (adversarial.EXPECTED_FAILURES)")
+    p.add_argument("--partitions", action="store_true",
+                   help="run only the partition drills across network namespaces (root; docs/chaos.md section 5)")
+    p.add_argument("--drills", default=",".join(partitions.DRILLS),
+                   help="with --partitions: which drills, comma-separated (default: all)")
+    p.add_argument("--drop-s", type=float, default=60.0, help="with --partitions: seconds of 30%% packet drops")
     a = p.parse_args(argv)
+    if a.partitions:
+        return _partitions(a)
     if a.adversarial:
         return _adversarial(a)
     with tempfile.TemporaryDirectory(prefix="orch-chaos-") as tmp:
@@ -108,6 +117,31 @@ def main(argv: list[str] | None = None) -> int:
             if k not in ("rejected_by_reason", "fuzz_by_target", "fuzz_by_mutation"):
                 print(f"{k:24} {v}")
     return 0 if passed(out) else 1
+
+
+def _partitions(a: argparse.Namespace) -> int:
+    drills = tuple(d for d in a.drills.split(",") if d)
+    unknown = [d for d in drills if d not in partitions.DRILLS]
+    if unknown:
+        print(f"unknown drill(s) {unknown}; known: {', '.join(partitions.DRILLS)}", file=sys.stderr)
+        return 2
+    reason = netns.unavailable()
+    if reason:
+        print(f"partition drills cannot run here: {reason}", file=sys.stderr)
+        return 2
+    progress = None if a.json else (lambda line: print(line, file=sys.stderr, flush=True))
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="orch-partitions-") as tmp:
+        results = anyio.run(lambda: partitions.run(a.seed, Path(a.workdir or tmp), drills=drills, drop_s=a.drop_s,
+                                                   progress=progress), backend="asyncio")
+    out = partitions.summary(results, a.seed, time.monotonic() - t0)
+    if a.json:
+        print(json.dumps(out, indent=1))
+    else:
+        for k, v in out.items():
+            if k != "drills":
+                print(f"{k:24} {v}")
+    return 0 if out["drills_passed"] == out["drills_run"] else 1
 
 
 def _adversarial(a: argparse.Namespace) -> int:

@@ -67,8 +67,9 @@ class SimNode:
 
 class SimFleet:
     def __init__(self, nc: Any, fake_file: Path, *, step_s: float = 0.05, hb_s: float = 0.5,
-                 garbage_replies: int = 0, sampler: Any = None) -> None:
+                 garbage_replies: int = 0, sampler: Any = None, only: frozenset[str] | None = None) -> None:
         self.nc = nc
+        self.only = only  # these instance ids only (one simulated host per process: partitions.py)
         self.sampler = sampler  # an agent.heartbeat.SystemSampler: its GPU readings go in every heartbeat
         self.js = nc.jetstream(timeout=2.0)
         self.fake_file = fake_file
@@ -143,6 +144,8 @@ class SimFleet:
             except (OSError, ValueError):
                 insts = []
             for inst in insts:
+                if self.only is not None and inst.instance_id not in self.only:
+                    continue
                 node = self.nodes.get(str(inst.node_id))
                 if inst.alive and node is None and inst.node_id:
                     node = self.nodes[str(inst.node_id)] = SimNode(str(inst.node_id), inst.instance_id, inst.pool)

@@ -69,3 +69,13 @@ async def shutdown(orchd: Any, server: Any, *conns: Any) -> None:
                 with contextlib.suppress(Exception):  # a broken connection is already closed for our purpose
                     await conn.close()
         server.cleanup()
+
+
+async def publish_prices_to(urls: dict[str, str], tag: str) -> None:
+    """``publish_prices`` over a connection of its own to any of ``urls`` (a cluster), closed after."""
+    nc = await nats.connect(servers=list(urls.values()), name="chaos-prices", max_reconnect_attempts=-1,
+                            reconnect_time_wait=0.2, error_cb=_quiet)
+    try:
+        await publish_prices(nc.jetstream(timeout=2.0), tag)
+    finally:
+        await nc.close()

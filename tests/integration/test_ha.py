@@ -11,6 +11,7 @@ import nats
 import pytest
 
 import wire as ev
+from orchestrator import bus
 from orchestrator.cli.client import AdminClient
 from orchestrator.daemon.run import run_daemon
 from orchestrator.jobspec import parse_jobspec
@@ -55,6 +56,10 @@ async def test_standby_takes_over_with_greater_token_and_same_state(tmp_path):
             job = await client.submit(parse_jobspec(h.JOB_TOML.format(nodes=1)))
             st = await client.status()
             assert st.pid and st.fencing_token == a.fencing_token
+            # the consumers' ack wait follows the lease TTL (2 s here: the 10 s floor), so an event the
+            # server delivered to a leader that was then cut off reaches the next leader within it
+            info = await js.consumer_info(bus.STREAM_EVENTS, bus.CONSUMER_EVENTS)
+            assert info.config.ack_wait == bus.ack_wait_s(2.0) == 10.0
             a.request_stop()  # clean exit releases the lease
             b = await h.wait_for(lambda: b_handle and b_handle[0], timeout=10)
             assert b.fencing_token > a.fencing_token
