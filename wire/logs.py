@@ -57,7 +57,28 @@ class _Stream:
             return False
 
 
+class _SslEofNoise(logging.Filter):
+    """Drops asyncio's "returning true from eof_received() has no effect when using ssl". nats-py upgrades
+    its connection to TLS with ``loop.start_tls``, after which asyncio's stream protocol still takes the
+    transport for plain TCP and answers the server's TLS close with True; asyncio then wrote that line,
+    raw, to stderr (orchd's and the agent's JSON log, orchctl's output) whenever a TLS connection to NATS
+    was closed by the server, although nothing is wrong."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "eof_received() has no effect when using ssl" not in record.getMessage()
+
+
+SSL_EOF_NOISE = _SslEofNoise()
+"""On the ``asyncio`` logger once ``quiet_asyncio_ssl_eof`` ran (``configure`` runs it; ``addFilter`` keeps
+one copy)."""
+
+
+def quiet_asyncio_ssl_eof() -> None:
+    logging.getLogger("asyncio").addFilter(SSL_EOF_NOISE)
+
+
 def configure(level: str = "info", fmt: str = "auto", stream: TextIO | None = None) -> None:
+    quiet_asyncio_ssl_eof()
     sink = _Stream(stream)
     console = fmt == "console" or (fmt == "auto" and sink.isatty())
     renderer = structlog.dev.ConsoleRenderer() if console else structlog.processors.JSONRenderer()

@@ -193,9 +193,7 @@ class LocalProvider:
         for u in urls:
             args += ["--nats-url", u]
         args += list(c.agent_args)
-        env = {**os.environ, **c.agent_env}
-        if request.bootstrap is not None and request.bootstrap.credential:
-            env["ORCH_AGENT_NATS_TOKEN"] = request.bootstrap.credential  # never on the command line
+        env = self.agent_environment(node_id, request)
         log_file = open(wd / "agent.log", "ab")  # noqa: SIM115 - closed when the node ends
         proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
@@ -205,6 +203,21 @@ class LocalProvider:
         log.info("local_node_launched", node_id=node_id, instance_id=iid, zone=request.pool.zone,
                  market=str(request.pool.market), metadata=flavour, pid=proc.pid)
         return inst
+
+    def agent_environment(self, node_id: NodeId, request: LaunchRequest) -> dict[str, str]:
+        """The environment of a node's agent: orchd's, less its ``CREDENTIALS_DIRECTORY`` (orchd's own
+        secrets, which systemd hands to orchd alone), plus ``agent_env`` (which may name the node's own
+        credentials directory), plus the launch's secret: the node's single-use enrolment token
+        (``ORCH_AGENT_ENROL_TOKEN``, as the cloud bootstrap writes it) when orchd issues per-node
+        credentials, else the shared token. Secrets never go on the command line."""
+        env = {k: v for k, v in os.environ.items() if k != "CREDENTIALS_DIRECTORY"}
+        env.update(self.config.agent_env)
+        boot = request.bootstrap
+        if boot is not None and boot.node_credentials.get(str(node_id)):
+            env["ORCH_AGENT_ENROL_TOKEN"] = boot.node_credentials[str(node_id)]
+        elif boot is not None and boot.credential:
+            env["ORCH_AGENT_NATS_TOKEN"] = boot.credential
+        return env
 
     def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
         """Stop only the nodes that carry this cluster's tag; refuse (log, then raise) the rest."""

@@ -1,9 +1,11 @@
 """The production drill: orchd run as an operator would, on loopback, watched by Prometheus and
 Alertmanager.
 
-It starts a 3-server NATS cluster, two orchd (HA, the local provider: agents as processes on this
-machine), Debian's Prometheus scraping both orchd with the project's alert rules, and Debian's
-Alertmanager sending to a webhook receiver the drill runs; it drives a training job through the
+It starts a 3-server NATS cluster (TLS, the auth callout: cluster_secrets.py), two orchd (HA, the local
+provider: agents as processes on this machine, enrolled with per-node credentials, reading a stub NVML;
+secrets from $CREDENTIALS_DIRECTORY), Debian's Prometheus scraping both orchd with the project's alert
+rules, and Debian's Alertmanager sending to a webhook receiver the drill runs; orchctl works under the
+operator role. It drives a training job through the
 scenarios of ``scenarios.py`` and checks through Prometheus's and Alertmanager's HTTP APIs that each
 alert of config/prometheus/alerts.yml fires in its scenario and resolves afterwards, that every query
 of the Grafana dashboard returns data, and which metrics of orchd's registry changed.

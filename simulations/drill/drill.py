@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -27,7 +29,9 @@ import nats
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.natsserver import NatsServer
+from orchestrator.security.nats_auth import FEED_INBOX
 from simulations.drill import rules
+from simulations.drill.cluster_secrets import OBSERVER, Secrets
 from simulations.drill.services import (
     ROOT,
     Alertmanager,
@@ -38,6 +42,7 @@ from simulations.drill.services import (
     nats_cluster,
     wait_until,
 )
+from wire import logs
 
 TRAINER = Path(__file__).with_name("drill_trainer.py")
 
@@ -76,17 +81,23 @@ class Drill:
     started: float = field(default_factory=time.time)
     am_seen: set[tuple[tuple[str, str], ...]] = field(default_factory=set)
     served_at_start: dict[str, dict[str, Any]] = field(default_factory=dict)
+    secure: bool = True
+    """TLS, the auth callout, per-node credentials and the operator role (cluster_secrets.py); False: an
+    open cluster (``--insecure``)."""
+    secrets: Secrets | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
 
     # --- services --------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self.servers = nats_cluster(self.tmp)
+        self.secrets = Secrets(self.tmp / "secrets") if self.secure else None
+        self.servers = nats_cluster(self.tmp, self.secrets)
         urls = [s.url for s in self.servers]
         self.run_async(self.wait_jetstream)
         nodes = self.tmp / "nodes"
-        self.orchds = [Orchd("orchd-1", self.tmp, urls, nodes_dir=nodes),
-                       Orchd("orchd-2", self.tmp, urls[::-1], nodes_dir=nodes)]
+        self.orchds = [Orchd("orchd-1", self.tmp, urls, nodes_dir=nodes, secrets=self.secrets),
+                       Orchd("orchd-2", self.tmp, urls[::-1], nodes_dir=nodes, secrets=self.secrets)]
+        self._write_operator_config()
         self.orchds[0].start()
         wait_until(lambda: self.leader() is self.orchds[0], 60, "orchd-1 to lead")
         self.orchds[1].start()
@@ -133,20 +144,43 @@ class Drill:
         finally:
             await nc.close()
 
-    async def connect(self) -> Any:
+    async def connect(self, user: str = OBSERVER) -> Any:
+        """A NATS connection of the drill: as ``user`` (cluster_secrets.py: the observer, or
+        ``price-feed`` for price ticks under the feed role), over TLS, on a secure cluster."""
         async def quiet(_e: Exception) -> None:
             return None
 
+        opts: dict[str, Any] = {}
+        logs.quiet_asyncio_ssl_eof()  # as orchd, the agents and orchctl do (wire/logs.py)
+        if self.secrets is not None:
+            opts = {"user": user, "password": self.secrets.passwords[user],
+                    "tls": ssl.create_default_context(cafile=self.secrets.tls.ca_file),
+                    "inbox_prefix": FEED_INBOX if user == "price-feed" else "_INBOX"}
         return await nats.connect(servers=[s.url for s in self.servers if s.proc is not None], error_cb=quiet,
-                                  max_reconnect_attempts=-1, reconnect_time_wait=0.2, connect_timeout=1)
+                                  max_reconnect_attempts=-1, reconnect_time_wait=0.2, connect_timeout=2, **opts)
+
+    def _write_operator_config(self) -> None:
+        """orchctl's --config: the servers and, on a secure cluster, the operator login (role orchctl)
+        and the CA."""
+        login = ""
+        if self.secrets is not None:
+            login = (f'user = "ops"\npassword = "{self.secrets.passwords["ops"]}"\n'
+                     f'tls_ca_file = "{self.secrets.tls.ca_file}"\n')
+        self.operator_config.write_text(f"[nats]\nurls = [{', '.join(repr(u) for u in self.urls)}]\n{login}")
+        self.operator_config.chmod(0o600)
+
+    @property
+    def operator_config(self) -> Path:
+        return self.tmp / "operator.toml"
 
     # --- orchctl ---------------------------------------------------------------------------------
 
     def ctl(self, *argv: str, check: bool = True) -> Any:
         """orchctl (a subprocess) against the cluster; its JSON output (``check``: exit 0 required)."""
-        cmd = [sys.executable, "-m", "orchestrator.cli", "-o", "json", "--server", ",".join(self.urls),
-               "--timeout", "10", *argv]
-        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        cmd = [sys.executable, "-m", "orchestrator.cli", "-o", "json", "--config", str(self.operator_config),
+               "--server", ",".join(self.urls), "--timeout", "10", *argv]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_") and k != "CREDENTIALS_DIRECTORY"}
+        res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
         if res.returncode != 0:
             if check:
                 raise DrillError(f"orchctl {' '.join(argv)}: exit {res.returncode}: {res.stderr.strip()[-500:]}")
@@ -185,6 +219,7 @@ market = "{market}"
 {budget}[checkpoint]
 url = "file://{self.ckpt_dir(job)}"
 interval_s = 600
+save_s_estimate = 2.0
 [trainer]
 command = ["{sys.executable}", "{TRAINER}"]
 args = {{ step_time_s = 0.1, ckpt_every_s = 2.0, emergency_save_s = 1.5 }}

@@ -4,7 +4,9 @@ Alerts fired / expected: expected = every alert of config/prometheus/alerts.yml;
 fired in their scenario (Prometheus, Alertmanager and the webhook saw them) and resolved afterwards.
 Panels with data / total: every target of the Grafana dashboard, variables substituted, queried over
 the drill's span. Metrics set / declared: declared = the metric families of the live orchd registries;
-set = those whose value changed during some scenario.
+set = those whose value changed during some scenario (or the set-up, where the faults of ``at_setup``
+scenarios are made). The agents serve no /metrics: what they read (heartbeats, GPU readings, checkpoint
+reports) reaches Prometheus through orchd's registry.
 """
 
 from __future__ import annotations
@@ -12,12 +14,19 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from simulations.drill import rules
 from simulations.drill.drill import AlertResult, Drill
 from simulations.drill.scenarios import SCENARIOS, Scenario, setup, teardown_dirs
+
+GPU_READINGS = ("stub NVML (simulations/drill/stub_nvml/pynvml.py): the agents run on CPU, their one GPU's readings "
+                "are fixed values, not measurements; they carry orchd_node_gpu_* through heartbeats to Prometheus")
+"""How the drill's GPU series are made (the JSON's ``gpu_readings``)."""
+SECURITY = ("TLS on every client listener (a throwaway CA); the auth callout answered by both orchd (account key, "
+            "auth user); orchd, orchctl (role orchctl) and the price feed (role feed:local) as static users; agents "
+            "enrolled with per-node credentials; orchd and the agents read their secrets from $CREDENTIALS_DIRECTORY")
 
 Snapshot = dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]
 
@@ -63,15 +72,32 @@ class MetricsWatch:
         return self.declared, self.changed
 
 
-def _run_one(d: Drill, sc: Scenario, results: dict[str, AlertResult], windows_s: float) -> dict[str, Any]:
-    t0 = time.time()
+@dataclass
+class Started:
+    """A scenario whose fault was made at set-up (``Scenario.at_setup``): when, what was active then, and
+    what its undo needs."""
+
+    t0: float
+    before: set[tuple[tuple[str, str], ...]]
+    undo_arg: Any
+
+
+def _start_early(d: Drill, sc: Scenario) -> Started:
+    t0, before = time.time(), d.active_alerts()
+    return Started(t0, before, sc.fault(d))
+
+
+def _run_one(d: Drill, sc: Scenario, results: dict[str, AlertResult], windows_s: float,
+             started: Started | None = None) -> dict[str, Any]:
+    t0 = started.t0 if started is not None else time.time()
     for name in sc.alerts:
         results[name] = AlertResult(scenario=sc.name)
-    info: dict[str, Any] = {"scenario": sc.name, "alerts": list(sc.alerts), "error": ""}
+    info: dict[str, Any] = {"scenario": sc.name, "alerts": list(sc.alerts), "error": "",
+                            "fault_at_setup": started is not None}  # its seconds count from the set-up
     try:
-        before = d.active_alerts()
+        before = started.before if started is not None else d.active_alerts()
         info["active_before"] = sorted({dict(a)["alertname"] for a in before})
-        undo_arg = sc.fault(d)
+        undo_arg = started.undo_arg if started is not None else sc.fault(d)
         try:
             if sc.alerts:
                 d.wait_fired(list(sc.alerts), results, t0, timeout_s=sc.fire_timeout_s or 120 + windows_s,
@@ -88,10 +114,10 @@ def _run_one(d: Drill, sc: Scenario, results: dict[str, AlertResult], windows_s:
     return info
 
 
-def run(scale: float, scrape_s: float, *, only: list[str] | None = None, keep: bool = False,
+def run(scale: float, scrape_s: float, *, only: list[str] | None = None, keep: bool = False, secure: bool = True,
         log: Any = print) -> dict[str, Any]:
     t_start = time.monotonic()
-    d = Drill(scale=scale, scrape_s=scrape_s)
+    d = Drill(scale=scale, scrape_s=scrape_s, secure=secure)
     expected = rules.alert_names()
     windows_s = max(rules.range_windows()) * scale
     results: dict[str, AlertResult] = {}
@@ -103,13 +129,17 @@ def run(scale: float, scrape_s: float, *, only: list[str] | None = None, keep: b
     try:
         log(f"drill: services under {d.tmp}")
         d.start()
+        chosen = [sc for sc in SCENARIOS if not only or sc.name in only]
+        watch = MetricsWatch(d)  # the set-up too: the faults made then (at_setup) move metrics from there
+        early = {sc.name: _start_early(d, sc) for sc in chosen if sc.at_setup}
         setup(d)
-        for sc in SCENARIOS:
-            if only and sc.name not in only:
-                continue
+        seen, moved = watch.stop()
+        declared |= seen
+        metrics_set |= moved
+        for sc in chosen:
             log(f"drill: scenario {sc.name}")
             watch = MetricsWatch(d)
-            scenarios.append(_run_one(d, sc, results, windows_s))
+            scenarios.append(_run_one(d, sc, results, windows_s, early.get(sc.name)))
             seen, moved = watch.stop()
             declared |= seen
             metrics_set |= moved
@@ -132,5 +162,7 @@ def run(scale: float, scrape_s: float, *, only: list[str] | None = None, keep: b
                     "unset": sorted(declared - metrics_set)},
         "scale": scale, "scrape_interval_s": scrape_s, "scenarios": scenarios, "error": setup_error,
         "orchd_at_start": d.served_at_start,
+        "gpu_readings": GPU_READINGS,
+        "nats_security": SECURITY if secure else "none: an open cluster (--insecure)",
         "wall_s": round(time.monotonic() - t_start, 1),
     }

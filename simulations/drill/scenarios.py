@@ -10,7 +10,8 @@ and at the webhook (a "resolved" notification).
     storage         the checkpoint store becomes a file, then comes back             CheckpointStorageFailing
     price spike     the pool's spot price at 95% of on-demand on the price subject   PriceSpike
     backlog         the market consumer paused under a flood of price ticks          EventBacklogGrowing
-    budget          a job on demand since the set-up nears its budget, cancelled      BudgetNearlySpent
+    budget          a job on demand, submitted at set-up, nears its budget            BudgetNearlySpent
+                    (orchd stops it; the scenario waits in its turn, then cancels it)
     leader kill     kill -9 of the leader orchd, started again as a standby          OrchdDown, OrchdNoLeader
     NATS kill       kill -9 of nats-3, then of the two others; all started again     NatsDisconnected
 """
@@ -46,7 +47,11 @@ class Scenario:
     fault: Callable[[Drill], Any]
     undo: Callable[[Drill, Any], None]
     fire_timeout_s: float = 0.0
-    """0: 2 minutes plus the longest scaled range window."""
+    """0: 2 minutes plus the longest scaled range window (from the fault)."""
+    at_setup: bool = False
+    """The fault is made at set-up, before the other scenarios run (one that takes minutes of its own and
+    reaches no other job); the scenario then waits in its turn for its alerts, counted from the fault,
+    compared with what was active then."""
 
 
 def _generation(d: Drill) -> int:
@@ -119,15 +124,20 @@ def _storage_back(d: Drill, _: Any) -> None:
         saved.rename(ckpt)
 
 
-BUDGET_USD = 0.56
-"""The budget job's cap, on demand (3.06 USD/h): orchd launches only what the budget carries through boot
-(240 s estimated) and a 60 s termination tail at the worst price, and stops the job when the tail no
-longer fits - so cost / budget passes 0.9 only with a budget of 10 tails or more (0.51 USD), after
-about 9 minutes. The job runs from the start, beside the others."""
+BUDGET_S = 150.0
+"""The budget job's cap in seconds of its node at the on-demand price. orchd launches only what the budget
+carries through boot and a termination tail at the worst price (the drill's orchd: ``boot_estimate_s`` 10,
+``terminate_billing_s`` 2) and stops the job once the tail no longer fits: cost / budget passes 0.9 about
+135 s after the launch, and the stop comes some 10 s later (the gauges are refreshed every 0.5 s)."""
 
 
 def _budget(d: Drill) -> None:
-    """The budget job (submitted at set-up) nears its cap."""
+    """A 1-node job on demand with a budget (submitted at set-up): it nears its cap, orchd stops it."""
+    d.submit(BUDGET_JOB, nodes=1, budget_usd=budget_usd(), market="on_demand")
+
+
+def budget_usd() -> float:
+    return round(BUDGET_S * ON_DEMAND_USD_H / 3600.0, 6)
 
 
 def _budget_job_gone(d: Drill, _: Any) -> None:
@@ -143,7 +153,7 @@ def _pool(d: Drill) -> ev.PoolKey:
 
 def _publish_prices(d: Drill, pool: ev.PoolKey, ratio: float, count: int = 1) -> None:
     async def go() -> None:
-        nc = await d.connect()
+        nc = await d.connect("price-feed")
         try:
             js = nc.jetstream(timeout=5.0)
             for _ in range(count):
@@ -250,9 +260,8 @@ SCENARIOS = (
     Scenario("storage", ("OrchdCheckpointStorageFailing",), _storage_fails, _storage_back),
     Scenario("price spike", ("OrchdPriceSpike",), _spike, _calm),
     Scenario("backlog", ("OrchdEventBacklogGrowing",), _flood, _unflood),
-    # before the faults that reach every job: a restart costs the budget job its boot estimate, which
-    # its budget no longer carries after a few minutes (orchd then stops it below 90%)
-    Scenario("budget", ("OrchdBudgetNearlySpent",), _budget, _budget_job_gone, fire_timeout_s=900.0),
+    Scenario("budget", ("OrchdBudgetNearlySpent",), _budget, _budget_job_gone, fire_timeout_s=BUDGET_S + 180.0,
+             at_setup=True),
     Scenario("leader kill", ("OrchdDown", "OrchdNoLeader"), _kill_leader, _restart),
     Scenario("NATS kill", ("OrchdNatsDisconnected",), _kill_nats, _restart_nats),
 )
@@ -262,7 +271,6 @@ def setup(d: Drill) -> None:
     """The training job every scenario works on, running on its nodes."""
     os.makedirs(d.ckpt_dir(JOB).parent, exist_ok=True)
     d.submit(JOB, nodes=NODES)
-    d.submit(BUDGET_JOB, nodes=1, budget_usd=BUDGET_USD, market="on_demand")
     wait_until(lambda: d.running_nodes(JOB, NODES), 180, f"{NODES} nodes of the job training")
 
 

@@ -28,6 +28,7 @@ import yaml
 
 from orchestrator.natsserver import NatsServer
 from orchestrator.security.nats_auth import render_server_config
+from simulations.drill.cluster_secrets import AUTH_USER, Secrets
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -76,15 +77,20 @@ def kill_tree(proc: psutil.Process | subprocess.Popen[bytes] | None, sig: int = 
         proc.wait()
 
 
-def nats_cluster(tmp: Path, n: int = 3) -> list[NatsServer]:
-    """n nats-servers (nats-1..nats-n), JetStream on each, routed to each other on loopback."""
+def nats_cluster(tmp: Path, secrets: Secrets | None, n: int = 3) -> list[NatsServer]:
+    """n nats-servers (nats-1..nats-n), JetStream on each, routed to each other on loopback. With
+    ``secrets``: TLS on the client listeners and the auth callout include (``Secrets.auth_conf``) on each;
+    without, open (no TLS, no authorization)."""
     cports = [free_port() for _ in range(n)]
     routes = [f"nats-route://127.0.0.1:{p}" for p in cports]
     servers = []
     for i, cport in enumerate(cports, start=1):
         conf = tmp / f"nats-{i}.conf"
         conf.write_text(render_server_config(
-            auth_include=None, host="127.0.0.1", port=-1, store_dir=None, http_port=None, server_name=f"nats-{i}",
+            # an include is relative to its config file
+            auth_include=os.path.relpath(secrets.auth_conf, tmp) if secrets else None,
+            tls=secrets.tls if secrets else None,
+            host="127.0.0.1", port=-1, store_dir=None, http_port=None, server_name=f"nats-{i}",
             cluster={"name": "orch", "host": "127.0.0.1", "port": cport, "routes": routes}))
         servers.append(NatsServer(tmp / f"nats-{i}", config_file=str(conf), name=f"nats-{i}"))
     for s in servers:
@@ -92,22 +98,48 @@ def nats_cluster(tmp: Path, n: int = 3) -> list[NatsServer]:
     return servers
 
 
-class Orchd:
-    """``python -m orchestrator.daemon`` with the local provider, HA on the cluster."""
+STUB_NVML = Path(__file__).with_name("stub_nvml")
+"""The stub ``pynvml`` the drill's agents import (the hardware edge; see stub_nvml/pynvml.py)."""
 
-    def __init__(self, name: str, tmp: Path, urls: list[str], *, nodes_dir: Path) -> None:
+
+def agent_pythonpath() -> str:
+    """The agents' PYTHONPATH: the stub NVML first, then whatever this process was given."""
+    return os.pathsep.join([str(STUB_NVML), *filter(None, [os.environ.get("PYTHONPATH", "")])])
+
+
+class Orchd:
+    """``python -m orchestrator.daemon`` with the local provider, HA on the cluster. Its agents read the
+    stub NVML (``STUB_NVML``): this machine has no GPU."""
+
+    def __init__(self, name: str, tmp: Path, urls: list[str], *, nodes_dir: Path, secrets: Secrets | None) -> None:
         self.name, self.dir = name, tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics_port = free_port()
         self.cfg = self.dir / "orchd.toml"
         self.log = self.dir / "orchd.log"
         self.urls = urls
+        self.credentials_dir: Path | None = None
         nats_urls = ", ".join(f'"{u}"' for u in urls)
+        secure = agent_env = ""
+        if secrets is not None:
+            # the secrets as systemd hands them over: orchd's in its credentials directory, the agents'
+            # (the CA) in theirs; the logins and roles of cluster_secrets.py
+            self.credentials_dir = secrets.orchd_credentials(self.dir / "credentials")
+            agents = secrets.agent_credentials(tmp / "agent-credentials")
+            secure = f"""user = "orchd"
+[credentials]
+enabled = true
+mode = "callout"
+static_users_file = "{secrets.static_users}"
+auth_user = "{AUTH_USER}"
+"""
+            agent_env = f', CREDENTIALS_DIRECTORY = "{agents}"'
         self.cfg.write_text(f"""
 [nats]
 urls = [{nats_urls}]
 stream_replicas = 3
 reconnect_wait_s = 0.2
+{secure}
 [daemon]
 state_dir = "{self.dir / 'state'}"
 ha = true
@@ -120,9 +152,12 @@ command_ack_timeout_s = 2.0
 shutdown_grace_s = 5.0
 restart_backoff_base_s = 1.0
 restart_backoff_max_s = 2.0
+boot_estimate_s = 10.0
+terminate_billing_s = 2.0
 [metrics]
 host = "127.0.0.1"
 port = {self.metrics_port}
+refresh_s = 0.5
 [log]
 level = "info"
 format = "json"
@@ -133,6 +168,7 @@ work_dir = "{nodes_dir}"
 zones = ["local-a", "local-b"]
 agent_args = ["--heartbeat-s", "0.5", "--metadata-poll-s", "0.25", "--sigterm-grace-s", "5"]
 terminate_grace_s = 3.0
+agent_env = {{ PYTHONPATH = "{agent_pythonpath()}"{agent_env} }}
 [providers.feeds.local]
 interval_s = 3600.0
 """)
@@ -147,9 +183,15 @@ interval_s = 3600.0
         with open(self.log, "ab") as err:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "orchestrator.daemon", "--config", str(self.cfg)], cwd=ROOT,
-                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True,
-                env={k: v for k, v in os.environ.items() if not k.startswith("ORCH_")})
+                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True, env=self.environment())
         return self
+
+    def environment(self) -> dict[str, str]:
+        """This environment less ORCH_* and any credentials directory, plus orchd's own (as systemd sets it)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ORCH_") and k != "CREDENTIALS_DIRECTORY"}
+        if self.credentials_dir is not None:
+            env["CREDENTIALS_DIRECTORY"] = str(self.credentials_dir)
+        return env
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

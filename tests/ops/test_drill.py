@@ -1,10 +1,10 @@
 """The production drill (``python -m simulations.drill``): its scaled rules, its dashboard queries, and
 the short run itself against real services.
 
-The short run starts a 3-server NATS cluster, two orchd (HA, local provider), Debian's Prometheus and
-Alertmanager and a webhook, and drives every scenario; its JSON must show every alert of
-config/prometheus/alerts.yml fired and resolved, every dashboard query with data, every metric of the
-live registries set.
+The short run starts a 3-server NATS cluster (TLS, auth callout), two orchd (HA, local provider, per-node
+credentials), Debian's Prometheus and Alertmanager and a webhook, and drives every scenario; its JSON
+must show every alert of config/prometheus/alerts.yml fired and resolved, every dashboard query with
+data, every metric of the live registries set.
 """
 
 from __future__ import annotations
@@ -83,11 +83,59 @@ def test_dashboard_queries_have_their_variables_substituted() -> None:
     assert any('job_id=~".*"' in q for _t, q in queries) and any("[4s]" in q for _t, q in queries)
 
 
+def test_the_agents_read_the_stub_nvml() -> None:
+    """The drill's agents import the stub ``pynvml`` (their PYTHONPATH), and the agent's own sampler reads
+    one GPU from it; without that PYTHONPATH the real binding is imported."""
+    from simulations.drill.services import STUB_NVML, agent_pythonpath
+
+    env = {**os.environ, "PYTHONPATH": agent_pythonpath()}
+    code = "import pynvml; from agent.heartbeat import SystemSampler; print(pynvml.__file__, SystemSampler().gpus())"
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(str(STUB_NVML / "pynvml.py")) and "util_pct=50.0" in res.stdout
+    assert "temp_c=60.0" in res.stdout
+    stub = subprocess.run([sys.executable, "-c", "import pynvml; print(pynvml.__file__)"], cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True,
+                          text=True, timeout=60)
+    assert stub.returncode == 0 and str(STUB_NVML) not in stub.stdout  # the stub is the drill's alone
+
+
+def test_the_drill_secrets(tmp_path: Path) -> None:
+    """What the drill hands each service: files 0600; orchd's credentials directory loads as orchd's
+    settings (password, CA, account seed, auth user's password); the static users carry their roles;
+    nats-server accepts the servers' config with the callout include and TLS."""
+    from orchestrator.natsserver import server_binary
+    from orchestrator.security.nats_auth import render_server_config
+    from orchestrator.settings import load_settings
+    from simulations.drill.cluster_secrets import AUTH_USER, Secrets
+
+    s = Secrets(tmp_path / "secrets")
+    creds = s.orchd_credentials(tmp_path / "orchd-credentials")
+    agent = s.agent_credentials(tmp_path / "agent-credentials")
+    assert sorted(p.name for p in agent.iterdir()) == ["nats-ca.pem"]
+    for f in [*creds.iterdir(), s.static_users, s.auth_conf, Path(s.tls.key_file)]:
+        assert f.stat().st_mode & 0o777 == 0o600, f
+    cfg = tmp_path / "orchd.toml"
+    cfg.write_text(f'[nats]\nurls = ["tls://127.0.0.1:4222"]\nuser = "orchd"\n[credentials]\nenabled = true\n'
+                   f'mode = "callout"\nstatic_users_file = "{s.static_users}"\nauth_user = "{AUTH_USER}"\n')
+    settings = load_settings(cfg, env={"CREDENTIALS_DIRECTORY": str(creds)})
+    assert settings.nats.password == s.passwords["orchd"] and settings.nats.tls_ca_file == str(creds / "nats-ca.pem")
+    assert Path(settings.credentials.issuer_seed_file).read_text().strip() == s.issuer.seed
+    roles = {u["name"]: u["role"] for u in json.loads(s.static_users.read_text())}
+    assert roles == {"orchd": "orchd", "ops": "orchctl", "price-feed": "feed:local"}
+    assert s.passwords["ops"] not in s.static_users.read_text()  # hashes only
+    conf = tmp_path / "nats.conf"
+    conf.write_text(render_server_config(auth_include="secrets/auth.conf", tls=s.tls, host="127.0.0.1", port=-1,
+                                         store_dir=None, http_port=None, server_name="n"))
+    res = subprocess.run([server_binary(), "-t", "-c", str(conf)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.skipif(os.environ.get("ORCH_DRILL") != "1",
-                    reason="the short drill takes about 16 minutes (OrchdBudgetNearlySpent alone needs >= 9: "
-                           "see simulations/drill/scenarios.py, BUDGET_USD); ORCH_DRILL=1 runs it")
+                    reason="the short drill takes minutes and needs Debian's prometheus and prometheus-alertmanager; "
+                           "ORCH_DRILL=1 runs it")
 def test_the_short_drill() -> None:
     """The drill end to end (see the module docstring)."""
     for tool in ("prometheus", "prometheus-alertmanager", "promtool"):
@@ -103,4 +151,5 @@ def test_the_short_drill() -> None:
                                                    if not (d and d["fired_prometheus"] and d["resolved_prometheus"])}
     assert panels["with_data"] == panels["total"], panels["without_data"]
     assert metrics["set"] == metrics["declared"], metrics["unset"]
+    assert out["nats_security"].startswith("TLS") and out["gpu_readings"].startswith("stub NVML")
     assert res.returncode == 0

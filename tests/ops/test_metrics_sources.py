@@ -39,9 +39,9 @@ import yaml
 import wire as ev
 from agent.heartbeat import SystemSampler
 from orchestrator import bus
-from orchestrator.daemon import loop
 from orchestrator.daemon.run import run_daemon
 from orchestrator.natsserver import NatsServer
+from orchestrator.settings import load_settings
 from simulations.chaos.agents import SimFleet
 from simulations.fakecloud import FileFakeCloud
 from tests.conftest import free_port, require_tool
@@ -182,10 +182,10 @@ def _gen_node(d: Any, job_id: str, gen: int) -> Any:
     return nodes[0] if nodes and nodes[0].step > job.committed_step else None
 
 
-async def test_every_metric_from_its_source(nats_srv: NatsServer, tmp_path: Path, monkeypatch: Any) -> None:
-    monkeypatch.setattr(loop, "GAUGE_REFRESH_S", 0.5)  # the state gauges every 0.5 s instead of 10 s
+async def test_every_metric_from_its_source(nats_srv: NatsServer, tmp_path: Path) -> None:
     metrics_port = free_port()
-    settings = h.settings_for(tmp_path, nats_srv.url, metrics_port=metrics_port)
+    settings = load_settings(h.write_config(tmp_path, nats_srv.url, metrics_port=metrics_port),
+                             env={"ORCH_METRICS__REFRESH_S": "0.5"})  # the state gauges every 0.5 s, not 10 s
     cloud = FileFakeCloud(tmp_path / "cloud.json")
     nvml = StubNvml()
     prom = Prometheus(tmp_path, f"127.0.0.1:{metrics_port}")

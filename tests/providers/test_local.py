@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 import structlog
 
@@ -72,3 +73,36 @@ def test_refusal_is_logged_as_terminate_refused(tmp_path: Path) -> None:
         assert lp.describe([other])[0].alive
     finally:
         lp.close()
+
+
+def test_agent_environment_carries_the_nodes_own_secret_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-node credentials (orchd's ``[credentials]``): each agent gets its own node's enrolment token as
+    ``ORCH_AGENT_ENROL_TOKEN``, as the cloud bootstrap writes it (the shared token is for a launch without
+    per-node credentials); orchd's own ``$CREDENTIALS_DIRECTORY`` is never passed on, ``agent_env`` may
+    name the node's."""
+    from providers.base import NodeBootstrap
+
+    monkeypatch.setenv("CREDENTIALS_DIRECTORY", str(tmp_path / "orchd-secrets"))
+    lp = LocalProvider(LocalConfig(work_dir=str(tmp_path), agent_env={"ORCH_AGENT_LOG_LEVEL": "debug"}))
+    try:
+        per_node = LaunchRequest(pool=lp.pool("local-a"), node_ids=(NodeId("n1"), NodeId("n2")),
+                                 idempotency_token="t", cluster_id="c", job_id="j",
+                                 bootstrap=NodeBootstrap(nats_urls=("nats://x:4222",),
+                                                         node_credentials={"n1": "tok-1", "n2": "tok-2"}))
+        env1, env2 = lp.agent_environment(NodeId("n1"), per_node), lp.agent_environment(NodeId("n2"), per_node)
+        assert (env1["ORCH_AGENT_ENROL_TOKEN"], env2["ORCH_AGENT_ENROL_TOKEN"]) == ("tok-1", "tok-2")
+        assert "ORCH_AGENT_NATS_TOKEN" not in env1 and "CREDENTIALS_DIRECTORY" not in env1
+        assert env1["ORCH_AGENT_LOG_LEVEL"] == "debug"
+        shared = msgspec.structs.replace(per_node, bootstrap=NodeBootstrap(nats_urls=("nats://x:4222",),
+                                                                           credential="shared"))
+        env = lp.agent_environment(NodeId("n1"), shared)
+        assert env["ORCH_AGENT_NATS_TOKEN"] == "shared" and "ORCH_AGENT_ENROL_TOKEN" not in env
+    finally:
+        lp.close()
+    own = LocalProvider(LocalConfig(work_dir=str(tmp_path), agent_env={"CREDENTIALS_DIRECTORY": "/run/node"}))
+    try:
+        req = LaunchRequest(pool=own.pool("local-a"), node_ids=(NodeId("n1"),), idempotency_token="u", cluster_id="c",
+                            job_id="j")
+        assert own.agent_environment(NodeId("n1"), req)["CREDENTIALS_DIRECTORY"] == "/run/node"
+    finally:
+        own.close()

@@ -182,7 +182,7 @@ def test_every_bad_key_of_file_and_env_in_one_error(tmp_path: Path) -> None:
         "ORCH_DAEMON__HEARTBEAT_S: unknown setting daemon.heartbeat_s",
         "daemon.cluster_id: expected a string, got 2024",  # TOML's 2024 is an integer; the env's is text
         "daemon.tick_s: must be > 0, got 0.0",
-        "metrics.bogus: unknown key (known: enabled, host, port)",
+        "metrics.bogus: unknown key (known: enabled, host, port, refresh_s)",
         "executor.max_attempts: expected an integer, got 'many'",
         "log.level: 'loud' is not one of debug, info, warning, error",
     ])
