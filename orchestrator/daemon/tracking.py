@@ -1,0 +1,303 @@
+"""orchd's side of MLflow tracking: create each tracked job's run once, and log orchd's own figures to it.
+
+Role (docs/tracking.md):
+
+- ``create_run`` (blocking; the executor runs it in a worker thread for the core's ``CreateTrackingRun``
+  and feeds back ``TrackingRunCreated``): finds the experiment (creates it when missing), then the run
+  tagged with the job's id - one created before a crash - or creates it. So re-executing the command
+  after a restart never makes a second run.
+- ``TrackingReporter``: after each decided batch, a tracked job whose figures changed gets its newest
+  summary queued (latest wins, one per job); a background task sends them: tags ``orch.phase``,
+  ``orch.generations``, ``orch.pools``, ``orch.preemptions``, ``orch.final_checkpoint``; metrics
+  ``orchd/cost_usd``, ``orchd/goodput``, ``orchd/generations``, ``orchd/preemptions``,
+  ``orchd/committed_step`` at the job's step; at the end the run's status (FINISHED, FAILED, KILLED).
+  A tracking outage delays them (retried with backoff, the newest summary only) and never blocks the
+  decide loop. Pools and preemptions are counted from what this orchd saw since it started leading.
+
+Credentials: never in a spec or the state. The MLflow client reads MLFLOW_TRACKING_USERNAME/PASSWORD or
+MLFLOW_TRACKING_TOKEN from orchd's own environment; nothing here logs a URI's user part or a header.
+
+Concurrency contract: ``after_batch`` runs on the decide loop's task (no I/O, no waiting); ``run`` is a task
+of its own whose MLflow calls run in worker threads; ``create_run`` is called in a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import structlog
+
+import wire as ev
+from orchestrator.core import Job, JobPhase, State, job_cost_usd, job_step
+from orchestrator.core.commands import CreateTrackingRun
+from orchestrator.core.inputs import NodeGone
+from orchestrator.core.tracking import JOB_TAG
+
+if TYPE_CHECKING:
+    from orchestrator.daemon.observe import MetricsObserver
+    from orchestrator.daemon.pipeline import Decided
+
+log = structlog.get_logger("orchd.tracking")
+
+PACKAGE_HINT = "pip install 'spot-orchestrator[tracking]' (the mlflow-skinny package)"
+_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+                  "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+"""MLflow's client retries each request for minutes by default: orchd retries on its own terms instead; and
+it would print a link to stdout when a run ends (``orchctl demo --json`` owns stdout). Set only where the
+operator did not set them."""
+_END_STATUS = {JobPhase.SUCCEEDED: "FINISHED", JobPhase.FAILED: "FAILED", JobPhase.CANCELLED: "KILLED"}
+_LOST_REASONS = ("provider_missing", "provider_terminated", "agent_disconnected")
+
+
+def mlflow_available() -> bool:
+    return importlib.util.find_spec("mlflow") is not None
+
+
+def submit_problems(spec: ev.JobSpec) -> list[str]:
+    """What keeps this orchd from tracking a job: the MLflow client package missing on its host."""
+    if isinstance(spec.tracking, msgspec.UnsetType) or mlflow_available():
+        return []
+    return [f"tracking: this orchd cannot create MLflow runs, its host lacks the mlflow client: {PACKAGE_HINT}"]
+
+
+def _client(uri: str) -> Any:
+    for key, value in _HTTP_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def create_run(cmd: CreateTrackingRun, cluster_id: str = "") -> str:
+    """The job's run id: the run tagged with its job id in the experiment, else a new one (blocking)."""
+    from mlflow.exceptions import MlflowException
+
+    client = _client(cmd.uri)
+    exp = client.get_experiment_by_name(cmd.experiment)
+    if exp is None:
+        try:
+            exp_id = client.create_experiment(cmd.experiment)
+        except MlflowException:  # created meanwhile by another job's run
+            exp = client.get_experiment_by_name(cmd.experiment)
+            if exp is None:
+                raise
+            exp_id = exp.experiment_id
+    else:
+        exp_id = exp.experiment_id
+    job_id = str(cmd.job_id)
+    if "'" not in job_id:
+        found = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{job_id}'", max_results=1)
+        if found:
+            return str(found[0].info.run_id)
+    tags = {JOB_TAG: job_id}
+    if cluster_id:
+        tags["orch.cluster"] = cluster_id
+    run = client.create_run(exp_id, run_name=cmd.run_name, tags=tags)
+    return str(run.info.run_id)
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """orchd's figures of one tracked job at one moment (what is logged to its run)."""
+
+    uri: str
+    run_id: str
+    step: int
+    ts_ms: int
+    tags: tuple[tuple[str, str], ...]
+    metrics: tuple[tuple[str, float], ...]
+    status: str | None  # FINISHED | FAILED | KILLED once the job ended
+
+    def same_figures(self, other: Summary | None) -> bool:
+        return (other is not None and other.tags == self.tags and other.metrics == self.metrics
+                and other.status == self.status and other.step == self.step)
+
+
+@dataclass(slots=True)
+class _Seen:
+    pools: set[str] = field(default_factory=set)
+    preemptions: int = 0
+
+
+def summarize(state: State, job: Job, seen: _Seen, goodput: float | None, now: float) -> Summary | None:
+    """The summary of a tracked job whose run exists (None otherwise). Pure."""
+    t = job.spec.tracking
+    if isinstance(t, msgspec.UnsetType) or isinstance(job.tracking_run_id, msgspec.UnsetType):
+        return None
+    for nid in job.nodes:
+        node = state.nodes.get(nid)
+        if node is not None:
+            seen.pools.add(node.pool_name)
+    tags = [("orch.phase", str(job.phase)), ("orch.generations", str(job.generation)),
+            ("orch.pools", ",".join(sorted(seen.pools))[:4000]), ("orch.preemptions", str(seen.preemptions))]
+    status = _END_STATUS.get(job.phase)
+    if status is not None and job.committed_url is not None:
+        tags.append(("orch.final_checkpoint", job.committed_url))
+    cost = job_cost_usd(state, job.job_id, now)
+    metrics = [("orchd/generations", float(job.generation)), ("orchd/preemptions", float(seen.preemptions)),
+               ("orchd/committed_step", float(job.committed_step))]
+    if math.isfinite(cost):
+        metrics.append(("orchd/cost_usd", round(cost, 6)))
+    if goodput is not None and math.isfinite(goodput):
+        metrics.append(("orchd/goodput", round(goodput, 6)))
+    return Summary(uri=t.uri, run_id=job.tracking_run_id, step=job_step(state, job.job_id), ts_ms=int(now * 1000),
+                   tags=tuple(tags), metrics=tuple(metrics), status=status)
+
+
+def send_summary(s: Summary) -> None:
+    """Log one summary to its run (blocking). Same timestamps on a retry: the server keeps one point."""
+    from mlflow.entities import Metric, RunTag
+
+    client = _client(s.uri)
+    client.log_batch(s.run_id, metrics=[Metric(k, v, s.ts_ms, s.step) for k, v in s.metrics],
+                     tags=[RunTag(k, v) for k, v in s.tags])
+    if s.status is not None:
+        client.set_terminated(s.run_id, status=s.status, end_time=s.ts_ms)
+
+
+class TrackingReporter:
+    """Queue the newest summary of each tracked job after every batch; send them from ``run``."""
+
+    def __init__(self, observer: MetricsObserver | None = None, *, retry_max_s: float = 60.0) -> None:
+        self.observer = observer
+        self.retry_max_s = retry_max_s
+        self.pending: dict[str, Summary] = {}
+        self.sent: dict[str, Summary] = {}
+        self.seen: dict[str, _Seen] = {}
+        self.failures = 0
+        self._wake: anyio.Event | None = None  # made by run() (an event needs the running loop)
+
+    def after_batch(self, before: State, decided: Decided, now: float) -> None:
+        after = decided.state
+        touched: set[str] = set()
+        notice, gone = ev.PreemptionNotice, NodeGone
+        for e in decided.seen:  # heartbeats are most of them: two type checks each
+            if type(e) is not notice and type(e) is not gone:
+                continue
+            node = before.nodes.get(e.node_id)
+            if node is None or node.job_id not in after.jobs:
+                continue
+            lost = ((isinstance(e, ev.PreemptionNotice) and e.kind == ev.NoticeKind.TERMINATE)
+                    or (isinstance(e, NodeGone) and e.reason in _LOST_REASONS
+                        and node.pool.market == ev.Market.SPOT and e.node_id not in after.nodes))
+            if lost:
+                self.seen.setdefault(node.job_id, _Seen()).preemptions += 1
+                touched.add(node.job_id)
+        for key in decided.dirty:
+            if key.startswith("job."):
+                touched.add(key[4:])
+        for jid in touched:
+            job = after.jobs.get(jid)
+            if job is None or isinstance(job.tracking_run_id, msgspec.UnsetType):
+                continue
+            track = self.observer.jobs.get(jid) if self.observer is not None else None
+            goodput = track.goodput(job_step(after, jid)) if track is not None else None
+            s = summarize(after, job, self.seen.setdefault(jid, _Seen()), goodput, now)
+            if s is not None and not s.same_figures(self.pending.get(jid) or self.sent.get(jid)):
+                self.pending[jid] = s
+                if self._wake is not None:
+                    self._wake.set()
+
+    async def run(self) -> None:
+        """Send pending summaries, the newest of each job; back off while the server is unreachable."""
+        delay = 1.0
+        self._wake = anyio.Event()
+        while True:
+            if not self.pending:
+                await self._wake.wait()
+            self._wake = anyio.Event()
+            while self.pending:
+                jid, s = next(iter(self.pending.items()))
+                try:
+                    await anyio.to_thread.run_sync(send_summary, s, abandon_on_cancel=True)
+                except Exception as e:  # an outage, a deleted run: retried later (after the other jobs'), never fatal
+                    self.failures += 1
+                    log.warning("tracking_summary_failed", job=jid, error=type(e).__name__, retry_s=delay)
+                    if self.pending.get(jid) is s:
+                        del self.pending[jid]
+                        self.pending[jid] = s  # to the end of the line
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, self.retry_max_s)
+                    continue
+                delay = 1.0
+                if self.pending.get(jid) is s:
+                    del self.pending[jid]
+                self.sent[jid] = s
+                if s.status is not None:  # the job ended: nothing more to send for it
+                    self.seen.pop(jid, None)
+
+
+class LocalMlflowServer:
+    """``mlflow server`` with a SQLite backend on loopback (the full ``mlflow`` package): for ``orchctl demo
+    --tracking``, the benchmark and the tests. Not for production: run MLflow the way its docs say there."""
+
+    def __init__(self, work_dir: Path, *, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.work_dir = work_dir
+        self.host = host
+        self.port = port or _free_port(host)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout_s: float = 300.0) -> LocalMlflowServer:
+        """Start it and wait until ``/health`` answers (an existing database is kept: a restart)."""
+        if importlib.util.find_spec("mlflow.server") is None:
+            raise RuntimeError("mlflow server needs the full mlflow package: pip install mlflow")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.work_dir / "server.log", "ab")  # noqa: SIM115 - the child keeps it
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mlflow", "server", "--host", self.host, "--port", str(self.port),
+             "--workers", "1", "--backend-store-uri", f"sqlite:///{self.work_dir / 'mlflow.db'}",
+             "--default-artifact-root", (self.work_dir / "artifacts").as_uri()],
+            stdout=log, stderr=log, start_new_session=True,
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})  # no job runner processes
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited with {self.proc.returncode}: see {self.work_dir}/server.log")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"mlflow server did not answer within {timeout_s:.0f} s")
+            time.sleep(0.25)
+
+    def stop(self) -> None:
+        """Stop the server and its workers (its own process group)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
