@@ -19,25 +19,39 @@ try:
     from simulations import scenario as scen
     from simulations import traces
     from simulations.cli import format_table, progress_bar, to_json
-    from simulations.overheads import Overheads
     from simulations.policies import ALL_POLICIES
     from simulations.replay import make_jobs, replay
+    from simulations.worldparams import WorldParams
 except ModuleNotFoundError as e:  # a base install: numpy/matplotlib come with the [sim] extra
     if e.name not in ("numpy", "matplotlib"):
         raise
     sys.exit(f"python -m simulations needs {e.name}: pip install 'spot-orchestrator[sim]' (or -e '.[sim]')")
 
 
+_WORLD_FLAGS = {  # flag -> (WorldParams field, type, help)
+    "notice-s": ("notice_override_s", float, "one notice length for every cloud (default: AWS 120 s, GCP/Azure 30 s)"),
+    "no-notice-share": ("no_notice_share", float, "share of preemptions without a notice"),
+    "state-gib": ("state_gib", float, "checkpoint size; save time = fixed + size / bandwidth"),
+    "save-gib-s": ("save_gib_s", float, "checkpoint write bandwidth"),
+    "capacity-error-p": ("capacity_error_p", float, "chance a spot launch fails although the trace has room"),
+    "restart-s": ("restart_s", float, "trainer start and checkpoint load"),
+    "region-migration-s": ("region_migration_s", float, "copy a checkpoint to another region"),
+    "cloud-migration-s": ("cloud_migration_s", float, "copy a checkpoint to another cloud"),
+    "checkpoint-interval-s": ("baseline_checkpoint_interval_s", float, "periodic saves of the baselines"),
+    "seed": ("seed", int, "seed of the shared random draws"),
+}
+
+
 def _overhead_args(p: argparse.ArgumentParser) -> None:
-    d = Overheads()
-    g = p.add_argument_group("overhead model (shared by every policy)")
-    for f in ("launch_delay_s", "restart_s", "checkpoint_s", "notice_s", "checkpoint_interval_s",
-              "region_migration_s", "cloud_migration_s"):
-        g.add_argument("--" + f.replace("_", "-"), type=float, default=getattr(d, f), metavar="S")
+    d = WorldParams()
+    g = p.add_argument_group("the world (shared by every policy; defaults and sources: docs/simulations.md)")
+    for flag, (f, typ, hlp) in _WORLD_FLAGS.items():
+        g.add_argument("--" + flag, dest=f, type=typ, default=getattr(d, f), metavar="X",
+                       help=f"{hlp} (default {getattr(d, f)})")
 
 
-def _overheads(a: argparse.Namespace) -> Overheads:
-    return Overheads(**{f: getattr(a, f) for f in Overheads.__dataclass_fields__})
+def _overheads(a: argparse.Namespace) -> WorldParams:
+    return WorldParams(**{f: getattr(a, f) for f, _, _ in _WORLD_FLAGS.values()})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,15 +72,20 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--job-hours", type=float, required=True)
     r.add_argument("--deadline-hours", type=float, required=True)
     r.add_argument("--nodes", type=int, default=1)
+    r.add_argument("--probe-nodes", type=int, default=None, metavar="N",
+                   help="nodes each trace's probe asked for (default: N-node folder name, else 1 for "
+                        "SkyPilot 1-node files; required for Bamboo fleet logs)")
+    r.add_argument("--truncate", action="store_true",
+                   help="cut every zone to the shortest trace (otherwise traces of different lengths are an error)")
     r.add_argument("--policy", action="append", choices=ALL_POLICIES,
                    help="repeatable; default all")
     r.add_argument("--jobs", type=int, default=10, help="jobs, evenly spaced start times over the trace")
     r.add_argument("--tick-s", type=float, default=300.0, help="minimum simulation tick")
     r.add_argument("--quantum-s", type=float, default=150.0, help="progress quantum (overheads round up to it)")
-    r.add_argument("--workers", type=int, default=1, help="processes for optimal and orchd")
+    r.add_argument("--workers", type=int, default=1, help="processes (each runs a share of the jobs of every policy)")
     r.add_argument("--orchd-capacity-hints", action=argparse.BooleanOptionalAction, default=True,
-                   help="tell the core each zone's current capacity (like a placement score); "
-                        "--no-orchd-capacity-hints: it learns from launch failures only")
+                   help="send the core a noisy placement-like score per zone (past ticks only, never 0); "
+                        "--no-orchd-capacity-hints: none, it learns from launch failures only")
     r.add_argument("--json", action="store_true")
     r.add_argument("--plot", default=None, metavar="OUT.png")
     r.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
@@ -82,15 +101,27 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("table", help="the documented results table over ../shared/traces")
     t.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
-    t.add_argument("--jobs", type=int, default=20)
+    t.add_argument("--jobs", type=int, default=4, help="jobs per setting")
+    t.add_argument("--tune-jobs", type=int, default=3, help="jobs per family at the tuning setting")
     t.add_argument("--workers", type=int, default=2)
+    t.add_argument("--family", action="append", help="only these families (repeatable; default all)")
+    t.add_argument("--nodes", type=int, action="append", help="job sizes (default 1, 4, 16)")
+    t.add_argument("--notice-s", type=float, action="append", help="notices (default 120, 30)")
+    t.add_argument("--shape", action="append", metavar="JOB_H/DEADLINE_H",
+                   help="job/deadline hours (default 12/24, 24/36, 48/72, 48/60)")
+    t.add_argument("--spot-price-ratio", type=float, action="append", help="spot/on-demand (default 0.25, 0.33, 0.5)")
+    t.add_argument("--no-loo", dest="loo", action="store_false",
+                   help="skip leave-one-family-out tuning (orchd with the core's defaults)")
     t.add_argument("--json", action="store_true")
     t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
 
     u = sub.add_parser("tune", help="grid-search orchd's CoreConfig overrides on the tuning family")
     u.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
-    u.add_argument("--jobs", type=int, default=10)
+    u.add_argument("--jobs", type=int, default=3)
     u.add_argument("--workers", type=int, default=2)
+
+    d = sub.add_parser("world-defaults", help="print the world's defaults derived from ../shared/traces")
+    d.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
 
     s = sub.add_parser("synth", help="write a seeded synthetic trace set")
     s.add_argument("--out", required=True)
@@ -107,7 +138,7 @@ def _scenario(a: argparse.Namespace):
         raise SystemExit("--zone must be given once per --trace")
     trs = []
     for i, f in enumerate(a.trace):
-        kw = {"zone": zones[i] if zones else None, "instance_type": a.instance_type}
+        kw = {"zone": zones[i] if zones else None, "instance_type": a.instance_type, "probe_nodes": a.probe_nodes}
         if not Path(f).read_text()[:64].lstrip().startswith("{"):
             kw.update(gap_s=a.bamboo_gap_s, region=a.region or "us-east-1")
         trs.append(traces.load_trace(f, **kw))
@@ -116,12 +147,14 @@ def _scenario(a: argparse.Namespace):
     if a.price_start:
         start = datetime.fromisoformat(a.price_start).replace(tzinfo=UTC).timestamp()
     return scen.build(trs, prices=book, spot_price_ratio=a.spot_price_ratio, on_demand_usd_h=a.on_demand_price,
-                      price_start_ts=start, min_tick_s=a.tick_s, quantum_s=a.quantum_s)
+                      price_start_ts=start, min_tick_s=a.tick_s, quantum_s=a.quantum_s, truncate=a.truncate)
 
 
 def cmd_replay(a: argparse.Namespace) -> int:
     sc = _scenario(a)
     ov = _overheads(a)
+    for zone, ticks in sc.truncated:
+        print(f"note: {zone} cut from {ticks} to {sc.n_ticks} ticks (--truncate)", file=sys.stderr)
     jobs = make_jobs(sc, job_hours=a.job_hours, deadline_hours=a.deadline_hours, nodes=a.nodes, count=a.jobs)
     policies = a.policy or list(ALL_POLICIES)
     with progress_bar(len(jobs) * len(policies), "replay", a.progress) as adv:
@@ -138,6 +171,8 @@ def cmd_replay(a: argparse.Namespace) -> int:
         "nodes": a.nodes,
         "jobs": len(jobs),
         "orchd_capacity_hints": a.orchd_capacity_hints,
+        "world": {f: getattr(ov, f) for f, _, _ in _WORLD_FLAGS.values()},
+        "truncated": [list(x) for x in sc.truncated],
     }
     if a.json:
         print(to_json(res, **meta))
@@ -162,7 +197,7 @@ def cmd_explain(a: argparse.Namespace) -> int:
     ov = _overheads(a)
     jobs = make_jobs(sc, job_hours=a.job_hours, deadline_hours=a.deadline_hours, nodes=a.nodes, count=a.jobs)
     job = jobs[a.job_index]
-    jr, wr = run_orchd_job(sc, job, ov, config=core_config(ov), record=True)
+    jr, wr = run_orchd_job(sc, job, ov, config=core_config(), record=True, capacity_hints=a.orchd_capacity_hints)
     print(f"job {a.job_index}: start tick {job.start_tick}; phase {wr.phase}; deadline met {jr.deadline_met}; "
           f"cost_ratio {jr.cost_usd / jr.od_work_cost_usd:.3f}; on-demand node-hours {wr.od_node_s / 3600:.2f} of "
           f"{wr.billed_node_s / 3600:.2f}; preemptions {wr.preemptions}; decide() calls {wr.decisions}")
@@ -176,10 +211,25 @@ def cmd_explain(a: argparse.Namespace) -> int:
 
 
 def cmd_table(a: argparse.Namespace) -> int:
-    from simulations.results import format_results, results_json, run_table
+    from simulations import results as res
 
-    rows = run_table(Path(a.traces_dir), jobs=a.jobs, progress=a.progress, workers=a.workers)
-    print(results_json(rows) if a.json else format_results(rows))
+    fams: tuple[res.Family, ...] = res.FAMILIES
+    if a.family:
+        unknown = set(a.family) - {f.key for f in res.FAMILIES}
+        if unknown:
+            raise ValueError(f"unknown families {sorted(unknown)}; known: {', '.join(f.key for f in res.FAMILIES)}")
+        fams = tuple(f for f in res.FAMILIES if f.key in a.family)
+    shapes: tuple[tuple[float, float], ...] = res.SHAPES
+    if a.shape:
+        try:
+            shapes = tuple((float(x.split("/")[0]), float(x.split("/")[1])) for x in a.shape)
+        except (IndexError, ValueError):
+            raise ValueError(f"--shape takes JOB_H/DEADLINE_H, got {a.shape}") from None
+    grid = res.settings(nodes=tuple(a.nodes or res.NODES), notices=tuple(a.notice_s or res.NOTICES), shapes=shapes,
+                        ratios=tuple(a.spot_price_ratio or res.RATIOS))
+    rows = res.run_table(Path(a.traces_dir), jobs=a.jobs, progress=a.progress, families=fams, grid=grid,
+                         workers=a.workers, tune_jobs=a.tune_jobs, loo=a.loo)
+    print(res.results_json(rows) if a.json else res.format_results(rows))
     return 0
 
 
@@ -187,6 +237,15 @@ def cmd_tune(a: argparse.Namespace) -> int:
     from simulations.tune import tune
 
     print(tune(Path(a.traces_dir), jobs=a.jobs, workers=a.workers))
+    return 0
+
+
+def cmd_world_defaults(a: argparse.Namespace) -> int:
+    import json
+
+    from simulations.worldparams import derive_defaults
+
+    print(json.dumps(derive_defaults(Path(a.traces_dir)), indent=2))
     return 0
 
 
@@ -202,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     a = _parser().parse_args(argv)
     try:
         return {"replay": cmd_replay, "explain": cmd_explain, "table": cmd_table, "synth": cmd_synth,
-                "tune": cmd_tune}[a.cmd](a)
+                "tune": cmd_tune, "world-defaults": cmd_world_defaults}[a.cmd](a)
     except (traces.TraceFormatError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

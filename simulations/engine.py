@@ -1,8 +1,9 @@
-"""The tick engine: one accounting of cost and progress for every online policy.
+"""The tick engine: the transition system of the offline optimum, and the online policies' interface.
 
-Role: step one job through a scenario tick by tick, ask a policy what to run in each tick, and charge
-the result with the shared overhead model. The offline optimum (``policies.optimal``) solves the same
-transition system exactly, which is what makes it a lower bound for everything run here.
+Role: define the modes, overhead table and billing that ``policies.optimal`` solves exactly (with the
+least overheads of the faithful world, so it bounds every policy run there), and the ``Policy`` /
+``Run`` interface the baselines decide through. The replay runs the baselines in the faithful world
+(``world_policy``), not here; ``run_job`` steps a policy through this engine for the optimum's tests.
 
 Modes (integers, so the DP can index arrays with them): spot in zone z (0..Z-1), on-demand in region
 g (Z+g), idle with the checkpoint in region g (Z+R+g), FRESH (never ran, Z+2R). Policies may also

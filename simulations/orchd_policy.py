@@ -1,12 +1,13 @@
 """The ``orchd`` policy: every decision comes from ``orchestrator.core.decide`` (the daemon's code).
 
-Role: build the core's configuration for a scenario (its cost/time estimates set to the same overhead
-constants the world uses - nothing else), run one ``World`` per job and convert the world's outcome
-into the replay's ``JobResult``. There is deliberately no policy logic here: if orchd loses, the
-core's decisions are the reason (see docs/simulations.md for what was found).
+Role: run one faithful ``World`` per job with the core's own default configuration (its estimates
+of boot time, save time, step time and preemption rates are learned from what the world shows it;
+the notice lengths are the product's per-cloud defaults) and convert the world's outcome into the
+replay's ``JobResult`` (``world_job_result``, shared with the baselines). There is deliberately no
+policy logic here: if orchd loses, the core's decisions are the reason.
 
-Tuning: ``TUNED`` is the CoreConfig override chosen on the tuning trace family (see
-docs/simulations.md); reports use other families.
+Tuning: ``TUNED`` is the CoreConfig override chosen by ``python -m simulations tune`` (empty: the
+core's defaults).
 """
 
 from __future__ import annotations
@@ -17,45 +18,28 @@ import msgspec
 
 from orchestrator.core import CoreConfig
 from simulations.engine import Job, JobResult
-from simulations.overheads import Overheads
 from simulations.scenario import Scenario
 from simulations.world import World, WorldResult
+from simulations.worldparams import Draws, WorldParams
 
 TUNED: dict[str, Any] = {}
 
 
-def core_config(ov: Overheads, **overrides: Any) -> CoreConfig:
-    """The core's estimates aligned with the world's physics, plus policy overrides."""
-    base = CoreConfig(
-        boot_s_estimate=ov.launch_delay_s,
-        restart_overhead_s=ov.restart_s,
-        notice_window_aws_s=ov.notice_s,
-        notice_window_gcp_s=ov.notice_s,
-        notice_window_azure_s=ov.notice_s,
-        notice_window_default_s=ov.notice_s,
-    )
-    return msgspec.structs.replace(base, **{**TUNED, **overrides})
+def core_config(**overrides: Any) -> CoreConfig:
+    """The core's own defaults (nothing copied from the world's physics), plus policy overrides."""
+    return msgspec.structs.replace(CoreConfig(), **{**TUNED, **overrides})
 
 
-def run_orchd_job(
-    sc: Scenario,
-    job: Job,
-    ov: Overheads,
-    *,
-    config: CoreConfig | None = None,
-    record: bool = False,
-    capacity_hints: bool = True,
-) -> tuple[JobResult, WorldResult]:
-    w = World(sc, job, ov, config=config or core_config(ov), record=record, capacity_hints=capacity_hints)
-    r = w.run()
+def world_job_result(sc: Scenario, job: Job, r: WorldResult) -> JobResult:
+    """The replay's per-job record of a world run (orchd or a baseline): one accounting for all."""
     od_price = float(sc.od_price.min())
     work_h = job.work_q * sc.quantum_s / 3600.0
     billed_h = r.billed_node_s / 3600.0 / job.nodes
     done_ticks = (r.done_ts / sc.tick_s) if r.done_ts is not None else float("inf")
     q = sc.quantum_s / 3600.0
-    # a job the core did not finish is finished on on-demand afterwards, as the engine does for baselines
+    # a job not finished in the world is finished on on-demand afterwards (and misses its deadline)
     unfinished_h = max(0.0, work_h - r.useful_s / 3600.0) if r.done_ts is None else 0.0
-    jr = JobResult(
+    return JobResult(
         cost_usd=r.cost_usd + unfinished_h * job.nodes * od_price,
         od_work_cost_usd=work_h * job.nodes * od_price,
         done_ticks=done_ticks,
@@ -65,7 +49,23 @@ def run_orchd_job(
         billed_q=int(round(billed_h / q)),
         starts=0,
     )
-    return jr, r
+
+
+def run_orchd_job(
+    sc: Scenario,
+    job: Job,
+    wp: WorldParams | None = None,
+    *,
+    config: CoreConfig | None = None,
+    record: bool = False,
+    capacity_hints: bool = True,
+    draws: Draws | None = None,
+    scores: Any = None,
+) -> tuple[JobResult, WorldResult]:
+    w = World(sc, job, wp, config=config or core_config(), record=record, capacity_hints=capacity_hints,
+              draws=draws, scores=scores)
+    r = w.run()
+    return world_job_result(sc, job, r), r
 
 
 class OrchdRunner:
@@ -77,6 +77,8 @@ class OrchdRunner:
         self.capacity_hints = capacity_hints
         self.overrides = overrides
 
-    def run(self, sc: Scenario, job: Job, ov: Overheads) -> JobResult:
-        cfg = core_config(ov, **self.overrides)
-        return run_orchd_job(sc, job, ov, config=cfg, capacity_hints=self.capacity_hints)[0]
+    def run(self, sc: Scenario, job: Job, wp: WorldParams, *, draws: Draws | None = None,
+            scores: Any = None) -> JobResult:
+        cfg = core_config(**self.overrides)
+        return run_orchd_job(sc, job, wp, config=cfg, capacity_hints=self.capacity_hints, draws=draws,
+                             scores=scores)[0]

@@ -1,4 +1,6 @@
-"""One overhead model, shared by every policy (baselines, the offline optimum and the orchd world).
+"""The overhead model of the tick engine and the offline optimum (the faithful world's physics are
+``simulations.worldparams``, which derives the optimum's least overheads and the baselines' estimates
+from it as ``Overheads``).
 
 Role: turn the physical costs of moving a training job (launch, checkpoint, restart, migration) into
 the integer "quanta" of progress that the tick engine (``simulations.engine``) and the dynamic
@@ -38,6 +40,7 @@ class Overheads:
     checkpoint_interval_s: float = 1800.0  # periodic checkpoints (used only when notice < save)
     region_migration_s: float = 300.0  # copy a checkpoint to another region
     cloud_migration_s: float = 900.0  # copy a checkpoint to another cloud
+    round_down: bool = False  # quanta rounded down (a lower bound of a world that charges to the second)
 
     @property
     def lost_work_s(self) -> float:
@@ -64,8 +67,10 @@ class Overheads:
         )
 
     def start_quanta(self, src: tuple[str, str] | None, dst: tuple[str, str], quantum_s: float) -> int:
-        """``start_s`` rounded UP to whole progress quanta (the unit the engine and the DP count in)."""
-        return int(math.ceil(self.start_s(src, dst) / quantum_s - 1e-9))
+        """``start_s`` rounded UP (DOWN with ``round_down``) to whole progress quanta (the unit the engine
+        and the DP count in)."""
+        x = self.start_s(src, dst) / quantum_s
+        return int(math.floor(x + 1e-9)) if self.round_down else int(math.ceil(x - 1e-9))
 
 
 def start_table(overheads: Overheads, regions: list[tuple[str, str]], quantum_s: float) -> list[list[int]]:

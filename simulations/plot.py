@@ -11,11 +11,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from simulations.engine import Modes, run_job
-from simulations.overheads import Overheads
 from simulations.policies import ONLINE
 from simulations.replay import make_jobs, replay
 from simulations.scenario import Scenario
+from simulations.worldparams import WorldParams
 
 SLACKS = (1.1, 1.25, 1.5, 2.0, 3.0)  # deadline / job length
 
@@ -48,30 +47,25 @@ def policy_style(name: str) -> PolicyStyle:
         raise ValueError(f"no plot style for policy {name!r} (known: {', '.join(POLICY_STYLES)})") from None
 
 
-def _job_timelines(sc: Scenario, ov: Overheads, job, policies: Sequence[str]):
-    """policy -> list of (hours, progress_hours, kind) with kind in idle/spot/od."""
-    md = Modes(sc)
+def _job_timelines(sc: Scenario, wp: WorldParams, job, policies: Sequence[str]):
+    """(hours since start, work done in hours, idle|spot|od) per trace tick, from each policy's world run."""
+    from simulations.orchd_policy import core_config
+    from simulations.world import World
+    from simulations.world_policy import PolicyWorld
+
     q_h = sc.quantum_s / 3600.0
     out = {}
     for name in policies:
         if name in ONLINE:
-            r = run_job(ONLINE[name](), sc, job, ov, record=True)
-            pts = []
-            for k, m, p in r.timeline or []:
-                kind = "spot" if m < md.Z else ("od" if m < md.Z + md.R else "idle")
-                pts.append((k * sc.tick_s / 3600.0, p * q_h, kind))
-            pts.append((r.done_ticks * sc.tick_s / 3600.0, job.work_q * q_h, pts[-1][2] if pts else "idle"))
-            out[name] = pts
+            res = PolicyWorld(ONLINE[name](), sc, job, wp, record=True).run()
         elif name == "orchd":
-            from simulations.orchd_policy import core_config
-            from simulations.world import World
-
-            w = World(sc, job, ov, config=core_config(ov), record=True)
-            res = w.run()
-            pts = [(t / 3600.0, p / 3600.0, kind) for t, p, kind in res.progress_log]
-            if res.done_ts is not None:
-                pts.append((res.done_ts / 3600.0, job.work_q * q_h, pts[-1][2] if pts else "idle"))
-            out[name] = pts
+            res = World(sc, job, wp, config=core_config(), record=True).run()
+        else:
+            continue
+        pts = [(t / 3600.0, p / 3600.0, kind) for t, p, kind in res.progress_log]
+        if res.done_ts is not None:
+            pts.append((res.done_ts / 3600.0, job.work_q * q_h, pts[-1][2] if pts else "idle"))
+        out[name] = pts
     return out
 
 
@@ -110,7 +104,7 @@ def _draw_timelines(ax: Any, timelines: dict[str, list[tuple[float, float, str]]
 
 def replay_figure(
     sc: Scenario,
-    ov: Overheads,
+    ov: WorldParams,
     *,
     job_hours: float,
     deadline_hours: float,
@@ -137,7 +131,9 @@ def replay_figure(
 
     # the job that sees the most preemptions under greedy_spot: the interesting one
     cands = make_jobs(sc, job_hours=job_hours, deadline_hours=deadline_hours, nodes=nodes, count=jobs)
-    job = max(cands, key=lambda j: run_job(ONLINE["greedy_spot"](), sc, j, ov).preemptions)
+    from simulations.world_policy import run_policy_job
+
+    job = max(cands, key=lambda j: run_policy_job(ONLINE["greedy_spot"](), sc, j, ov).preemptions)
     timelines = _job_timelines(sc, ov, job, [p for p in policies if p != "optimal"])
     _draw_timelines(a2, timelines, deadline_hours=deadline_hours, start_tick=job.start_tick)
     zones = ", ".join(z.name for z in sc.zones)
@@ -148,7 +144,7 @@ def replay_figure(
 
 def plot_replay(
     sc: Scenario,
-    ov: Overheads,
+    ov: WorldParams,
     out: str,
     *,
     job_hours: float,

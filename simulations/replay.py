@@ -1,7 +1,11 @@
 """Run several policies over the same jobs on the same scenario and summarise.
 
 Role: the library behind ``python -m simulations replay``. Jobs start at K evenly spaced ticks of
-the (cyclic) trace; each policy runs every job; ``optimal`` is solved for all jobs at once.
+the (cyclic) trace. Every online policy (the baselines and orchd) runs every job in the faithful
+world (``world`` / ``world_policy``) with the same random draws (``worldparams.Draws``, one table per
+scenario) and one cost accounting (``orchd_policy.world_job_result``). ``optimal`` is solved for all
+jobs at once by dynamic programming over the trace with the least overheads the world can charge
+(``WorldParams.bound_overheads``), so it is a lower bound, not a run in the world.
 
 Fields per policy (means over jobs):
   cost_ratio    cost / on-demand cost of the same work (no overheads) - lower is better
@@ -20,11 +24,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from simulations.engine import Job, JobResult, Policy, run_job
-from simulations.overheads import Overheads
+from simulations.engine import Job, JobResult, Policy
 from simulations.policies import ONLINE
 from simulations.policies.optimal import od_work_cost, optimal_costs
 from simulations.scenario import Scenario, job_quanta
+from simulations.worldparams import Draws, WorldParams, capacity_scores
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,26 +90,34 @@ def policy_factory(name: str) -> Callable[[], Policy]:
 _CTX: dict = {}
 
 
-def _orchd_chunk(idx: list[int]) -> list[JobResult]:
-    from simulations.orchd_policy import OrchdRunner
+def _world_chunk(idx: list[int]) -> list[JobResult]:
+    from simulations.orchd_policy import OrchdRunner, world_job_result
+    from simulations.world_policy import run_policy_job
 
-    sc, jobs, ov, kw = _CTX["sc"], _CTX["jobs"], _CTX["ov"], _CTX["kw"]
-    runner = OrchdRunner(**kw)
-    return [runner.run(sc, jobs[i], ov) for i in idx]
+    sc, jobs, wp, kw, name = _CTX["sc"], _CTX["jobs"], _CTX["wp"], _CTX["kw"], _CTX["name"]
+    draws, scores = _CTX["draws"], _CTX["scores"]
+    if name == "orchd":
+        runner = OrchdRunner(**kw)
+        return [runner.run(sc, jobs[i], wp, draws=draws, scores=scores) for i in idx]
+    make = policy_factory(name)
+    return [world_job_result(sc, jobs[i], run_policy_job(make(), sc, jobs[i], wp, draws=draws, scores=scores))
+            for i in idx]
 
 
 def _optimal_chunk(idx: list[int]) -> np.ndarray:
-    sc, jobs, ov = _CTX["sc"], _CTX["jobs"], _CTX["ov"]
-    return optimal_costs(sc, [jobs[i] for i in idx], ov)
+    sc, jobs, wp = _CTX["sc"], _CTX["jobs"], _CTX["wp"]
+    return optimal_costs(sc, [jobs[i] for i in idx], wp.bound_overheads())
 
 
-def _parallel(fn, n: int, workers: int, sc, jobs, ov, kw) -> list:
-    """Run fn over index chunks in forked worker processes (inputs are inherited, not pickled)."""
+def _run_chunks(fn, n: int, workers: int, ctx: dict) -> list:
+    """fn over index chunks, in forked worker processes when workers > 1 (inputs inherited, not pickled)."""
     import multiprocessing as mp
 
-    _CTX.update(sc=sc, jobs=jobs, ov=ov, kw=kw)
-    chunks = [list(range(i, n, workers)) for i in range(workers)]
+    _CTX.update(ctx)
     try:
+        if workers <= 1:
+            return list(fn(list(range(n))))
+        chunks = [list(range(i, n, workers)) for i in range(workers)]
         with mp.get_context("fork").Pool(workers) as pool:
             parts = pool.map(fn, chunks)
     finally:
@@ -121,22 +133,27 @@ def replay(
     sc: Scenario,
     jobs: list[Job],
     policies: Iterable[str],
-    ov: Overheads,
+    wp: WorldParams | None = None,
     *,
     progress: Callable[[int], None] | None = None,
     orchd_kw: dict | None = None,
     workers: int = 1,
 ) -> dict[str, Summary]:
-    """Every policy on every job. ``workers`` > 1 forks processes for optimal and orchd (the heavy ones)."""
+    """Every policy on every job, in one world. ``workers`` > 1 forks processes."""
+    wp = wp or WorldParams()
     out: dict[str, Summary] = {}
     usable = sc.usable(jobs[0].nodes) if jobs else None
-    par = workers > 1 and len(jobs) >= 2 * workers
+    par = workers if workers > 1 and len(jobs) >= 2 * workers else 1
+    ctx = {"sc": sc, "jobs": jobs, "wp": wp, "kw": orchd_kw or {}}
+    if usable is not None:
+        ctx["draws"] = Draws.make(len(sc.zones), sc.n_ticks, wp)
+        ctx["scores"] = capacity_scores(usable, wp)
     for name in policies:
         if name == "optimal":
-            if par:
-                costs = np.asarray(_parallel(_optimal_chunk, len(jobs), workers, sc, jobs, ov, {}), dtype=float)
+            if par > 1:
+                costs = np.asarray(_run_chunks(_optimal_chunk, len(jobs), par, ctx), dtype=float)
             else:
-                costs = optimal_costs(sc, jobs, ov, usable=usable)
+                costs = optimal_costs(sc, jobs, wp.bound_overheads(), usable=usable)
             base = np.asarray([od_work_cost(sc, j) for j in jobs])
             ok = np.isfinite(costs)
             ratios = np.where(ok, costs / base, np.nan)
@@ -153,26 +170,10 @@ def replay(
             if progress:
                 progress(len(jobs))
             continue
-        results = []
-        if name == "orchd":
-            from simulations.orchd_policy import OrchdRunner
-
-            if par:
-                results = _parallel(_orchd_chunk, len(jobs), workers, sc, jobs, ov, orchd_kw or {})
-                if progress:
-                    progress(len(jobs))
-            else:
-                runner = OrchdRunner(**(orchd_kw or {}))
-                for job in jobs:
-                    results.append(runner.run(sc, job, ov))
-                    if progress:
-                        progress(1)
-            out[name] = summarize(results, sc)
-            continue
-        make = policy_factory(name)
-        for job in jobs:
-            results.append(run_job(make(), sc, job, ov, usable=usable))
-            if progress:
-                progress(1)
+        if name != "orchd":
+            policy_factory(name)  # unknown names fail before any work
+        results = _run_chunks(_world_chunk, len(jobs), par, {**ctx, "name": name})
+        if progress:
+            progress(len(jobs))
         out[name] = summarize(results, sc)
     return out

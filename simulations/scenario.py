@@ -3,10 +3,11 @@
 Role: align traces of different gaps and lengths onto one grid, attach spot and on-demand prices,
 and fix the progress quantum that the engine and the offline optimum share. Pure numpy, no I/O.
 
-Grid: ``tick_s = max(largest trace gap, min_tick_s)``. A zone counts as having N nodes in a tick only
-if the trace shows at least N at every sample inside the tick (a short outage becomes a whole-tick
-outage: pessimistic for spot, identical for every policy). The trace is treated as cyclic so that
-jobs can start anywhere in it.
+Grid: ``tick_s = max(largest trace gap, min_tick_s)``; traces of different lengths are an
+error unless ``truncate`` (then the cut zones are listed in ``Scenario.truncated``). A zone counts
+as having N nodes in a tick only if the trace shows at least N at every sample inside the tick (a
+short outage becomes a whole-tick outage: pessimistic for spot, identical for every policy). The
+trace is treated as cyclic so that jobs can start anywhere in it.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class Scenario:
     tick_s: float
     quanta_per_tick: int
     price_source: str = ""
+    truncated: tuple[tuple[str, int], ...] = ()  # (zone, its own length in ticks) of zones cut to the shortest
 
     @property
     def n_ticks(self) -> int:
@@ -59,7 +61,7 @@ class Scenario:
         zr = np.asarray([regs.index((z.cloud, z.region)) for z in zones], dtype=np.int64)
         od = np.asarray([self.od_price[self.regions.index(r)] for r in regs])
         return Scenario(zones, regs, zr, self.avail[zone_idx], self.spot_price[zone_idx], od,
-                        self.tick_s, self.quanta_per_tick, self.price_source)
+                        self.tick_s, self.quanta_per_tick, self.price_source, self.truncated)
 
 
 def _resample_min(values: np.ndarray, gap_s: float, tick_s: float, n_ticks: int) -> np.ndarray:
@@ -82,6 +84,7 @@ def build(
     price_start_ts: float | None = None,
     min_tick_s: float = 300.0,
     quantum_s: float = 150.0,
+    truncate: bool = False,
 ) -> Scenario:
     """Put ``traces`` (one per zone) on one grid and price them.
 
@@ -97,14 +100,19 @@ def build(
     if len(set(names)) != len(names):
         raise ValueError(f"one trace per zone, got zones {names}")
     tick_s = max(max(t.gap_s for t in traces), min_tick_s)
-    n_ticks = min(int(t.duration_s // tick_s) for t in traces)
+    lengths = [int(t.duration_s // tick_s) for t in traces]
+    n_ticks = min(lengths)
     if n_ticks < 2:
         raise ValueError("traces shorter than two ticks")
+    cut = tuple((t.zone, n) for t, n in zip(traces, lengths, strict=True) if n > n_ticks)
+    if cut and not truncate:
+        have = ", ".join(f"{t.zone} {n}" for t, n in zip(traces, lengths, strict=True))
+        raise ValueError(f"traces of different lengths (ticks of {tick_s:.0f} s: {have}); pass --truncate "
+                         f"(truncate=True) to cut every zone to the shortest, {n_ticks} ticks")
     zones = tuple(Zone(t.zone, t.region, t.cloud, t.instance_type) for t in traces)
     regions = tuple(dict.fromkeys((z.cloud, z.region) for z in zones))
     zr = np.asarray([regions.index((z.cloud, z.region)) for z in zones], dtype=np.int64)
-    # a 1-node probe that got its node says "the zone has capacity": any job size fits
-    avail = np.stack([_resample_min(t.values, t.gap_s, tick_s, n_ticks) * (ONE_NODE_SCALE if t.nodes_probed == 1 else 1)
+    avail = np.stack([probe_capacity(_resample_min(t.values, t.gap_s, tick_s, n_ticks), t.nodes_probed)
                       for t in traces])
     od_zone = np.full(len(zones), np.nan)
     spot = np.full((len(zones), n_ticks), np.nan)
@@ -136,7 +144,20 @@ def build(
     spot = np.where(np.isfinite(spot), spot, np.inf)  # no offer = no capacity
     od = np.asarray([float(np.max(od_zone[zr == g])) for g in range(len(regions))])
     q = max(1, int(round(tick_s / quantum_s)))
-    return Scenario(zones, regions, zr, avail, spot, od, tick_s, q, src)
+    return Scenario(zones, regions, zr, avail, spot, od, tick_s, q, src, cut)
+
+
+def probe_capacity(values: np.ndarray, probe_nodes: int) -> np.ndarray:
+    """Nodes a job may count on from a probe of ``probe_nodes`` nodes that saw ``values`` alive: a probe
+    that got every node it asked for says "the zone has capacity" (any job size fits: k-node jobs on
+    1- and 4-node traces are replayed this way, an optimistic reading reported apart); a probe that got
+    fewer says exactly that many."""
+    if probe_nodes < 1:
+        raise ValueError(f"probe size {probe_nodes} < 1")
+    v = values.astype(np.int32)
+    if (v > probe_nodes).any():
+        raise ValueError(f"trace shows {int(v.max())} nodes alive but the probe asked for {probe_nodes}")
+    return np.where(v >= probe_nodes, ONE_NODE_SCALE, v).astype(np.int32)
 
 
 def job_quanta(sc: Scenario, work_s: float) -> int:

@@ -126,9 +126,12 @@ def _nodes_from_path(path: Path) -> int | None:
 
 
 def load_skypilot(
-    path: str | Path, *, zone: str | None = None, instance_type: str | None = None, cloud: str | None = None
+    path: str | Path, *, zone: str | None = None, instance_type: str | None = None, cloud: str | None = None,
+    probe_nodes: int | None = None,
 ) -> AvailabilityTrace:
-    """One SkyPilot spot-traces JSON file (one zone)."""
+    """One SkyPilot spot-traces JSON file (one zone). The probe size is ``probe_nodes``, else the
+    ``N-node`` folder the file sits in, else 1 for a 0/1 file; anything else is an error (never
+    guessed from the file's maximum)."""
     path = Path(path)
     try:
         doc = json.loads(path.read_text())
@@ -144,7 +147,12 @@ def load_skypilot(
     zone = zone or stem_zone
     c, region = split_zone(zone, cloud)
     itype = instance_type or TYPE_ALIASES.get(stem_type, stem_type or "unknown")
-    nodes = _nodes_from_path(path) or max(1, int(data.max()))
+    nodes = probe_nodes or _nodes_from_path(path) or (1 if int(data.max()) <= 1 else None)
+    if nodes is None:
+        raise TraceFormatError(f"{path}: counts up to {int(data.max())} and no N-node folder: pass the probe size "
+                               "(--probe-nodes)")
+    if int(data.max()) > nodes:
+        raise TraceFormatError(f"{path}: {int(data.max())} nodes alive but the probe asked for {nodes}")
     return AvailabilityTrace(zone, region, c, itype, gap, data, nodes, str(path))
 
 
@@ -163,8 +171,10 @@ def load_bamboo(
     region: str = "us-east-1",
     cloud: str = "aws",
     instance_type: str | None = None,
+    probe_nodes: int | None = None,
 ) -> AvailabilityTrace:
-    """A Bamboo fleet log (``time_ms,add|remove,nodeN``) or GCP group log (``date, time, #n``)."""
+    """A Bamboo fleet log (``time_ms,add|remove,nodeN``) or GCP group log (``date, time, #n``). The
+    fleet's target size (``probe_nodes``) is not in the file and must be given."""
     path = Path(path)
     rows = [ln.strip() for ln in path.read_text().splitlines() if ln.strip()]
     if not rows:
@@ -206,9 +216,13 @@ def load_bamboo(
                 zone = f"us-{m.group(1)}{m.group(2)}-{m.group(3)}"
                 region = zone[:-2]
     values = _series_from_events(times, vals, gap_s)
+    if probe_nodes is None:
+        raise TraceFormatError(f"{path}: a fleet log does not say how many nodes were requested (at most "
+                               f"{int(values.max())} were alive): pass the probe size (--probe-nodes)")
+    if int(values.max()) > probe_nodes:
+        raise TraceFormatError(f"{path}: {int(values.max())} nodes alive but the probe asked for {probe_nodes}")
     return AvailabilityTrace(
-        zone or path.stem, region, cloud, instance_type or default_type, gap_s, values,
-        max(1, int(values.max())), str(path),
+        zone or path.stem, region, cloud, instance_type or default_type, gap_s, values, probe_nodes, str(path),
     )
 
 
@@ -217,7 +231,8 @@ def load_trace(path: str | Path, **kw) -> AvailabilityTrace:
     path = Path(path)
     head = path.read_text()[:64].lstrip()
     if head.startswith("{"):
-        return load_skypilot(path, **{k: v for k, v in kw.items() if k in ("zone", "instance_type", "cloud")})
+        return load_skypilot(path, **{k: v for k, v in kw.items()
+                                      if k in ("zone", "instance_type", "cloud", "probe_nodes")})
     return load_bamboo(path, **kw)
 
 

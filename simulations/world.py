@@ -1,24 +1,24 @@
-"""A discrete-event world in virtual time that drives the daemon's own decision core.
+"""The faithful world around the daemon's own decision core (the ``orchd`` policy).
 
-Role: play the clouds, the agents and the trainer for ONE job around ``orchestrator.core.decide``,
-from a trace scenario, so that the ``orchd`` policy in the simulator is the daemon's code and nothing
-else. The world feeds the core exactly the events the shell would, and executes the commands it
-returns. The clouds - market (PriceTicks), launches (NodeLaunched / LaunchFailed, NodeRegistered),
-billing, preemptions (PreemptionNotice, then NodeGone) and virtual time - are
-``simulations.world_cloud.CloudModel``; this module is the job driver on top of it:
+Role: play the agents and the trainer for ONE job around ``orchestrator.core.decide``, on top of the
+clouds of ``simulations.world_cloud.CloudModel`` (market, launches, notices, billing, the shared
+random draws), so that the ``orchd`` policy in the simulator is the daemon's code and nothing else.
+The baselines run on the same clouds and the same trainer model (``world_policy.PolicyWorld``).
 
-  StartGenerationCmd   GenerationStarted after restart_s (+ region/cloud migration when the
-              checkpoint is elsewhere); training then runs at one step per step_time_s.
-  CheckpointCmd        training stops; CheckpointCommitted after checkpoint_s (if every member is
-              still alive), then RanksExited(emergency_checkpoint) from each member.
-  AbandonGenerationCmd RanksExited(abandoned); progress falls back to the last commit.
-  Terminate   billing stops. CheckInstance: NodeGone when the instance is dead.
-  timers      before every Tick (one per trace tick) a Heartbeat per registered node carrying the
-              trained step: progress at trace-step granularity, never one event per second.
+Trainer model (shared with ``world_policy``):
+  periodic    asynchronous saves every ``checkpoint_interval_s`` of the StartGenerationCmd (the
+              interval the core chose): training goes on; the checkpoint holds the progress at the
+              save's start and is committed ``save_s`` later if every member is still alive.
+  emergency   CheckpointCmd / StopCmd: training stops; committed ``save_s`` later if every member is
+              still alive (a save that overruns the notice commits nothing: the work since the last
+              commit is lost), then RanksExited(emergency_checkpoint) from each member.
+  lost node   a member that dies while training (or before its save committed) sends progress back
+              to the last commit.
 
-The same ``Overheads`` constants as the tick engine are used (launch, restart, save, notice,
-migration), but here they overlap the way they do in reality (e.g. the replacement boots while the
-old node saves), so this accounting is the world's own.
+Commands: StartGenerationCmd -> GenerationStarted after restart_s (+ migration when the checkpoint is
+in another region/cloud); AbandonGenerationCmd -> RanksExited(abandoned); Terminate -> billing stops;
+CheckInstance -> NodeGone when dead. Before every Tick (one per trace tick) a Heartbeat per registered
+node carries the trained step.
 
 Single-threaded, no I/O; one World per job (the core's state is per daemon).
 """
@@ -29,13 +29,15 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from orchestrator.core import Command, CoreConfig, CoreEvent, JobPhase, State, decide
 from orchestrator.core.commands import CheckInstance, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import JobSubmitted, NodeGone, Tick
 from simulations.engine import Job
-from simulations.overheads import Overheads
 from simulations.scenario import Scenario
 from simulations.world_cloud import BASE_TS, GPU, CloudModel, WNode
+from simulations.worldparams import Draws, WorldParams
 from wire import (
     AbandonGenerationCmd,
     AgentCommand,
@@ -83,15 +85,17 @@ class World(CloudModel):
         self,
         sc: Scenario,
         job: Job,
-        ov: Overheads,
+        wp: WorldParams | None = None,
         *,
         config: CoreConfig | None = None,
         record: bool = False,
         max_overrun: float = 3.0,
         capacity_hints: bool = True,
+        draws: Draws | None = None,
+        scores: np.ndarray | None = None,
     ) -> None:
-        super().__init__(sc, job, ov, config=config, record=record, max_overrun=max_overrun,
-                         capacity_hints=capacity_hints)
+        super().__init__(sc, job, wp or WorldParams(), config=config, record=record, max_overrun=max_overrun,
+                         capacity_hints=capacity_hints, draws=draws, scores=scores)
         self.state = State.empty(self.cfg)
         # job progress
         self.gen = 0
@@ -102,6 +106,8 @@ class World(CloudModel):
         self.committed = 0.0
         self.ckpt_region: tuple[str, str] | None = None
         self.ckpt_for_gen: set[int] = set()
+        self.interval_s: float | None = None  # periodic checkpoints of the current generation
+        self.saving = False  # a periodic save is in flight
         # accounting of the core's decisions
         self.actions: dict[str, int] = {}
         self.done_ts: float | None = None
@@ -158,6 +164,7 @@ class World(CloudModel):
                 self.stop_instance(n)
                 if n.node_id in self.gen_members and n.training:
                     self.stop_training()
+                    self.p_base = self.committed  # a node stopped without a save: back to the last commit
                 self.log("terminate", f"{n.node_id} {n.pool.name} ({c.reason})")
         elif isinstance(c, CheckInstance):
             n = self.nodes.get(c.node_id)
@@ -181,7 +188,7 @@ class World(CloudModel):
                 return
             self.ckpt_for_gen.add(cmd.generation)
             p = self.stop_training()
-            self.at(self.now + self.ov.checkpoint_s, "commit", cmd.generation, p)
+            self.at(self.now + self.wp.save_s, "commit", cmd.generation, p)
             self.log("checkpoint", f"gen {cmd.generation} at {p / 3600:.2f} h ({cmd.reason})")
         elif (
             isinstance(cmd, AbandonGenerationCmd) and cmd.generation == self.gen and n.node_id in self.gen_members
@@ -200,7 +207,8 @@ class World(CloudModel):
         dst = (first.pool.cloud, first.pool.region)
         resume = cmds[0].resume_from is not None
         self.p_base = self.committed if resume else 0.0
-        delay = self.ov.restart_s + (self.ov.migration_s(self.ckpt_region, dst) if resume else 0.0)
+        self.interval_s = cmds[0].checkpoint_interval_s
+        delay = self.wp.restart_s + (self.migration_s(self.ckpt_region, dst) if resume else 0.0)
         for nid in self.gen_members:
             self.nodes[nid].generation = gen
         self.at(self.now + delay, "gen_started", gen)
@@ -221,6 +229,10 @@ class World(CloudModel):
             self.commit(*data)
         elif kind == "exit":
             self.ranks_exit(*data)
+        elif kind == "periodic":
+            self.periodic(data[0])
+        elif kind == "psave":
+            self.periodic_commit(*data)
         else:
             self.handle_instance(kind, data)
 
@@ -231,6 +243,8 @@ class World(CloudModel):
         for m in self.gen_members:
             self.nodes[m].training = True
         self.at(self.now + (self.work_s - self.p_base), "complete", gen)
+        if self.interval_s:
+            self.at(self.now + self.interval_s, "periodic", gen)
         self.feed(GenerationStarted(id=f"g{next(self.msg)}", node_id=self.gen_members[0], job_id=JOB_ID,
                                     generation=gen, first_step=int(self.p_base // self.step_s) + 1, ts=self.now))
 
@@ -245,17 +259,42 @@ class World(CloudModel):
                 self.feed(RanksExited(id=f"x{next(self.msg)}", node_id=m, job_id=JOB_ID, generation=gen,
                                       exit_code=0, reason="completed", last_step=self.total_steps, ts=self.now))
 
-    def commit(self, gen: int, p: float) -> None:
-        if gen != self.gen or not all(self.nodes[m].alive for m in self.gen_members):
-            return  # a member died before the save finished: nothing committed
+    def periodic(self, gen: int) -> None:
+        """The trainer's periodic save: asynchronous, training goes on."""
+        if gen != self.gen or self.training_since is None or not self.interval_s:
+            return
+        if not self.saving:
+            self.saving = True
+            self.at(self.now + self.wp.save_s, "psave", gen, self.progress())
+        self.at(self.now + self.interval_s, "periodic", gen)
+
+    def periodic_commit(self, gen: int, p: float) -> None:
+        self.saving = False
+        if gen != self.gen or p <= self.committed or not all(self.nodes[m].alive for m in self.gen_members):
+            return
+        step = int(p // self.step_s)
+        if step <= 0:
+            return
         self.committed = p
         first = self.nodes[self.gen_members[0]]
         self.ckpt_region = (first.pool.cloud, first.pool.region)
-        step = int(p // self.step_s)
+        self.log("checkpoint", f"periodic gen {gen} at {p / 3600:.2f} h")
         self.feed(CheckpointCommitted(id=f"c{next(self.msg)}", node_id=first.node_id, job_id=JOB_ID,
                                       generation=gen, step=step, checkpoint_id=f"s{step}",
-                                      url=f"sim://{JOB_ID}/s{step}", save_s=self.ov.checkpoint_s,
-                                      emergency=True, ts=self.now))
+                                      url=f"sim://{JOB_ID}/s{step}", save_s=self.wp.save_s, ts=self.now))
+
+    def commit(self, gen: int, p: float) -> None:
+        if gen != self.gen or not all(self.nodes[m].alive for m in self.gen_members):
+            return  # a member died before the save finished: nothing committed
+        first = self.nodes[self.gen_members[0]]
+        step = int(p // self.step_s)
+        if p > self.committed and step > 0:
+            self.committed = p
+            self.ckpt_region = (first.pool.cloud, first.pool.region)
+            self.feed(CheckpointCommitted(id=f"c{next(self.msg)}", node_id=first.node_id, job_id=JOB_ID,
+                                          generation=gen, step=step, checkpoint_id=f"s{step}",
+                                          url=f"sim://{JOB_ID}/s{step}", save_s=self.wp.save_s,
+                                          emergency=True, ts=self.now))
         for m in self.gen_members:
             self.at(self.now, "exit", gen, m, "emergency_checkpoint")
 
@@ -297,7 +336,7 @@ class World(CloudModel):
             name="sim", total_steps=self.total_steps, step_time_s_estimate=self.step_s, gpu_type=GPU,
             gpus_per_node=1, nodes=n, nodes_min=n, nodes_max=n, market=MarketPolicy.SPOT_WITH_FALLBACK,
             deadline_ts=self.deadline_ts,
-            checkpoint=CheckpointPolicy(url=f"sim://{JOB_ID}", save_s_estimate=self.ov.checkpoint_s),
+            checkpoint=CheckpointPolicy(url=f"sim://{JOB_ID}"),
         )
 
     def run(self) -> WorldResult:

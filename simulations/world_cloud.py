@@ -1,20 +1,24 @@
-"""The clouds of ``simulations.world``: market, instances and virtual time for one job's World.
+"""The clouds of the faithful world: market, instances, billing and virtual time for one job.
 
-Role: the half of the World that plays the providers, from a trace scenario:
+Role: the half of a world that plays the providers, from a trace scenario and the shared random
+draws (``simulations.worldparams``); every policy's job driver (``world.World`` for orchd,
+``world_policy.PolicyWorld`` for the baselines) subclasses it, so all of them are charged by the same
+code and meet the same draws:
 
-  market      PriceTick per zone's spot pool at each trace tick where its price or capacity changed
-              (capacity_hint 1/0 from the trace: what a placement score would say; the baselines see
-              the same current-tick capacity; ``capacity_hints=False`` sends none, so the core learns
-              capacity from LaunchFailed only); the on-demand pool of each zone rides on it.
-  Launch      spot: NodeLaunched at once when the zone has room for the nodes in this tick, else
-              LaunchFailed(capacity); on-demand always succeeds. NodeRegistered after launch_delay_s.
+  market      PriceTick per zone's spot pool at each trace tick where its price or capacity score
+              changed; the score is a noisy placement-like score in [0.1, 1.0] from past ticks only
+              (``capacity_hints=False`` sends none). The on-demand pool of each zone rides on it.
+  Launch      spot: NodeLaunched when the zone has room for the nodes in this tick and the shared
+              capacity-error draw lets it through, else LaunchFailed(capacity); on-demand always
+              succeeds. NodeRegistered after a launch delay sampled from the shared draws.
   preemption  when the trace's capacity of a zone drops below the job's nodes there: a
-              PreemptionNotice notice_s before the tick boundary, then NodeGone at it.
+              PreemptionNotice the cloud's notice length before the tick boundary (none for the
+              share of preemptions drawn "without notice"), then NodeGone at it. Times are exact
+              seconds of virtual time.
   billing     cost is integrated per node from NodeLaunched to Terminate/preemption at the tick's price.
 
-Virtual time jumps from event to event (a heap of ``(ts, seq, kind, data)``). The job driver
-(``simulations.world.World``) subclasses this: it feeds the core and plays the agents and the trainer;
-the hooks ``feed`` and ``instance_lost`` are its side.
+Virtual time jumps from event to event (a heap of ``(ts, seq, kind, data)``). The hooks ``feed``,
+``instance_lost`` and ``notice`` are the job driver's side.
 
 Single-threaded, no I/O.
 """
@@ -27,12 +31,14 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from orchestrator.core import CoreConfig, CoreEvent
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import LaunchFailed, NodeGone, NodeLaunched
 from simulations.engine import Job
-from simulations.overheads import Overheads
 from simulations.scenario import Scenario
+from simulations.worldparams import Draws, WorldParams, capacity_scores
 from wire import (
     FailureReason,
     InstanceId,
@@ -75,15 +81,19 @@ class CloudModel:
         self,
         sc: Scenario,
         job: Job,
-        ov: Overheads,
+        wp: WorldParams,
         *,
         config: CoreConfig | None,
         record: bool,
         max_overrun: float,
         capacity_hints: bool,
+        draws: Draws | None = None,
+        scores: np.ndarray | None = None,
     ) -> None:
-        self.sc, self.job, self.ov = sc, job, ov
+        self.sc, self.job, self.wp = sc, job, wp
         self.capacity_hints = capacity_hints
+        self.draws = draws if draws is not None else Draws.make(len(sc.zones), sc.n_ticks, wp)
+        self.launch_tries: dict[tuple[int, int], int] = {}  # (zone or -1, tick) -> launches so far
         self.record = record
         self.cfg = config or CoreConfig()
         self.heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
@@ -95,6 +105,7 @@ class CloudModel:
         self.deadline_ts = BASE_TS + job.deadline_ticks * sc.tick_s
         self.stop_ts = BASE_TS + max(job.deadline_ticks * sc.tick_s * max_overrun, self.work_s * 4)
         self.usable = sc.usable(job.nodes)
+        self.scores = scores if scores is not None else capacity_scores(self.usable, wp)
         self.nodes: dict[str, WNode] = {}  # every node ever launched (lookups)
         self.live: dict[str, WNode] = {}  # alive ones (iteration)
         self.pools_spot = [
@@ -121,6 +132,11 @@ class CloudModel:
         """``n`` died under the job (after it is marked dead, before NodeGone is fed)."""
         raise NotImplementedError
 
+    def notice(self, n: WNode, death_ts: float) -> None:
+        """A preemption notice for ``n`` (default: the agent forwards it to orchd)."""
+        self.feed(PreemptionNotice(id=f"n{next(self.msg)}", node_id=n.node_id, cloud=n.pool.cloud,
+                                   deadline_ts=death_ts, observed_ts=self.now))
+
     # --- time and trace ------------------------------------------------------------------------
 
     def tick_index(self, ts: float) -> int:
@@ -136,6 +152,12 @@ class CloudModel:
 
     def capacity(self, z: int, k: int) -> int:
         return int(self.sc.avail[z, self.trace_t(k)])
+
+    def migration_s(self, src: tuple[str, str] | None, dst: tuple[str, str]) -> float:
+        """Extra seconds to move the checkpoint from ``src`` to ``dst`` ((cloud, region) pairs)."""
+        if src is None or src == dst:
+            return 0.0
+        return self.wp.cloud_migration_s if src[0] != dst[0] else self.wp.region_migration_s
 
     def at(self, ts: float, kind: str, *data: Any) -> None:
         heapq.heappush(self.heap, (ts, next(self.seq), kind, data))
@@ -175,11 +197,21 @@ class CloudModel:
             used = sum(1 for n in self.live.values() if n.zone == z and n.pool.market == Market.SPOT)
             room = self.capacity(z, k) - used if self.usable[z, self.trace_t(k)] else 0
             ok = ids[: max(0, room)]
+        spot = c.pool.market == Market.SPOT
+        tries = 0
+        if z is not None:
+            key = (z if spot else -1, k)
+            tries = self.launch_tries.get(key, 0)
+            self.launch_tries[key] = tries + 1
+            if ok and spot and self.draws.cap_error[z, self.trace_t(k + tries)]:
+                ok = []  # the cloud answers "no capacity" although the trace shows some
         failed = ids[len(ok):]
         if z is not None:
-            doomed = c.pool.market == Market.SPOT and not self.usable[z, self.trace_t(k + 1)]
+            doomed = spot and not self.usable[z, self.trace_t(k + 1)]
+            row = z if spot else len(self.sc.zones)
+            delay = self.wp.launch_delay_s(float(self.draws.launch_u[row, self.trace_t(k + tries)]))
             for nid in ok:
-                self.start_instance(c, nid, z, k, doomed)
+                self.start_instance(c, nid, z, k, doomed, delay)
         if ok:
             self.log("launch", f"{len(ok)} x {c.pool.name}")
         if failed:
@@ -187,18 +219,25 @@ class CloudModel:
             self.at(self.now, "core", LaunchFailed(node_ids=tuple(failed), job_id=c.job_id, pool=c.pool,
                                                    token=c.token, reason=FailureReason.CAPACITY))
 
-    def start_instance(self, c: Launch, nid: NodeId, z: int, k: int, doomed: bool) -> None:
+    def start_instance(self, c: Launch, nid: NodeId, z: int, k: int, doomed: bool, delay_s: float) -> None:
         n = WNode(nid, c.pool, z, launched=self.now)
         self.nodes[nid] = n
         self.live[nid] = n
         if doomed:  # launched into a zone that loses its capacity at the next boundary
-            death = BASE_TS + (k + 1) * self.sc.tick_s
-            n.doomed_at = death
-            self.at(max(self.now, death - self.ov.notice_s), "notice", nid, death)
-            self.at(death, "death", nid)
+            self.doom(n, BASE_TS + (k + 1) * self.sc.tick_s)
         self.at(self.now, "core", NodeLaunched(node_id=nid, job_id=c.job_id, instance_id=instance_of(nid),
                                                pool=c.pool, token=c.token))
-        self.at(self.now + self.ov.launch_delay_s, "registered", nid)
+        self.at(self.now + delay_s, "registered", nid)
+
+    def doom(self, n: WNode, death: float) -> None:
+        """``n`` is preempted at ``death``: a notice the cloud's notice length before it, unless the
+        shared draw of that zone and tick says this preemption comes without one."""
+        if n.doomed_at == death:
+            return
+        n.doomed_at = death
+        if not self.draws.no_notice[n.zone, self.trace_t(self.tick_index(death))]:
+            self.at(max(self.now, death - self.wp.notice_for(n.pool.cloud)), "notice", n.node_id, death)
+        self.at(death, "death", n.node_id)
 
     def stop_instance(self, n: WNode) -> None:
         n.alive = False
@@ -224,8 +263,8 @@ class CloudModel:
         elif kind == "notice":
             n.noticed = True
             self.preemptions += 1
-            self.feed(PreemptionNotice(id=f"n{next(self.msg)}", node_id=n.node_id, cloud=n.pool.cloud,
-                                       deadline_ts=data[1], observed_ts=self.now))
+            self.log("notice", f"{n.node_id} {n.pool.name} {data[1] - self.now:.0f} s before its preemption")
+            self.notice(n, data[1])
         elif kind == "death":
             self.kill(n)
 
@@ -251,10 +290,10 @@ class CloudModel:
         next boundary."""
         t = self.trace_t(k)
         prices = self.sc.spot_price[:, t]
-        hints = self.usable[:, t]
+        hints = self.scores[:, t]
         for z, pk in enumerate(self.pools_spot):
             price = float(prices[z])
-            hint = 1.0 if hints[z] else 0.0
+            hint = float(hints[z])
             if self.last_hint[z] != (price, hint):
                 self.last_hint[z] = (price, hint)
                 self.publish_price(z, pk, price, hint)
@@ -267,16 +306,13 @@ class CloudModel:
         for z, spot in self.spot_by_zone().items():
             cap = self.capacity(z, k + 1) if self.usable[z, nxt] else 0
             for n in spot[cap:] if cap < len(spot) else ():
-                if n.doomed_at != death:
-                    n.doomed_at = death
-                    self.at(max(self.now, death - self.ov.notice_s), "notice", n.node_id, death)
-                    self.at(death, "death", n.node_id)
+                self.doom(n, death)
 
     def on_tick_prices_only(self) -> None:
         """Prices before the job is submitted (the daemon knows the market when a job arrives)."""
         t = self.trace_t(0)
         for z, pk in enumerate(self.pools_spot):
             price = float(self.sc.spot_price[z, t])
-            hint = 1.0 if self.usable[z, t] else 0.0
+            hint = float(self.scores[z, t])
             self.last_hint[z] = (price, hint)
             self.publish_price(z, pk, price, hint)

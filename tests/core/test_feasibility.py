@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from orchestrator.core import CoreConfig, JobPhase, State
 from orchestrator.core.commands import Launch
-from orchestrator.core.feasibility import submit_problems, wake_up
+from orchestrator.core.feasibility import deadline_problem, submit_problems, wake_up
 from orchestrator.core.inputs import JobSubmitted, LaunchFailed, Tick
 from tests.core.harness import Driver, cmds, pool, price, spec
 from wire import FailureReason
@@ -49,3 +49,15 @@ def test_a_waiting_job_says_why_and_until_when() -> None:
     why, until = wake_up(job, drv.state.pools, drv.state.config, drv.now)
     assert why == "no_feasible_pool"
     assert until == drv.state.pools[A.name].backoff_until > drv.now  # the launch backoff ends then
+
+
+def test_a_best_effort_job_is_accepted_with_an_out_of_reach_deadline() -> None:
+    cfg = CoreConfig()
+    late = spec(total_steps=1000, deadline_ts=T0 + 10.0)
+    (problem,) = submit_problems(late, cfg, T0, clouds=["aws"])
+    assert problem.endswith("(best_effort = true accepts it anyway)")
+    best = spec(total_steps=1000, deadline_ts=T0 + 10.0, best_effort=True)
+    assert submit_problems(best, cfg, T0, clouds=["aws"]) == []
+    assert deadline_problem(best, cfg, T0) is not None  # still out of reach: only the refusal is waived
+    # the flag waives nothing else
+    assert submit_problems(spec(clouds=("gcp",), best_effort=True), cfg, T0, clouds=["aws"]) != []

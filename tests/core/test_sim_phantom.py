@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 
 from simulations.engine import Job
-from simulations.overheads import Overheads
 from simulations.world import World
 from simulations.world_cloud import WNode
+from simulations.worldparams import WorldParams
 from tests.simulations.conftest import tiny_scenario
 from wire import Market, NodeId, PoolKey
 
@@ -18,7 +18,7 @@ POOL = PoolKey(cloud="aws", region="r0", zone="r0a", instance_type="p3.2xlarge",
 
 def _world() -> tuple[World, WNode]:
     sc = tiny_scenario(np.ones((1, 400)), regions_of_zones=[0], spot=np.full((1, 400), 0.3), od=[1.0])
-    w = World(sc, Job(start_tick=0, work_q=100, deadline_ticks=300), Overheads())
+    w = World(sc, Job(start_tick=0, work_q=100, deadline_ticks=300), WorldParams())
     n = WNode(node_id=NodeId("n1"), pool=POOL, zone=0, launched=w.now, registered=True, generation=1)
     w.nodes[n.node_id] = n
     w.live[n.node_id] = n

@@ -23,12 +23,14 @@ from tests.integration import helpers as h
 pytestmark = pytest.mark.anyio
 
 
-def _spec(tmp: Path, name: str, *, clouds: str = '["fake"]', deadline_ts: float | None = None):
+def _spec(tmp: Path, name: str, *, clouds: str = '["fake"]', deadline_ts: float | None = None,
+          best_effort: bool = False):
     text = h.JOB_TOML.format(nodes=1).replace('clouds = ["fake"]', f"clouds = {clouds}")
     text = text.replace('url = "file:///tmp/orch-itest-ckpt"', f'url = "file://{tmp}/ckpt/{name}"')
     if deadline_ts is not None:
         market = 'market = "spot_with_fallback"'
-        text = text.replace(market, f"{market}\ndeadline_ts = {deadline_ts}")
+        text = text.replace(market, f"{market}\ndeadline_ts = {deadline_ts}" + ("\nbest_effort = true" if best_effort
+                                                                                   else ""))
     return parse_jobspec(text)
 
 
@@ -51,11 +53,18 @@ async def test_infeasible_jobs_are_refused_at_submit_with_the_reason(server: Nat
             with pytest.raises(AdminError) as e:
                 await client.submit(_spec(tmp_path, "late", deadline_ts=time.time() + 600), job_id="too-late")
             assert e.value.code == 400 and "the deadline cannot be met even on on-demand" in e.value.message
+            assert "best_effort = true accepts it anyway" in e.value.message
             assert "on-aws" not in d.state.jobs and "too-late" not in d.state.jobs
+            # the same deadline with the explicit flag is accepted, and `jobs show` says it is best effort
+            late = _spec(tmp_path, "late-ok", deadline_ts=time.time() + 600, best_effort=True)
+            assert late.best_effort is True
+            assert (await client.submit(late, job_id="best-effort")).created
+            assert (await client.job("best-effort")).summary["best_effort"] is True
             reply = await client.submit(_spec(tmp_path, "ok", deadline_ts=time.time() + 7200), job_id="fits")
             assert reply.created and "fits" in d.state.jobs
             # no agent ever registers here: the job waits, and `orchctl jobs show` says why
             shown = await client.job("fits")
+            assert shown.summary["best_effort"] is False
             waiting = shown.summary["waiting"]
             assert shown.summary["phase"] in ("pending", "placing") and waiting["reason"], shown.summary
             assert waiting["until"] is None or waiting["until"] >= time.time() - 5

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from matplotlib.colors import to_hex
 
-from simulations.overheads import Overheads
 from simulations.plot import POLICY_STYLES, plot_replay, replay_figure
 from simulations.policies import ALL_POLICIES
+from simulations.worldparams import WorldParams
 
 from .conftest import tiny_scenario
 
@@ -28,7 +28,7 @@ def _scenario():
 
 
 def _figure(policies):
-    return replay_figure(_scenario(), Overheads(), job_hours=3.0, deadline_hours=5.0, nodes=1, jobs=2,
+    return replay_figure(_scenario(), WorldParams(), job_hours=3.0, deadline_hours=5.0, nodes=1, jobs=2,
                          policies=policies)
 
 
@@ -88,6 +88,6 @@ def test_unknown_policy_is_a_clear_error() -> None:
 
 def test_png_is_written(tmp_path) -> None:
     out = tmp_path / "replay.png"
-    plot_replay(_scenario(), Overheads(), str(out), job_hours=3.0, deadline_hours=5.0, nodes=1, jobs=2,
+    plot_replay(_scenario(), WorldParams(), str(out), job_hours=3.0, deadline_hours=5.0, nodes=1, jobs=2,
                 policies=["on_demand", "failover"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -28,15 +28,17 @@ def test_skypilot_multinode_and_gcp(shared):
 
 
 def test_bamboo_event_log(shared):
-    tr = traces.load_trace(shared / "bamboo/traces/p3-trace.csv", gap_s=60.0)
-    assert tr.instance_type == "p3.2xlarge"
+    with pytest.raises(traces.TraceFormatError, match="probe size"):  # never guessed from the maximum
+        traces.load_trace(shared / "bamboo/traces/p3-trace.csv", gap_s=60.0)
+    tr = traces.load_trace(shared / "bamboo/traces/p3-trace.csv", gap_s=60.0, probe_nodes=32)
+    assert tr.instance_type == "p3.2xlarge" and tr.nodes_probed == 32
     assert tr.values.max() == 32  # README: up to 32 nodes
     assert 23 < tr.values.mean() < 25  # README: mean 24.0 nodes
     assert 11 < tr.duration_s / 3600 < 12  # 11.4 h
 
 
 def test_bamboo_gcloud_group_log_sorted(shared):
-    tr = traces.load_trace(shared / "bamboo/traces/gcloud/v100x1-east1c.txt", gap_s=60.0)
+    tr = traces.load_trace(shared / "bamboo/traces/gcloud/v100x1-east1c.txt", gap_s=60.0, probe_nodes=80)
     assert (tr.cloud, tr.zone, tr.region) == ("gcp", "us-east1-c", "us-east1")
     assert 20 < tr.duration_s / 3600 < 30
 
