@@ -25,6 +25,7 @@ File layout (see config/jobs/*.toml|yaml)::
                  inside or containing another job's), interval_s, keep, save_s_estimate,
                  start_from (a committed checkpoint, e.g. another job's, to resume from; written under url)
     [price]      pause_above_ratio, resume_below_ratio, migrate_min_saving
+    [tracking]   uri (http:// or https://, no credentials in it), experiment, run_name (docs/tracking.md)
 
 Pure apart from reading the file; no clock.
 """
@@ -34,6 +35,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import os
+import re
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
@@ -46,7 +48,7 @@ import yaml
 
 from orchestrator.core.roots import relation
 from trainer.contract import trainer_args_problems
-from wire import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrainerSpec
+from wire import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrackingSpec, TrainerSpec
 from wire.config import SettingsError, load_dataclass, merge, problem_path, without_problems
 
 __all__ = ["SPEC_CHECKS", "JobSpecError", "JobFile", "build_jobspec", "load_jobspec", "parse_jobspec",
@@ -110,6 +112,16 @@ class PriceTable:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrackingTable:
+    """``[tracking]`` -> ``wire.TrackingSpec``: the job's MLflow run (docs/tracking.md)."""
+
+    uri: str
+    experiment: str
+    run_name: str = ""
+    """"" = the job's name."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class JobFile:
     """A job spec file's top level. The one-field bounds here are ``spec_problems``' too, so a file reports
     them with its type errors; the cross-field rules need a valid layout first."""
@@ -136,6 +148,9 @@ class JobFile:
     trainer: TrainerTable = TrainerTable()
     checkpoint: CheckpointTable
     price: PriceTable = PriceTable()
+    tracking: TrackingTable | None = None
+    best_effort: bool = False
+    """Accept a deadline that even on-demand cannot meet (it is then missed); false: refused at submit."""
 
     def check(self) -> list[str]:
         """The file's own cross-field rules (the JobSpec's are ``spec_problems``)."""
@@ -172,6 +187,10 @@ class JobFile:
                                         start_from=msgspec.UNSET if c.start_from is None else c.start_from),
             price=PricePolicy(pause_above_ratio=p.pause_above_ratio, resume_below_ratio=p.resume_below_ratio,
                               migrate_min_saving=p.migrate_min_saving),
+            tracking=(msgspec.UNSET if self.tracking is None else
+                      TrackingSpec(uri=self.tracking.uri, experiment=self.tracking.experiment,
+                                   run_name=self.tracking.run_name)),
+            best_effort=True if self.best_effort else msgspec.UNSET,
         )
 
 
@@ -329,7 +348,53 @@ _MAGNITUDES: tuple[tuple[str, float, float], ...] = (
 )
 
 
-SPEC_CHECKS: tuple[SpecCheck, ...] = (_field_problems, _trainer_problems)
+SWEEP_ID_RE: typing.Final = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
+"""A sweep id (``JobSpec.sweep_id``, docs/sweeps.md): lower-case letters, digits and dashes, 1 .. 40."""
+
+
+def _sweep_problems(spec: JobSpec) -> list[str]:
+    """The sweep id a trial job carries (set by the sweep controller, never by a job file)."""
+    sid = spec.sweep_id
+    if isinstance(sid, str) and SWEEP_ID_RE.fullmatch(sid) is None:
+        return [f"sweep_id: must match {SWEEP_ID_RE.pattern}, got {sid[:60]!r}"]
+    return []
+
+
+TRACKING_SCHEMES = ("http://", "https://")
+TRACKING_SECRET_ENV = ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN", "MLFLOW_TRACKING_USERNAME",
+                       "DATABRICKS_TOKEN")
+"""Credentials of a tracking server: never in a job's spec (its state, logs and ``orchctl`` output)."""
+
+
+def _tracking_problems(spec: JobSpec) -> list[str]:
+    """``[tracking]``: a plain http(s) URI without credentials, an experiment name; no tracking credentials in
+    ``trainer.env`` (orchd and the agents take them from their own environment, docs/tracking.md)."""
+    p = [f"trainer.env.{k}: credentials never go in a job spec (it is kept in orchd's state and shown by "
+         "orchctl); set it in the environment of orchd and of the agents" for k in sorted(spec.trainer.env)
+         if k in TRACKING_SECRET_ENV]
+    t = spec.tracking
+    if isinstance(t, msgspec.UnsetType):
+        return p
+    if not t.uri.startswith(TRACKING_SCHEMES):
+        p.append(f"tracking.uri: must start with one of {', '.join(TRACKING_SCHEMES)}, got {t.uri[:100]!r}")
+    else:
+        netloc = t.uri.split("://", 1)[1].split("/", 1)[0]
+        if "@" in netloc:  # never echo the secret back
+            p.append("tracking.uri: must not carry credentials (user:password@host): set MLFLOW_TRACKING_USERNAME "
+                     "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) in the environment of orchd and "
+                     "of the agents")
+        elif not netloc:
+            p.append(f"tracking.uri: no host in {t.uri[:100]!r}")
+    if not t.experiment.strip():
+        p.append("tracking.experiment: must not be empty")
+    for key, value in (("tracking.uri", t.uri), ("tracking.experiment", t.experiment),
+                       ("tracking.run_name", t.run_name)):
+        if len(value) > 500:
+            p.append(f"{key}: at most 500 characters, got {len(value)}")
+    return p
+
+
+SPEC_CHECKS: tuple[SpecCheck, ...] = (_field_problems, _trainer_problems, _sweep_problems, _tracking_problems)
 """The checks ``spec_problems`` runs, in this order, all of them on every spec. A further rule on the spec
 alone is one more entry here. A check that needs orchd's state (e.g. checkpoint-root ownership or feasibility
 against the pools) is a ``SpecCheck`` bound to that state which orchd's submit path appends to these."""

@@ -101,6 +101,12 @@ class DaemonSettings:
     error waits this long before its next generation, doubling with each such end in a row (a commit starts
     over), at most ``restart_backoff_max_s`` (docs/core.md, "Restart hold")."""
     restart_backoff_max_s: float = field(default=900.0, metadata={"gt": 0})
+    boot_estimate_s: float = field(default=240.0, metadata={"gt": 0})
+    """Launch -> trainer running, as the budget and deadline estimates assume (a launch is refused when the
+    budget cannot carry a node through it)."""
+    terminate_billing_s: float = field(default=60.0, metadata={"ge": 0})
+    """Billing still accrues this long after a Terminate: the tail a budget keeps in reserve at the worst
+    price (a job stops once the tail no longer fits). Set both to what the clouds in use show."""
     shutdown_grace_s: float = 10.0
     command_ack_timeout_s: float = 2.0
     command_retries: int = 5
@@ -136,6 +142,10 @@ class MetricsSettings:
     host: str = "127.0.0.1"
     port: int = 9464
     """0 picks a free port."""
+    refresh_s: float = field(default=10.0, metadata={"gt": 0})
+    """The gauges computed from the state (jobs, nodes, costs and budgets, heartbeat ages; O(nodes)) are
+    recomputed this often, on a Tick; counters and histograms move as events happen. Keep it under the
+    scrape interval's multiple the alert windows assume."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,7 +17,10 @@
 Role: the driver of the agent <-> trainer contract (trainer.contract) inside a training process: it
 prints StepReport / CheckpointReport / ExitReport lines, appends StepRecords to ORCH_STEP_LOG, runs the
 per-step agreement, starts periodic async checkpoints, and on an agreed stop saves, commits and exits
-with EXIT_PREEMPTED. Single-threaded: call it from the training loop only.
+with EXIT_PREEMPTED. For a job with ``[tracking]``, rank 0 also hands each step's metrics (loss, grad
+norm, tokens/s, MFU, step time, and what ``log_metrics`` added) to the job's MLflow run through
+``trainer.tracking.MetricsLogger`` (a queue and a thread of its own: no I/O on the step). Single-threaded:
+call it from the training loop only.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from trainer import contract
 from trainer import dist as tdist
 from trainer.checkpoint import CheckpointManager, CommitResult, NoUsableCheckpoint, StorageError, save_failure
 from trainer.emergency import EmergencyState, Verdict, agree
+from trainer.tracking import DEFAULT_FLUSH_S, ENV_FLUSH_S, MetricsLogger
 
 # bf16 dense peak FLOP/s per device (vendor datasheets), matched on torch.cuda.get_device_name (no NVML)
 PEAK_BF16_FLOPS = (("H200", 989e12), ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("A100", 312e12),
@@ -68,6 +72,7 @@ class Session:
         generation: int = 0,
         step_log: str | None = None,
         config: dict[str, Any] | None = None,
+        tracker: MetricsLogger | None = None,
     ) -> None:
         self.info = info
         self.emergency = emergency
@@ -89,6 +94,9 @@ class Session:
         # orchd's periodic interval (Young/Daly) overrides ckpt_every; agreed per step like a stop
         self.ckpt_interval_s = float(os.environ.get(contract.ENV_CKPT_INTERVAL_S) or 0.0)
         self._last_periodic = time.monotonic()
+        self.tracker = tracker if info.rank == 0 else None  # the job's MLflow run (rank 0 logs for all)
+        self._step_metrics: dict[str, float] = {}
+        self.tracking_flush_s = float(os.environ.get(ENV_FLUSH_S) or DEFAULT_FLUSH_S)
 
     @classmethod
     def from_env(cls, *, device: str = "auto", ckpt_every: int = 0, keep: int = 3, async_mode: str = "thread",
@@ -96,6 +104,8 @@ class Session:
                  config: dict[str, Any] | None = None, ckpt_threads: int = 4) -> Session:
         emergency = EmergencyState.from_env()
         emergency.install()  # before the (slow) process-group init: a request during start-up is kept
+        rank0 = int(os.environ.get("RANK", "0")) == 0
+        tracker = MetricsLogger.from_env() if rank0 else None  # a tracked job without mlflow fails here, clearly
         info = tdist.init(device)
         url = os.environ.get(contract.ENV_CKPT_URL, "")
         job_id = os.environ.get(contract.ENV_JOB_ID, "")
@@ -112,6 +122,7 @@ class Session:
             generation=int(os.environ.get(contract.ENV_GENERATION, "0")),
             step_log=os.environ.get(contract.ENV_STEP_LOG) or None,
             config=config,
+            tracker=tracker,
         )
 
     @property
@@ -149,7 +160,12 @@ class Session:
         sys.stdout.flush()
 
     def exit(self, code: int, reason: str | None = None) -> NoReturn:
-        """Print the ExitReport and leave at once (no teardown that could wait on a dead peer)."""
+        """Print the ExitReport and leave at once (no teardown that could wait on a dead peer). Metrics still
+        queued for MLflow get ORCH_TRACKING_FLUSH_S seconds to leave; the rest is counted lost."""
+        if self.tracker is not None:
+            c = self.tracker.close(self.tracking_flush_s)
+            print(f"tracking_summary logged={c.logged} skipped={c.skipped} lost={c.lost} "
+                  f"last_logged_step={self.tracker.last_logged}", flush=True)
         self._print(contract.ExitReport(rank=self.rank, generation=self.generation, exit_code=code,
                                         reason=reason or contract.EXIT_REASONS.get(code, "failed"),
                                         last_step=self.last_step, ts=time.time()))
@@ -219,6 +235,12 @@ class Session:
 
     # --- per step --------------------------------------------------------------------------------
 
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Extra metrics of ``step`` for the job's MLflow run, sent with the step's own (call it before that
+        step's ``step_done`` / ``end_step``). A no-op on ranks other than 0 and for untracked jobs."""
+        if self.tracker is not None and step > self.last_step:
+            self._step_metrics.update(metrics)
+
     def _saved(self) -> tuple[nn.Module, torch.optim.Optimizer | None, dict[str, Any]]:
         """What a checkpoint saves: the model and optimizer registered by ``resume``, and the extra state."""
         if self._model is None:
@@ -264,6 +286,17 @@ class Session:
         self._print(contract.StepReport(rank=self.rank, generation=self.generation, step=step, loss=loss_mean,
                                         grad_norm=grad_norm, tokens_per_s=tps, mfu=mfu, step_time_s=dt_s,
                                         ts=time.time()))
+        if self.tracker is not None:
+            m = self._step_metrics
+            self._step_metrics = {}
+            m.update(loss=loss_mean, step_time_s=dt_s)
+            if grad_norm is not None:
+                m["grad_norm"] = grad_norm
+            if tps is not None:
+                m["tokens_per_s"] = tps
+            if mfu is not None:
+                m["mfu"] = mfu
+            self.tracker.put(step, m)
         if self.step_log:
             rec = contract.StepRecord(generation=self.generation, step=step, rank=self.rank,
                                       world_size=self.world_size, loss=loss_mean,

@@ -76,6 +76,7 @@ from wire.messages import (
     StartGenerationCmd,
     StopCmd,
     ToOrchd,
+    TrackingSpec,
     TrainerSpec,
 )
 from wire.subjects import (
@@ -149,6 +150,7 @@ __all__ = [
     "SubmitJobReply",
     "SubmitJobRequest",
     "TailEventsRequest",
+    "TrackingSpec",
     "TrainerSpec",
     "WIRE_TYPES",
     "WireError",

@@ -190,6 +190,9 @@ class RanksExited(_Wire, frozen=True, kw_only=True, tag="ranks_exited"):
     reason: str  # completed|emergency_checkpoint|failed|abandoned|stopped|storage_error|no_usable_checkpoint
     last_step: int = 0
     ts: float
+    # The loss of last_step (the ranks' mean), when the trainer reported one. Unset is not encoded, so
+    # agents and records from before this field keep their bytes.
+    last_loss: float | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class NodeLeaving(_Wire, frozen=True, kw_only=True, tag="node_leaving"):
@@ -311,6 +314,15 @@ class PricePolicy(msgspec.Struct, frozen=True, kw_only=True):
     migrate_min_saving: float = 0.2  # migrate when a pool is cheaper by this fraction after migration cost
 
 
+class TrackingSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """``[tracking]``: the MLflow run of a job (docs/tracking.md). Never credentials: orchd and the agents
+    take those from their own environment (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN)."""
+
+    uri: str  # MLflow tracking URI (http://, https://)
+    experiment: str  # experiment name; created by orchd when missing
+    run_name: str = ""  # "" = the job's name
+
+
 class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     trainer: TrainerSpec = TrainerSpec()
@@ -330,3 +342,11 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
     budget_usd: float | None = None
     checkpoint: CheckpointPolicy
     price: PricePolicy = PricePolicy()
+    # Unset is not encoded, so specs and records written before this field keep their bytes.
+    tracking: TrackingSpec | msgspec.UnsetType = msgspec.UNSET
+    # The sweep this job is a trial of (docs/sweeps.md); the core only carries it. Unset is not encoded,
+    # so specs and records written before this field keep their bytes.
+    sweep_id: str | msgspec.UnsetType = msgspec.UNSET
+    # Accept a deadline that even on-demand cannot meet (run as fast as possible, the deadline missed);
+    # without it such a job is refused at submit. Unset is not encoded (older specs keep their bytes).
+    best_effort: bool | msgspec.UnsetType = msgspec.UNSET

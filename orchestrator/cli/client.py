@@ -28,6 +28,7 @@ import nats.errors
 import wire as ev
 from orchestrator.security.nats_auth import ORCHCTL_INBOX
 from orchestrator.settings import NatsSettings
+from wire import logs
 from wire.admin import DeadListReply, DeadListRequest, DeadReplayRequest
 
 T = TypeVar("T")
@@ -58,6 +59,7 @@ class AdminClient:
             pass
 
         opts = auth_options(nats_settings) if nats_settings else {}
+        logs.quiet_asyncio_ssl_eof()  # orchctl over TLS: no asyncio noise on stderr (wire/logs.py)
         try:
             nc = await nats.connect(
                 servers=list(urls), allow_reconnect=False, max_reconnect_attempts=1, reconnect_time_wait=0.1,

@@ -10,8 +10,8 @@ each); then inject, as the clouds would:
 3. a price spike in the job's zone (the spot price goes above the pause ratio: orchd moves the job),
 
 show live progress (nodes, generation, step, loss, events) and end with a report derived from the
-trainer's step logs (``demo_report``), plus the local cloud's own bill. ``--json`` (or ``-o json``) prints
-the report as one JSON object on stdout, ``-o yaml`` as YAML.
+trainer's step logs (``demo_report``), plus the local cloud's own bill (``--tracking``: and its MLflow run,
+demo_tracking.py). ``--json`` (or ``-o json``) prints the report as one JSON object, ``-o yaml`` as YAML.
 
 Stopping: SIGINT (Ctrl-C) or SIGTERM cancels the run; the teardown then stops the nodes (the local
 provider's ``close``), orchd and its embedded nats-server, and finally terminates any descendant process
@@ -40,6 +40,7 @@ from typing import Any
 
 import anyio
 
+from orchestrator.cli import demo_tracking
 from orchestrator.cli.demo_report import Injection, compute_report, load_step_logs
 
 JOB_ID = "demo"
@@ -68,6 +69,7 @@ class DemoOptions:
     state_dir: str | None = None
     keep: bool = False
     live: bool = True
+    tracking: str = ""  # "" none; "local": an mlflow server under the state directory; else a tracking URI
 
 
 @dataclass(slots=True)
@@ -173,9 +175,15 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
     injections: list[Injection] = []
     spec = demo_jobspec(state_dir, opts)
     finished = anyio.Event()
+    tracked = demo_tracking.Tracked(opts.tracking, state_dir)
     try:
-        return await _run_and_report(opts, state_dir, settings, provider, view, injections, spec, finished, progress)
+        spec = await anyio.to_thread.run_sync(tracked.start, spec)  # the job's MLflow run (demo_tracking.py)
+        result = await _run_and_report(opts, state_dir, settings, provider, view, injections, spec, finished,
+                                       progress)
+        result.report.update(await anyio.to_thread.run_sync(tracked.report, JOB_ID))
+        return result
     finally:
+        await anyio.to_thread.run_sync(tracked.stop)
         log_stream.close()
         if not opts.keep and opts.state_dir is None:
             shutil.rmtree(state_dir, ignore_errors=True)
@@ -347,6 +355,7 @@ def format_report(r: dict[str, Any]) -> str:
     for p in r.get("price_spikes", []):
         lines.append(f"  price spike ({p['detail']}): generation {p.get('generation')} -> {p.get('next_generation')}, "
                      f"lost_steps={p.get('lost_steps')}, first step after it {p.get('move_s')}s later")
+    lines += demo_tracking.format_lines(r.get("tracking"))
     lines.append("  generations:")
     for g in r["generation_table"]:
         where = ", ".join(f"{n} {p}" for n, p in g["nodes"].items())
@@ -367,6 +376,7 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--prices", choices=("fixed", "replay"), default="fixed")
     s.add_argument("--state-dir", dest="demo_state_dir", default=None, help="keep everything here")
     s.add_argument("--timeout", dest="demo_timeout", type=float, default=None)
+    demo_tracking.add_arguments(s)
     s.set_defaults(run=run)
 
 
@@ -379,6 +389,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
         kw.update(notice_s=10.0, spike=False, notice_at=0.15, vanish_at=0.5)
     if args.demo_timeout:
         kw["timeout_s"] = args.demo_timeout
+    kw["tracking"] = getattr(args, "tracking_uri", None) or ("local" if getattr(args, "tracking", False) else "")
     return DemoOptions(**kw)
 
 
@@ -390,6 +401,8 @@ def run(args: argparse.Namespace) -> int:
                          "  pip install torch==2.13.0 && pip install -e '.[trainer]'\n")
         return 2
     opts = options_from_args(args)
+    if demo_tracking.refuse_without_package(opts.tracking):  # said why on stderr
+        return 2
     tty = sys.stderr.isatty()
     live = None
     if tty:

@@ -14,6 +14,7 @@
                                       replay republishes one to its original subject
       logs JOB [--node N] [--follow]  trainer output shipped by the agents (orchestrator/cli/logs.py)
       demo                            the whole loop on this machine (orchestrator/cli/demo.py)
+      sweep submit FILE | list | show SWEEP | cancel SWEEP | run   Optuna sweeps (orchestrator/cli/sweep.py)
       completion bash|zsh             print the shell completion script
       examples DIR [--force] | --list the example configs, systemd units, alert rules, dashboard
     orchctl --version
@@ -42,7 +43,7 @@ import msgspec
 import shtab
 import yaml
 
-from orchestrator.cli import demo, examples
+from orchestrator.cli import demo, examples, sweep
 from orchestrator.cli import logs as logs_cmd
 from orchestrator.cli.client import AdminClient, AdminError, AdminUnreachable
 from orchestrator.cli.common import (
@@ -205,6 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs_cmd.add_parser(sub, common)
     demo.add_parser(sub, common)
     examples.add_parser(sub, common)
+    sweep.add_parser(sub, common)
     s = sub.add_parser("completion", help="print the shell completion script (bash or zsh)")
     s.add_argument("shell", choices=("bash", "zsh"))
     s.set_defaults(run=lambda a: _completion(p, a.shell))
@@ -316,8 +318,10 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = _stdout,
         return int(e.code or 0) if e.code in (0, None) else EXIT_USAGE
     if not hasattr(args, "output"):
         args.output = "table"
-    if hasattr(args, "run"):  # orchctl demo, orchctl logs, orchctl completion
+    if hasattr(args, "run"):  # orchctl demo, orchctl logs, orchctl completion, orchctl sweep
         try:
+            if args.cmd == "sweep":
+                return int(sweep.run(args, out, err))
             return int(args.run(args))
         except KeyboardInterrupt:
             return EXIT_INTERRUPTED

@@ -48,5 +48,15 @@ class CheckInstance(_Cmd, frozen=True, kw_only=True, tag="check_instance"):
     pool: PoolKey
 
 
-Command: TypeAlias = Launch | Terminate | SendToAgent | CheckInstance
+class CreateTrackingRun(_Cmd, frozen=True, kw_only=True, tag="create_tracking_run"):
+    """Create the job's MLflow run (or find the one created before, by its job-id tag); the answer is
+    ``TrackingRunCreated``. Retried by the shell until the tracking server answers."""
+
+    job_id: JobId
+    uri: str
+    experiment: str
+    run_name: str
+
+
+Command: TypeAlias = Launch | Terminate | SendToAgent | CheckInstance | CreateTrackingRun
 """Everything ``decide`` can ask the shell to do (``Decision.commands``)."""

@@ -21,7 +21,7 @@ import msgspec
 
 from orchestrator.core import lifecycle as lc
 from orchestrator.core import node_events as ne
-from orchestrator.core import policy, roots
+from orchestrator.core import policy, roots, tick, tracking
 from orchestrator.core.commands import Terminate
 from orchestrator.core.costs import billing_start
 from orchestrator.core.inputs import (
@@ -37,6 +37,7 @@ from orchestrator.core.inputs import (
     NodeGone,
     NodeLaunched,
     Tick,
+    TrackingRunCreated,
 )
 from orchestrator.core.model import (
     GEN_PHASES,
@@ -49,6 +50,7 @@ from orchestrator.core.model import (
     State,
     fin,
 )
+from orchestrator.core.timers import build as build_timers
 from orchestrator.core.tx import Tx
 from wire.messages import (
     AgentState,
@@ -73,6 +75,9 @@ _EMPTY: frozenset[str] = frozenset()
 
 
 def decide(state: State, event: CoreEvent, now: float) -> Decision:
+    if state.timers is None:  # a state built by hand: the index of what comes due, from its records
+        state = State(state.jobs, state.nodes, state.pools, state.meta,
+                      build_timers(state.jobs, state.nodes))
     if type(event) is Heartbeat:
         fast = _heartbeat_fast(state, event, now)
         if fast is not None:
@@ -82,7 +87,7 @@ def decide(state: State, event: CoreEvent, now: float) -> Decision:
         case Heartbeat():
             _heartbeat_slow(tx, event)
         case Tick():
-            policy.on_tick(tx)
+            tick.on_tick(tx)
         case PriceTick():
             policy.on_price(tx, event)
         case JobSubmitted():
@@ -121,6 +126,8 @@ def decide(state: State, event: CoreEvent, now: float) -> Decision:
             else:
                 tx.put_meta(bus_connected=False)
             tx.record(None, "failure_detection", "bus_connected" if event.connected else "bus_disconnected")
+        case TrackingRunCreated():
+            tracking.run_created(tx, event)
         case LeaseChanged():
             if event.revision != tx.meta.fencing_token:
                 tx.put_meta(fencing_token=event.revision)
@@ -154,7 +161,9 @@ def _heartbeat_fast(state: State, hb: Heartbeat, now: float) -> Decision | None:
         loss=fin(hb.loss) if hb.loss is not None else node.loss,
         step_time_s=fin(hb.step_time_s) or node.step_time_s,
     )
-    return Decision(State(state.jobs, state.nodes.set(node.node_id, new), state.pools, state.meta), (), (), _EMPTY)
+    # last_seen only moves forward here: the node's entry in the index (timers.py) stays a lower bound
+    return Decision(State(state.jobs, state.nodes.set(node.node_id, new), state.pools, state.meta, state.timers),
+                    (), (), _EMPTY)
 
 
 def _heartbeat_slow(tx: Tx, hb: Heartbeat) -> None:
@@ -208,6 +217,7 @@ def _job_submitted(tx: Tx, ev: JobSubmitted) -> None:
         target_nodes=target, reason="submitted",
     )
     tx.put_job(job)
+    tracking.on_submit(tx, job)
     if spec.budget_usd is not None:
         tx.put_meta(budget_jobs=tx.meta.budget_jobs + (ev.job_id,))
     start = roots.start_from(spec.checkpoint)  # named in the audit only when the spec gives one
@@ -376,7 +386,8 @@ def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
     job = tx.update_job(job, gen_exited=job.gen_exited + (ev.node_id,))
     tx.record(job.job_id, "ranks_exited", ev.reason, node_id=ev.node_id, exit_code=ev.exit_code, last_step=ev.last_step)
     if ev.reason == "completed" and ev.last_step >= job.spec.total_steps:
-        job = tx.update_job(job, step=ev.last_step)
+        loss = None if isinstance(ev.last_loss, msgspec.UnsetType) else fin(ev.last_loss)
+        job = tx.update_job(job, step=ev.last_step, **({"final_loss": loss} if loss is not None else {}))
         job = lc.terminate_all(tx, job, "completed")
         tx.job_phase(job, J.SUCCEEDED, reason="completed")
         return

@@ -4,8 +4,9 @@ Role: pure functions over a job spec (or job), the core's configuration, its kno
 
 - ``submit_problems``: why a job can never run as submitted - no enabled cloud among the ones it
   allows, none of its instance types in the catalog of those clouds, or a deadline that even on-demand
-  from now cannot meet (the work at the estimated step time plus one boot and restart). The admin
-  submit path refuses such a job with these reasons (400, ``infeasible``); an empty list = feasible.
+  from now cannot meet (the work at the estimated step time plus one boot and restart; waived for a
+  spec with ``best_effort``, see ``deadline_problem``). The admin submit path refuses such a job with
+  these reasons (400, ``infeasible``); an empty list = feasible.
 - ``wake_up``: for an active job that is not training, why (its ``reason``) and the earliest time the
   core's view of it changes without any new event (a restart hold ends, a launch backoff or a notice
   skip of a pool it may use expires, on-demand becomes allowed by the slack), or None when only an
@@ -47,15 +48,24 @@ def submit_problems(spec: JobSpec, cfg: CoreConfig, now: float, clouds: Iterable
         if not any(w in known for w in wanted):
             problems.append(f"none of the instance types [{', '.join(spec.instance_types)}] is in the catalog of "
                             f"the enabled clouds [{', '.join(usable)}]")
-    if spec.deadline_ts is not None:
-        left = spec.deadline_ts - now
-        work = spec.total_steps * spec.step_time_s_estimate
-        start = cfg.boot_s_estimate + cfg.restart_overhead_s
-        if left < work + start:
-            problems.append(f"the deadline cannot be met even on on-demand: {_hours(work)} of work "
-                            f"({spec.total_steps} steps x {spec.step_time_s_estimate:g} s) + {start:g} s to start, "
-                            f"{_hours(max(left, 0.0))} left until the deadline")
+    late = deadline_problem(spec, cfg, now)
+    if late is not None and spec.best_effort is not True:
+        problems.append(late + " (best_effort = true accepts it anyway)")
     return problems
+
+
+def deadline_problem(spec: JobSpec, cfg: CoreConfig, now: float) -> str | None:
+    """Why even on-demand from ``now`` cannot meet the spec's deadline, or None (also without one)."""
+    if spec.deadline_ts is None:
+        return None
+    left = spec.deadline_ts - now
+    work = spec.total_steps * spec.step_time_s_estimate
+    start = cfg.boot_s_estimate + cfg.restart_overhead_s
+    if left >= work + start:
+        return None
+    return (f"the deadline cannot be met even on on-demand: {_hours(work)} of work "
+            f"({spec.total_steps} steps x {spec.step_time_s_estimate:g} s) + {start:g} s to start, "
+            f"{_hours(max(left, 0.0))} left until the deadline")
 
 
 def wake_up(job: Job, pools: Mapping[str, PoolStats], cfg: CoreConfig, now: float) -> tuple[str, float | None]:

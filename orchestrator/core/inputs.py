@@ -98,6 +98,13 @@ class LeaseChanged(_Internal, frozen=True, kw_only=True, tag="lease_changed"):
     revision: int
 
 
+class TrackingRunCreated(_Internal, frozen=True, kw_only=True, tag="tracking_run_created"):
+    """Executor result: the MLflow run of a tracked job exists (``CreateTrackingRun``)."""
+
+    job_id: JobId
+    run_id: str
+
+
 CoreEvent: TypeAlias = (
     LeaseChanged
     | Tick
@@ -110,6 +117,7 @@ CoreEvent: TypeAlias = (
     | AgentDisconnected
     | CommandFailed
     | BusState
+    | TrackingRunCreated
     | ToOrchd
 )
 """Every event ``decide`` accepts: the wire events plus the shell's own (above)."""

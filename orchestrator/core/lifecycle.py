@@ -17,6 +17,7 @@ from typing import overload
 
 import msgspec
 
+from orchestrator.core import tracking
 from orchestrator.core.commands import Launch, Terminate
 from orchestrator.core.costs import burn_usd_h, cost_now, node_cost_usd, progress_step, worst_burn_usd_h
 from orchestrator.core.model import (
@@ -196,6 +197,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
     # Before its own first commit a job resumes only from the checkpoint its spec names (start_from),
     # never from anything found under its root; it always writes under its own root.
     resume = job.committed_url if job.committed_url is not None else start_from(job.spec.checkpoint)
+    trainer = tracking.trainer_spec(job)  # MLflow's variables for a tracked job
     ids = []
     for rank, node in enumerate(members):
         # the generation resumes after the committed step: a member's step starts there again
@@ -215,7 +217,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
                 checkpoint_url=job.spec.checkpoint.url,
                 total_steps=job.spec.total_steps,
                 checkpoint_interval_s=interval,
-                trainer=job.spec.trainer,
+                trainer=trainer,
             ),
         )
         ids.append(node.node_id)

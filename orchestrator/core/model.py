@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import immutables
 import msgspec
 
 from orchestrator.core.commands import Command
 from wire.messages import InstanceId, JobId, JobSpec, NodeId, PoolKey
+
+if TYPE_CHECKING:
+    from orchestrator.core.timers import Timers
 
 # Characters allowed in ids we mint (node ids are NATS subject tokens and KV key parts).
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -278,6 +281,12 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     hold_until: float | msgspec.UnsetType = msgspec.UNSET
     hold_reason: str | msgspec.UnsetType = msgspec.UNSET
     holds: int | msgspec.UnsetType = msgspec.UNSET
+    # The job's MLflow run ([tracking], core/tracking.py), once the shell created it. UNSET (not encoded)
+    # for a job without tracking and until then.
+    tracking_run_id: str | msgspec.UnsetType = msgspec.UNSET
+    # The loss the trainer reported for its last step when the job completed (RanksExited.last_loss): a
+    # sweep's objective (docs/sweeps.md). UNSET (not encoded) when none was reported.
+    final_loss: float | msgspec.UnsetType = msgspec.UNSET
 
     def held(self, now: float) -> bool:
         """A restart hold is in force: no new generation yet."""
@@ -360,10 +369,15 @@ class State(msgspec.Struct, frozen=True):
     nodes: immutables.Map[str, Node]  # node id -> Node
     pools: immutables.Map[str, PoolStats]  # pool name -> PoolStats
     meta: Meta
+    # What comes due, in time order (timers.py): derived from the records, never persisted and never
+    # compared (any two indexes are equal). None: not built yet - ``decide`` builds it from the records.
+    timers: Timers | None = None
 
     @classmethod
     def empty(cls, config: CoreConfig = _DEFAULT_CONFIG) -> State:
-        return cls(immutables.Map(), immutables.Map(), immutables.Map(), Meta(config=config))
+        from orchestrator.core.timers import Timers
+
+        return cls(immutables.Map(), immutables.Map(), immutables.Map(), Meta(config=config), Timers())
 
     @property
     def config(self) -> CoreConfig:

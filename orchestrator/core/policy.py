@@ -1,8 +1,8 @@
-"""Timer- and market-driven policies: failure detection, launch timeouts, budget, deadline, price.
+"""Timer- and market-driven policies: budget, deadline, price, and what a Tick does to one job.
 
-Role: what ``decide`` does on a ``Tick`` (scan nodes for silence and launch timeouts, then each active
-job for budget, deadline, price pause, stuck checkpoints and missing nodes; migration and scale-up at
-most every ``price_eval_interval_s`` per job) and on a ``PriceTick`` (O(1): observe the pool's price;
+Role: what a ``Tick`` does to each job it visits (``job_tick``: budget, deadline, price pause, stuck
+checkpoints and missing nodes; migration and scale-up at most every ``price_eval_interval_s`` per job;
+which jobs and nodes a Tick visits is tick.py's business) and on a ``PriceTick`` (O(1): observe the pool's price;
 it acts only once confirmed - held for ``price_confirm_s``, confirm.py - and then closes the pool's price
 integral at the old price, so every job's cost stays exact without touching the job; the price reaction
 happens on the next Tick; budget margins assume spot may rise up to on-demand until then). Every price
@@ -21,7 +21,7 @@ import msgspec
 
 from orchestrator.core import lifecycle as lc
 from orchestrator.core.commands import CheckInstance
-from orchestrator.core.confirm import confirm_due, held, observe
+from orchestrator.core.confirm import held, observe
 from orchestrator.core.costs import burn_usd_h, cost_now, live_step_time, progress_step, worst_burn_usd_h
 from orchestrator.core.model import (
     TERMINAL_JOB_PHASES,
@@ -49,9 +49,7 @@ from wire.messages import AbandonGenerationCmd, Market, MarketPolicy, PriceTick
 J = JobPhase
 N = NodePhase
 _replace = msgspec.structs.replace
-_WATCHED = frozenset({N.REGISTERED, N.RUNNING, N.NOTICED, N.DRAINING})
-_ACTIVE = frozenset({J.PENDING, J.PLACING, J.STARTING, J.RUNNING, J.CHECKPOINTING, J.RECOVERING, J.RESIZING})
-NOTICE_GRACE_S = 60.0  # after a notice deadline passes, the instance is surely gone
+ACTIVE = frozenset({J.PENDING, J.PLACING, J.STARTING, J.RUNNING, J.CHECKPOINTING, J.RECOVERING, J.RESIZING})
 
 
 def suspect(tx: Tx, node: Node, reason: str) -> None:
@@ -64,89 +62,7 @@ def suspect(tx: Tx, node: Node, reason: str) -> None:
 # --- Tick ---------------------------------------------------------------------------------------
 
 
-def on_tick(tx: Tx) -> None:
-    cfg, now = tx.cfg, tx.now
-    confirm_due(tx)
-    detect = tx.meta.bus_connected and now >= tx.meta.detect_paused_until
-    touched: set[str] = set()
-    for nid in _due_nodes(tx, detect):
-        cur = tx.nodes.get(nid)
-        if cur is not None and _node_timeout(tx, cur, detect):
-            touched.add(cur.job_id)
-    for jid in sorted(touched):
-        job = tx.jobs.get(jid)
-        if job is not None:
-            lc.reconcile_job(tx, job)
-    evals = [cfg.max_price_evals_per_tick]
-    for jid in sorted(tx.jobs.keys()):
-        job = tx.jobs[jid]
-        if job.phase in _ACTIVE or job.phase == J.PAUSED:
-            _job_tick(tx, job, evals)
-
-
-def _noticed_gone(node: Node, now: float) -> bool:
-    """A noticed node whose deadline passed NOTICE_GRACE_S ago: its instance is surely gone."""
-    return node.phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S
-
-
-def _silent(tx: Tx, node: Node, detect: bool) -> bool:
-    """A watched node, not yet suspect, silent for longer than the heartbeat timeout."""
-    return (
-        node.phase in _WATCHED
-        and detect
-        and node.suspect_since is None
-        and tx.now - node.last_seen > tx.cfg.heartbeat_timeout_s
-    )
-
-
-def _due_nodes(tx: Tx, detect: bool) -> list[str]:
-    """The nodes a Tick must act on, sorted: the decision must not depend on hash order
-    (PYTHONHASHSEED). A cheap pass over every node: the conditions of ``_noticed_gone`` and
-    ``_silent`` are inlined here (no call per node)."""
-    now, cfg = tx.now, tx.cfg
-    launch_timeout, timeout = cfg.launch_timeout_s, cfg.heartbeat_timeout_s
-    due: list[str] = []
-    for node in tx.nodes.values():
-        phase = node.phase
-        if phase in (N.REQUESTED, N.BOOTING):
-            if now - node.requested_ts > launch_timeout:
-                due.append(node.node_id)
-        elif phase in _WATCHED and (
-            (phase == N.NOTICED and node.notice_deadline is not None and now > node.notice_deadline + NOTICE_GRACE_S)
-            or (detect and node.suspect_since is None and now - node.last_seen > timeout)
-        ):
-            due.append(node.node_id)
-    return sorted(due)
-
-
-def _node_timeout(tx: Tx, node: Node, detect: bool) -> bool:
-    """Act on one due node (a fresh record): launch timeout, notice deadline passed, heartbeat timeout.
-    True when the node was removed (its job needs reconciling); a new suspect is not."""
-    if node.phase in (N.REQUESTED, N.BOOTING):
-        _launch_timed_out(tx, node)
-    elif _noticed_gone(node, tx.now):
-        lc.lose_node(tx, node, "notice_deadline_passed", preempted=False, reconcile=False)
-    elif _silent(tx, node, detect):
-        if not node.disconnected:
-            suspect(tx, node, "heartbeat_timeout")
-            return False
-        lc.lose_node(tx, node, "heartbeat_timeout_after_disconnect", preempted=False, reconcile=False)
-    else:
-        return False
-    return True
-
-
-def _launch_timed_out(tx: Tx, node: Node) -> None:
-    ps = tx.pools.get(node.pool_name)
-    if ps is not None:
-        cfg = tx.cfg
-        backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures, 20))
-        tx.put_pool(node.pool_name, _replace(ps, failures=ps.failures + 1, backoff_until=tx.now + backoff))
-    job = tx.jobs.get(node.job_id)
-    lc.remove_node(tx, job, node, reason="launch_timeout", lost=True, terminate=True)
-
-
-def _steady(job: Job) -> bool:
+def steady(job: Job) -> bool:
     """RUNNING with exactly its target nodes, all members, nothing to move: nothing to replenish."""
     n = len(job.nodes)
     return (
@@ -155,7 +71,7 @@ def _steady(job: Job) -> bool:
     )
 
 
-def _job_tick(tx: Tx, job: Job, evals: list[int]) -> None:
+def job_tick(tx: Tx, job: Job, evals: list[int]) -> None:
     cfg = tx.cfg
     if job.phase == J.PAUSED:
         _deadline(tx, job)
@@ -180,7 +96,7 @@ def _job_tick(tx: Tx, job: Job, evals: list[int]) -> None:
     elif job.phase == J.STARTING and tx.now - job.phase_ts > cfg.restart_overhead_s + cfg.checkpoint_timeout_s:
         job = lc.abandon_generation(tx, job, "start_timeout")
         job = lc.maybe_end_generation(tx, job)
-    if _steady(job):
+    if steady(job):
         return
     if job.phase in (J.PLACING, J.RESIZING):
         job = lc.try_start(tx, job)

@@ -24,6 +24,7 @@ import msgspec
 import msgspec.inspect as mi
 
 from orchestrator.core.model import Job, Meta, Node, PoolStats, State, pool_record_key
+from orchestrator.core.timers import build as build_timers
 
 _enc = msgspec.json.Encoder()
 _dec_job = msgspec.json.Decoder(Job)
@@ -218,4 +219,5 @@ def state_from_records(records: Mapping[str, bytes]) -> State:
         elif kind == "pool":
             ps = _dec_pool.decode(data)
             pools[ps.pool.name] = ps
-    return State(jobs.finish(), nodes.finish(), pools.finish(), meta)
+    jm, nm, pm = jobs.finish(), nodes.finish(), pools.finish()
+    return State(jm, nm, pm, meta, build_timers(jm, nm))

@@ -28,10 +28,13 @@ from orchestrator.core.model import (
     safe_token,
 )
 from orchestrator.core.records import check_records
+from orchestrator.core.timers import Timers, build, pool_change
 from orchestrator.core.transitions import IllegalTransition, check_job, check_node
 from wire.messages import AgentCommand, JobId, NodeId
 
 _replace = msgspec.structs.replace
+_NO_WAKE: frozenset[str] = frozenset()
+_NO_KINDS: frozenset[int] = frozenset()
 
 
 class CmdHeader(TypedDict):
@@ -45,7 +48,8 @@ class CmdHeader(TypedDict):
 
 
 class Tx:
-    __slots__ = ("state0", "jobs", "nodes", "pools", "meta", "cfg", "now", "event", "cmds", "audit", "dirty")
+    __slots__ = ("state0", "jobs", "nodes", "pools", "meta", "cfg", "now", "event", "cmds", "audit", "dirty",
+                 "timers", "writes", "synced")
 
     def __init__(self, state: State, event: str, now: float) -> None:
         self.state0 = state
@@ -59,10 +63,15 @@ class Tx:
         self.cmds: list[Command] = []
         self.audit: list[AuditEntry] = []
         self.dirty: set[str] = set()
+        # the index of what comes due (timers.py), kept current for the records written here
+        self.timers: Timers = state.timers if state.timers is not None else build(state.jobs, state.nodes)
+        self.writes: list[tuple[str, str, object]] = []  # (kind, id, the record before this decision)
+        self.synced = 0  # writes[:synced] are in self.timers
 
     # --- records -------------------------------------------------------------------------------
 
     def put_job(self, job: Job) -> Job:
+        self.writes.append(("job", job.job_id, None))
         self.jobs = self.jobs.set(job.job_id, job)
         self.dirty.add("job." + job.job_id)
         return job
@@ -86,6 +95,7 @@ class Tx:
         return self.put_job(_replace(job, phase=phase, reason=reason or job.reason, **changes))
 
     def put_node(self, node: Node) -> Node:
+        self.writes.append(("node", node.node_id, None))
         self.nodes = self.nodes.set(node.node_id, node)
         self.dirty.add("node." + node.node_id)
         return node
@@ -106,12 +116,14 @@ class Tx:
     def drop_node(self, node: Node, phase: NodePhase) -> None:
         """The node reaches a terminal phase: its record is deleted (the shell deletes the key)."""
         check_node(node.phase, phase)
+        self.writes.append(("node", node.node_id, node))
         self.nodes = self.nodes.delete(node.node_id)
         self.dirty.add("node." + node.node_id)
 
     def put_pool(self, name: str, ps: PoolStats) -> PoolStats:
         if ps.changed_ts != self.now:
             ps = _replace(ps, changed_ts=self.now)
+        self.writes.append(("pool", name, self.pools.get(name)))
         self.pools = self.pools.set(name, ps)
         self.dirty.add(pool_record_key(name))
         return ps
@@ -177,17 +189,60 @@ class Tx:
             )
         )
 
+    # --- the index of what comes due ----------------------------------------------------------------
+
+    def sync_timers(self) -> set[str] | frozenset[str]:
+        """Bring ``self.timers`` up to the records written so far: re-arm written nodes, wake written jobs
+        and the jobs of written nodes that are not awake (and the sleepers a pool or price change
+        concerns). Returns the job ids woken. (A finished job leaves the index at its next Tick.)"""
+        writes, start = self.writes, self.synced
+        if start == len(writes):
+            return _NO_WAKE
+        self.synced = len(writes)
+        t = self.timers
+        awake, sleeping = t.awake, bool(t.asleep)
+        nodes: list[Node] = []
+        wake: set[str] = set()
+        kinds: frozenset[int] = _NO_KINDS
+        pools: set[str] = set()
+        for kind, ident, before in writes[start:] if start else writes:
+            if kind == "job":
+                if ident not in awake:
+                    wake.add(ident)
+            elif kind == "node":
+                n = self.nodes.get(ident)
+                if n is not None:
+                    nodes.append(n)
+                    if n.job_id not in awake:
+                        wake.add(n.job_id)
+                elif isinstance(before, Node) and before.job_id not in awake:
+                    wake.add(before.job_id)
+            elif sleeping and len(kinds) < 2 and ident not in pools:  # pools matter only to jobs asleep
+                pools.add(ident)  # the first write since the last sync: ``before`` is the record then
+                kinds = kinds | pool_change(before if isinstance(before, PoolStats) else None, self.pools.get(ident))
+        if nodes:
+            t = t.arm_nodes(nodes)
+        if wake or kinds:
+            t, woken = t.update_jobs(wake, kinds)
+            self.timers = t
+            return woken
+        self.timers = t
+        return _NO_WAKE
+
     def decision(self) -> Decision:
         s0 = self.state0
+        self.sync_timers()
+        # a changed configuration (only ever by hand: no event changes it) drops the index
+        timers = self.timers if self.meta.config is s0.meta.config else None
         if (
             self.jobs is s0.jobs
             and self.nodes is s0.nodes
             and self.pools is s0.pools
             and self.meta is s0.meta
         ):
-            state = s0
+            state = s0 if timers is s0.timers else State(s0.jobs, s0.nodes, s0.pools, s0.meta, timers)
         else:
-            state = State(self.jobs, self.nodes, self.pools, self.meta)
+            state = State(self.jobs, self.nodes, self.pools, self.meta, timers)
             # a record carrying inf/nan must never be persisted: raise here (a core bug, or an input the
             # bounds let through), so the shell skips the event and keeps the previous state
             check_records(state, self.dirty, s0)

@@ -34,7 +34,7 @@ from nats.micro.request import Request
 
 import wire as ev
 from orchestrator import bus
-from orchestrator.core.feasibility import submit_problems
+from orchestrator.core.feasibility import deadline_problem, submit_problems
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
 from orchestrator.core.roots import Overlap, find_overlap
 from orchestrator.daemon.state import (
@@ -46,6 +46,7 @@ from orchestrator.daemon.state import (
     pool_summary,
     record_dict,
 )
+from orchestrator.daemon.tracking import submit_problems as tracking_submit_problems
 from orchestrator.jobspec import spec_problems
 from wire.admin import (
     DeadLetter,
@@ -160,7 +161,7 @@ class Handlers:
         )
 
     async def jobs_submit(self, req: ev.SubmitJobRequest) -> ev.SubmitJobReply:
-        problems = spec_problems(req.spec)
+        problems = spec_problems(req.spec) + tracking_submit_problems(req.spec)
         if problems:
             raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems), "invalid_spec")
         problems = submit_problems(req.spec, self.d.state.meta.config, time.time(), clouds=self.d.providers)
@@ -177,7 +178,8 @@ class Handlers:
                 raise AdminFailure(409, _overlap_message(job_id, clash, self.d.state.jobs[clash.job_id]),
                                    "checkpoint_root_overlap")
             raise AdminFailure(409, f"the core did not accept job {job_id!r} (see orchctl explain {job_id})")
-        log.info("job_submitted", job=job_id, name=req.spec.name)
+        late = deadline_problem(req.spec, self.d.state.meta.config, time.time()) if req.spec.best_effort else None
+        log.info("job_submitted", job=job_id, name=req.spec.name, **({"best_effort": late} if late else {}))
         return ev.SubmitJobReply(job_id=job_id, created=True)
 
     async def jobs_list(self, req: ev.ListJobsRequest) -> ev.JobsReply:

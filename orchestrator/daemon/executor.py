@@ -12,6 +12,8 @@ decide loop decides it and, in the same persisted batch, deletes the command's o
     (credentials)  with ``credentials`` set: enrolment tokens minted before a launch go into its
                    bootstrap; every NodeGone / LaunchFailed node has its credential revoked.
     CheckInstance  provider.describe  -> NodeGone(provider_missing | provider_terminated), or nothing
+    CreateTrackingRun  the job's MLflow run (tracking.create_run, in a thread) -> TrackingRunCreated; retried
+                   with backoff (up to executor.retry_max_s apart) until the tracking server answers.
     SendToAgent    request/reply on orch.cmd.<node>, CommandAck reply fed to the core; retried with the
                    same cmd_id every command_ack_timeout_s up to command_retries, then CommandFailed.
                    While orchd's own NATS connection is down, attempts are not spent (an outage is not
@@ -36,8 +38,16 @@ from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 
 import wire as ev
-from orchestrator.core.commands import CheckInstance, Command, Launch, SendToAgent, Terminate
-from orchestrator.core.inputs import CommandFailed, CoreEvent, LaunchFailed, NodeGone, NodeLaunched
+from orchestrator.core.commands import CheckInstance, Command, CreateTrackingRun, Launch, SendToAgent, Terminate
+from orchestrator.core.inputs import (
+    CommandFailed,
+    CoreEvent,
+    LaunchFailed,
+    NodeGone,
+    NodeLaunched,
+    TrackingRunCreated,
+)
+from orchestrator.daemon import tracking
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.security.credentials import Credentials
 from orchestrator.settings import Settings
@@ -106,6 +116,8 @@ class Executor:
                     events = await self._check(cmd)
                 case SendToAgent():
                     events = await self._send(cmd)
+                case CreateTrackingRun():
+                    events = await self._tracking_run(cmd)
                 case _:
                     log.error("unknown_command", command=repr(cmd))
                     events = ()
@@ -208,6 +220,23 @@ class Executor:
         if insts[0].state in (InstanceState.TERMINATED, InstanceState.STOPPING):
             return (NodeGone(node_id=cmd.node_id, instance_id=cmd.instance_id, reason="provider_terminated"),)
         return ()
+
+    async def _tracking_run(self, cmd: CreateTrackingRun) -> tuple[CoreEvent, ...]:
+        """Create (or find) the job's MLflow run; an outage or a missing package is retried, never fatal."""
+        xs = self.settings.executor
+        delay = xs.retry_base_s
+        while True:
+            try:
+                run_id = await anyio.to_thread.run_sync(tracking.create_run, cmd, self.settings.daemon.cluster_id,
+                                                        abandon_on_cancel=True)  # idempotent: safe to abandon
+                log.info("tracking_run", job=cmd.job_id, run_id=run_id, experiment=cmd.experiment)
+                return (TrackingRunCreated(job_id=cmd.job_id, run_id=run_id),)
+            except ImportError:
+                log.error("tracking_unavailable", job=cmd.job_id, hint=tracking.PACKAGE_HINT, retry_s=delay)
+            except Exception as e:  # the tracking server is down or refused: try again later
+                log.warning("tracking_run_retry", job=cmd.job_id, error=type(e).__name__, retry_s=delay)
+            await anyio.sleep(delay)
+            delay = min(delay * 2, max(xs.retry_max_s, xs.retry_base_s))
 
     async def _send(self, cmd: SendToAgent) -> tuple[CoreEvent, ...]:
         c = cmd.command

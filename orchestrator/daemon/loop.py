@@ -3,8 +3,8 @@
 Role: ``Daemon`` is the running daemon's handle and owns the core's state. ``decide_loop`` takes a
 batch from the intake and runs it through the stages of ``orchestrator.daemon.pipeline`` (``process``):
 decode and screen every message, decide every event with the pure core, persist the union of the dirty
-keys and the commands (``Store.persist``: outbox first), then ack, answer admin requests and hand the
-commands to the executor. See docs/architecture.md for the ordering and what a crash leaves.
+keys and the commands (``Store.persist``: outbox first), then hand the commands to the executor (checkpoint
+commands first), answer admin requests and ack. See docs/architecture.md for the ordering and what a crash leaves.
 
 Concurrency contract: one task runs ``decide_loop``; nothing else mutates ``Daemon.state`` (admin
 handlers read the immutable value). Producers reach the loop only through ``Daemon.intake``.
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Set
 from typing import TYPE_CHECKING
 
 import anyio
@@ -32,8 +32,9 @@ from orchestrator.daemon.liveness import LivenessFlusher
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.observe import MetricsObserver
 from orchestrator.daemon.ratelimit import SenderLimiter
-from orchestrator.daemon.state import CoreApi, RejectionLog, refresh_gauges, summarize_event
+from orchestrator.daemon.state import CoreApi, RejectionLog, refresh_gauge_slices, summarize_event
 from orchestrator.daemon.store import Store
+from orchestrator.daemon.tracking import TrackingReporter
 from orchestrator.settings import Settings
 from providers.base import CloudProvider
 from wire import sdnotify
@@ -46,7 +47,7 @@ log = structlog.get_logger("orchd")
 MAX_HEARTBEATS_PER_BATCH = 1000
 SLOW_BATCH_S = 0.25
 URGENT_ROUNDS = 4
-GAUGE_REFRESH_S = 10.0
+_NOTHING: frozenset[str] = frozenset()
 
 
 class Daemon:
@@ -81,9 +82,11 @@ class Daemon:
         self.notice_ts: dict[str, float] = {}  # cmd_id -> notice publish ts (latency metric)
         self.liveness = LivenessFlusher(self._write_liveness, settings.daemon.liveness_flush_max)
         self.observer = MetricsObserver(metrics)  # the metrics the state does not hold (observe.py)
+        self.tracking = TrackingReporter(self.observer)  # orchd's figures to tracked jobs' MLflow runs
         self._stop = stop if stop is not None else anyio.Event()  # the caller's: signals arrive while standing by
         self.exit_code = 0
         self._reaper: Reaper | None = None
+        self._persisting: Set[str] = _NOTHING  # the dirty keys of the batch being persisted
 
     # --- lifecycle (run.py) ------------------------------------------------------------------------
 
@@ -105,6 +108,7 @@ class Daemon:
     def attach_background(self, tg: TaskGroup) -> None:
         """The task group that runs background work of the loop (liveness flush slices, the backlog poll)."""
         self.liveness.attach(tg)
+        tg.start_soon(self.tracking.run)
         if self.store is not None:
             tg.start_soon(self.observer.poll_backlog, self.store.js, self.settings.daemon.tick_s)
 
@@ -150,8 +154,11 @@ class Daemon:
         next_flush = time.monotonic() + self.settings.daemon.liveness_flush_s
         next_gauges = 0.0
         while not self._stop.is_set():
-            with anyio.move_on_after(max(0.0, next_tick - time.monotonic())):
-                await _first(self.intake.wait, self._stop.wait)
+            if self.intake.pending():  # more is buffered: one pass of the event loop (the bus's readers run)
+                await anyio.sleep(0)  # instead of a task group of two waiters per batch
+            else:
+                with anyio.move_on_after(max(0.0, next_tick - time.monotonic())):
+                    await _first(self.intake.wait, self._stop.wait)
             urgent, heartbeats = pipeline.split_urgent(self.intake.take(MAX_HEARTBEATS_PER_BATCH))
             tick = None
             if time.monotonic() >= next_tick:
@@ -170,8 +177,10 @@ class Daemon:
                 await self._urgent_first()
                 await self.process(tick)
                 if time.monotonic() >= next_gauges:  # O(nodes): not on every tick, never before urgent work
-                    refresh_gauges(self)
-                    next_gauges = time.monotonic() + GAUGE_REFRESH_S
+                    for _ in refresh_gauge_slices(self):  # urgent inputs that came meanwhile go between slices
+                        await anyio.sleep(0)
+                        await self._urgent_first()
+                    next_gauges = time.monotonic() + self.settings.metrics.refresh_s
             if heartbeats:
                 await self._urgent_first()
                 await self.process(heartbeats)
@@ -194,7 +203,7 @@ class Daemon:
         await self.process(self.intake.take())
 
     async def process(self, batch: Batch, *, urgent: bool = False) -> None:
-        """Decide a batch, persist it, ack it, dispatch its commands (``pipeline``'s stages). ``urgent``
+        """Decide a batch, persist it, dispatch its commands, ack it (``pipeline``'s stages). ``urgent``
         batches carry no slice of a liveness flush round (their commands should leave as soon as possible)."""
         store, executor, state = self._running()
         t_begin = time.perf_counter()
@@ -204,17 +213,26 @@ class Daemon:
         final = self._stop.is_set()
         self.liveness.settle(decided.liveness, decided.dirty, final=final)
         t_decided = time.perf_counter()
-        records = await pipeline.persist(store, self.core, decided)
+        # While this batch is written, a liveness slice must not write its dirty keys from the older
+        # state (``_write_liveness``): the batch's newer value would be overwritten.
+        self._persisting = decided.dirty
+        try:
+            records = await pipeline.persist(store, self.core, decided)
+        finally:
+            self._persisting = _NOTHING
         t_persisted = time.perf_counter()
-        self._observe_batch(decided, records, t_begin, t_decided, t_persisted)
         self.state = decided.state
+        # Commands first (checkpoint commands before the rest): the metrics, the acks of the batch's
+        # messages and the next liveness slice come once they are on their way.
+        pipeline.dispatch(decided, executor, self.notice_ts)
+        if decided.commands:
+            await anyio.sleep(0)  # let the executor's tasks send before anything else
+        self._observe_batch(decided, records, t_begin, t_decided, t_persisted)
         self.observer.after_batch(state, decided, time.time())
+        self.tracking.after_batch(state, decided, time.time())
         if not urgent and not final:
             self.liveness.write_slice()
         await pipeline.acknowledge(decided)
-        pipeline.dispatch(decided, executor, self.notice_ts)
-        if decided.commands:
-            await anyio.sleep(0)  # let the executor's tasks send before the next batch is decided
         self.events_decided += decided.decided
         self.batches += 1
         for name, n in decided.counts.items():
@@ -248,7 +266,8 @@ class Daemon:
         def encode(ks: tuple[str, ...]) -> dict[str, bytes]:
             state = self.state
             assert state is not None  # set before the first batch; never unset
-            return core.state_to_records(state, ks)
+            persisting = self._persisting  # written by the batch in flight, newer than ``state``'s
+            return core.state_to_records(state, [k for k in ks if k not in persisting] if persisting else ks)
 
         await store.write_records_background(keys, encode)
 

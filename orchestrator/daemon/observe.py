@@ -19,7 +19,8 @@ core decided, the commands it produced) and keeps the little history these metri
 History starts when this orchd starts leading: goodput counts the steps executed since then, and the
 on-demand cost of nodes that left a job before then is not known (docs/operations.md, "Metrics").
 
-Concurrency contract: ``after_batch`` and ``refresh`` run on the decide loop's task; ``poll_backlog`` is
+Concurrency contract: ``after_batch`` and ``refresh`` run on the decide loop's task (``refresh_slices``:
+between its slices the loop decides urgent batches, which ``after_batch`` observes); ``poll_backlog`` is
 a task of its own that only sets a gauge.
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -213,11 +215,20 @@ class MetricsObserver:
     def refresh(self, state: State, now: float) -> None:
         """Set the gauges of this module, close the emergency checkpoints that can no longer commit, and
         forget what left the state."""
-        self._refresh_nodes(state, now)
+        for _ in self.refresh_slices(state, now):
+            pass
+
+    def refresh_slices(self, state: State, now: float, nodes_per_slice: int = 800) -> Iterator[None]:
+        """``refresh`` in slices: yields after each ``nodes_per_slice`` nodes' heartbeat ages (the decide
+        loop takes urgent inputs between slices: ``state.refresh_gauge_slices``), and each eighth as many
+        jobs' goodput and on-demand cost. ``state`` is the one the refresh started with."""
+        yield from self._refresh_nodes(state, now, nodes_per_slice)
         for jid in [j for j in self.jobs if j not in state.jobs]:
             del self.jobs[jid]
         goodput: set[str] = set()
-        for job in state.jobs.values():
+        for i, job in enumerate(state.jobs.values(), 1):
+            if i % max(1, nodes_per_slice // 8) == 0:
+                yield
             t = self._track(job)
             g = t.goodput(job_step(state, job.job_id))
             if g is not None:
@@ -250,15 +261,17 @@ class MetricsObserver:
             for key in [k for k in done if k[0] not in state.jobs or state.jobs[k[0]].generation > k[1] + 1]:
                 done.discard(key)
 
-    def _refresh_nodes(self, state: State, now: float) -> None:
+    def _refresh_nodes(self, state: State, now: float, nodes_per_slice: int) -> Iterator[None]:
         """Heartbeat age of every node heard from; the latest GPU readings of the live ones."""
         hb_labels: set[tuple[str, str]] = set()
         age = self.m.node_heartbeat_age
-        for node in state.nodes.values():
+        for i, node in enumerate(state.nodes.values(), 1):
             if node.last_seen > 0:
                 hb = (str(node.node_id), str(node.job_id))
                 hb_labels.add(hb)
                 age.labels(*hb).set(max(0.0, now - node.last_seen))
+            if i % nodes_per_slice == 0:
+                yield
         for hb in self._hb_labels - hb_labels:
             age.remove(*hb)
         self._hb_labels = hb_labels

@@ -15,10 +15,11 @@ them; heartbeats take the very same functions, batched, with nothing logged per 
                commands, audit, liveness keys, acks)
                ``decide_batch(batch, decider)`` runs decode, screen and decide over a whole batch
     persist    ``persist(store, core, decided)``: records of the dirty keys, outbox, audit (outbox first)
+    dispatch   ``dispatch(decided, executor, notice_ts)``: hand commands out (checkpoint commands
+               first), answer admin requests
     ack        ``acknowledge(decided)``: ack the decided JetStream messages, ``term`` the rejected ones,
                park (``bus.park_msg``, stream ``ORCH_DEAD``) and ``term`` those given up on: the core
                raised on it, or delivered ``dead_after`` times already
-    dispatch   ``dispatch(decided, executor, notice_ts)``: answer admin requests, hand commands out
 
 The trust gate (``orchestrator/core/gate.py``: ``authorize(state, event, now) -> reason | None``)
 authorizes each event against its sender's identity and the state; ``Decider.decide`` calls it right
@@ -27,13 +28,6 @@ batched, state-free ``screen``). The sender's identity is the node the event nam
 already tied it to the subject. A refusal goes the way of a failed event: the index is returned with
 the failed ones (-> ``term``), it is counted in ``orchd_messages_rejected_total{kind=<event type>,
 reason}`` and shown (rate-limited) in ``orchctl events``.
-
-Where the planned addition plugs in:
-
-- **priority lane for preemption notices**: ``split_urgent`` is the ordering stage; the lane splits
-  the notices out of ``batch.js`` into a pass of their own, processed (decided, persisted, acked,
-  dispatched) before the rest of the urgent pass. ``Intake`` would keep them in a buffer of their own
-  so that ``take`` can hand them out first.
 
 Concurrency contract: everything here runs on the decide loop's task; only ``persist``, ``acknowledge``
 (and the caller's ``anyio.sleep(0)`` after ``dispatch``) await. Admission is pure (no state), which
@@ -49,6 +43,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Generic, TypeAlias, TypeVar
 
+import msgspec
 import structlog
 from nats.aio.msg import Msg
 
@@ -82,9 +77,8 @@ E = TypeVar("E")
 
 def split_urgent(batch: Batch) -> tuple[Batch, Batch]:
     """(urgent part, heartbeat part) of a batch: notices, node events, executor results and admin intents
-    are decided, persisted and dispatched before the heartbeats taken with them.
-
-    The priority lane for preemption notices plugs in here (see the module docstring)."""
+    are decided, persisted and dispatched before the heartbeats taken with them (``Daemon.decide_loop``
+    also takes the urgent inputs that arrive meanwhile before each bulk stage: ``Intake.take_urgent``)."""
     return Batch(batch.js, [], batch.shell), Batch([], batch.hb, [])
 
 
@@ -167,6 +161,32 @@ def admit_heartbeat(subject: str, data: bytes) -> ev.Heartbeat | Rejected:
     except Exception as e:
         return Rejected("heartbeat", stage, f"{type(e).__name__}: {e}"[:200])
     return hb
+
+
+_HB_DECODER: Final = msgspec.json.Decoder(ev.Heartbeat)
+
+
+def admit_heartbeats(msgs: Iterable[Msg]) -> Admitted[ev.Heartbeat]:
+    """``admit_batch(msgs, admit_heartbeat)``, cheaper per message; a failed check takes ``admit_heartbeat``."""
+    out: Admitted[ev.Heartbeat] = Admitted()
+    events, rejected = out.events, out.rejected
+    decode, screen = _HB_DECODER.decode, ingest.screen_heartbeat
+    for msg in msgs:
+        subject, data = msg.subject, msg.data
+        if len(data) <= ev.MAX_MESSAGE_BYTES:
+            try:
+                hb = decode(data)
+                if hb.v in ev.SUPPORTED_VERSIONS and screen(subject, hb) is None:
+                    events.append(hb)
+                    continue
+            except Exception:  # the slow path below says why
+                pass
+        r = admit_heartbeat(subject, data)
+        if isinstance(r, Rejected):
+            rejected.append((msg, r))
+        else:  # cannot happen (the same checks passed there): kept so that nothing is ever lost
+            events.append(r)
+    return out
 
 
 @dataclass(slots=True)
@@ -327,7 +347,7 @@ class Decider:
                 self._count_preemption(state, event)
         out.state = state
         skip = set(failed)
-        out.seen.extend(e for i, e in enumerate(events) if i not in skip)
+        out.seen.extend([e for i, e in enumerate(events) if i not in skip] if skip else events)
         by_type = Counter(map(type, events))
         for i in failed:
             by_type[type(events[i])] -= 1
@@ -379,7 +399,7 @@ def decide_batch(batch: Batch, decider: Decider, *,
     if batch.js:
         _decide_js([msg for _kind, msg in batch.js], decider, dead_after)
     if batch.hb:
-        hb = admit_batch(batch.hb, admit_heartbeat)
+        hb = admit_heartbeats(batch.hb)
         count_rejections(metrics, hb.rejected, loud=False)
         decider.decide(hb.events)
     return out
@@ -435,7 +455,7 @@ async def acknowledge(decided: Decided) -> None:
     """Stage ack: after persist, ack the decided JetStream messages, ``term`` the rejected ones (so
     they are never redelivered), park the given-up ones in ``ORCH_DEAD`` and then ``term`` them. A
     failed ack is harmless: redelivered, decided again (idempotent); a failed park leaves the message
-    unacked: it comes back after ``ACK_WAIT_S`` and is parked then."""
+    unacked: it comes back after the consumers' ack wait (``bus.ack_wait_s``) and is parked then."""
     for msg in decided.to_ack:
         try:
             await msg.ack()
@@ -464,11 +484,17 @@ async def _park(msg: Msg, reason: str) -> bool:
 
 
 def dispatch(decided: Decided, executor: Executor, notice_ts: dict[str, float]) -> None:
-    """Stage dispatch: answer the admin requests of the batch, hand the new commands to the executor
-    (the caller yields once after, so their tasks send at once)."""
+    """Stage dispatch: hand the new commands to the executor, checkpoint commands first, then the other
+    agent commands, then the cloud calls (the caller yields once after, so their tasks send at once);
+    answer the admin requests of the batch."""
+    notice_ts.update(decided.notice_ts)
+    for key, c in sorted(decided.commands.items(), key=_dispatch_rank):
+        executor.submit(key, c)
     for reply in decided.replies:
         if not reply.done():
             reply.set_result(None)
-    notice_ts.update(decided.notice_ts)
-    for key, c in decided.commands.items():
-        executor.submit(key, c)
+
+
+def _dispatch_rank(item: tuple[str, Command]) -> int:
+    """0: a checkpoint command, 1: another agent command, 2: a cloud call."""
+    return 2 if not isinstance(c := item[1], SendToAgent) else 0 if isinstance(c.command, ev.CheckpointCmd) else 1

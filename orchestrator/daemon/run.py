@@ -234,7 +234,8 @@ async def _serve(d: Daemon, executor: Executor, js: JetStreamContext, conns: tup
             tg.start_soon(_reap_periodically, d)
         hb_sub = await hbc.subscribe(bus.SUBJECT_HEARTBEATS, cb=d.intake.on_heartbeat,
                                      pending_msgs_limit=500_000, pending_bytes_limit=512 * 1024 * 1024)
-        await _retrying(d, "ensure_consumers", lambda: bus.ensure_consumers(js, timeout_s=2.0))
+        ack_wait = bus.ack_wait_s(d.settings.daemon.lease_ttl_s)
+        await _retrying(d, "ensure_consumers", lambda: bus.ensure_consumers(js, timeout_s=2.0, ack_wait=ack_wait))
         service = await admin.start_service(nc, d)
         if credentials is not None:  # the enrol endpoint (orch.enrol.<node>), on the leader only
             await credentials.serve(ctl)

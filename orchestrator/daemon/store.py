@@ -136,12 +136,15 @@ class Store:
         """Write state records off the decide loop (liveness flushes): ``encode(keys)`` gives the
         CURRENT value of each key when it is published, and a key not acknowledged is encoded again
         from the then-current state on retry, so a background write never overwrites a newer record
-        with an older one."""
+        with an older one. A key that ``encode`` leaves out is not written (the decide loop is writing a
+        newer value of it: see ``Daemon._write_liveness``)."""
         state_pre = f"$KV.{bus.KV_STATE}."
 
-        def item(key: str) -> Callable[[], _Write]:
-            def make() -> _Write:
-                value = encode((key,))[key]
+        def item(key: str) -> Callable[[], _Write | None]:
+            def make() -> _Write | None:
+                value = encode((key,)).get(key)
+                if value is None:
+                    return None
                 return (state_pre + key, value, None if value else {_KV_OP: "DEL"})
             return make
 
@@ -252,9 +255,9 @@ class _Pipeline:
         if not rnd.pending:
             rnd.done.set()
 
-    async def write(self, items: Sequence[_Write | Callable[[], _Write]], timeout_s: float) -> list[int]:
-        """Publish every item (a callable one is encoded at its publish), wait up to ``timeout_s`` for the
-        acks; the indices of the items not stored, in order."""
+    async def write(self, items: Sequence[_Write | Callable[[], _Write | None]], timeout_s: float) -> list[int]:
+        """Publish every item (a callable one is encoded at its publish, and skipped when it gives None),
+        wait up to ``timeout_s`` for the acks; the indices of the items not stored, in order."""
         if not self.prefix:
             self.prefix = self.nc.new_inbox() + "."
             await self.nc.subscribe(self.prefix + "*", cb=self._on_ack, pending_msgs_limit=1_000_000)
@@ -266,7 +269,10 @@ class _Pipeline:
             for i, item in enumerate(items):
                 # A callable item is encoded right here, with no await before its publish is queued:
                 # the value is the newest at the moment it enters the connection's ordered stream.
-                subject, data, headers = item() if callable(item) else item
+                made = item() if callable(item) else item
+                if made is None:
+                    continue
+                subject, data, headers = made
                 token = f"{rid}-{i}"
                 rnd.pending[token] = i
                 try:

@@ -12,7 +12,7 @@ import pytest
 import wire
 from orchestrator import core
 from orchestrator.core import inputs
-from orchestrator.core.commands import CheckInstance, Launch, SendToAgent, Terminate
+from orchestrator.core.commands import CheckInstance, CreateTrackingRun, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import JobSubmitted, LeaseChanged
 from orchestrator.core.transitions import IllegalTransition
 from orchestrator.core.tx import Tx
@@ -28,7 +28,7 @@ def test_core_event_is_every_internal_event_and_every_wire_message_but_agent_com
 
 
 def test_command_union_and_decision_commands_round_trip() -> None:
-    assert set(typing.get_args(core.Command)) == {Launch, Terminate, SendToAgent, CheckInstance}
+    assert set(typing.get_args(core.Command)) == {Launch, Terminate, SendToAgent, CheckInstance, CreateTrackingRun}
     drv = Driver()
     drv(price(pool(), 10.0))
     d = drv(JobSubmitted(job_id="j1", spec=spec()))
