@@ -149,6 +149,7 @@ def _due_nodes(tx: Tx, detect: bool) -> tuple[list[str], list[Node]]:
             if (
                 (phase == N.NOTICED and deadline is not None and now > deadline + NOTICE_GRACE_S)
                 or (detect and node.suspect_since is None and now - node.last_seen > timeout)
+                or (detect and node.suspect_since is not None and now - node.suspect_since > timeout)
             ):
                 due.append(nid)
             elif phase != N.NOTICED and node.suspect_since is None:
@@ -171,9 +172,24 @@ def _node_timeout(tx: Tx, node: Node, detect: bool) -> bool:
             suspect(tx, node, "heartbeat_timeout")
             return False
         lc.lose_node(tx, node, "heartbeat_timeout_after_disconnect", preempted=False, reconcile=False)
+    elif _still_silent(tx, node, detect):
+        suspect(tx, node, "still_silent")  # ask the provider again: its instance may have died since
+        return False
     else:
         return False
     return True
+
+
+def _still_silent(tx: Tx, node: Node, detect: bool) -> bool:
+    """A suspect node not heard for another heartbeat timeout since it became (or was last checked as)
+    suspect. The provider said its instance was running then; it may have died since, and without a
+    new check nothing would ever give the node up."""
+    return (
+        node.phase in WATCHED
+        and detect
+        and node.suspect_since is not None
+        and tx.now - node.suspect_since > tx.cfg.heartbeat_timeout_s
+    )
 
 
 def _launch_timed_out(tx: Tx, node: Node) -> None:

@@ -14,7 +14,8 @@ the base is a record field, so an entry never depends on the configuration):
 
 - ``launch``: nodes requested/booting, at ``requested_ts`` (due ``launch_timeout_s`` later);
 - ``notice``: noticed nodes, at ``notice_deadline + NOTICE_GRACE_S`` (then surely gone);
-- ``hb``: watched nodes not yet suspect, at ``last_seen`` (due ``heartbeat_timeout_s`` later). The
+- ``hb``: watched nodes, at ``last_seen`` (due ``heartbeat_timeout_s`` later), or at ``suspect_since``
+  for a suspect one (checked with the provider again a heartbeat timeout later). The
   heartbeat fast path moves ``last_seen`` forward without touching the index: the old entry stays a
   lower bound, and when it pops the node is re-armed at its real ``last_seen`` - so a node that keeps
   heartbeating costs one pop per heartbeat timeout, not one visit per Tick;
@@ -125,7 +126,7 @@ def node_times(node: Node) -> tuple[float | None, float | None, float | None]:
         node.notice_deadline + NOTICE_GRACE_S
         if phase == NodePhase.NOTICED and node.notice_deadline is not None else None
     )
-    return None, notice, (node.last_seen if node.suspect_since is None else None)
+    return None, notice, (node.last_seen if node.suspect_since is None else node.suspect_since)
 
 
 def pool_change(before: PoolStats | None, after: PoolStats | None) -> frozenset[int]:

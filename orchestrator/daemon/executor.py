@@ -92,16 +92,20 @@ class Executor:
             task_status.started()
             await anyio.sleep_forever()
 
-    def submit(self, key: str, cmd: Command) -> None:
+    def submit(self, key: str, cmd: Command, *, inherited: bool = False) -> None:
+        """Execute ``cmd`` once (``key``: its outbox key). ``inherited``: an outbox entry a previous
+        leader decided and may have executed already: a Terminate then asks the provider first and calls
+        terminate only for an instance that is not already going (no second terminate from a second
+        daemon)."""
         if key in self.in_flight:
             return
         assert self._tg is not None, "executor not running"
         self.in_flight.add(key)
-        self._tg.start_soon(self._execute, key, cmd)
+        self._tg.start_soon(self._execute, key, cmd, inherited)
 
     # -------------------------------------------------------------------------------------------
 
-    async def _execute(self, key: str, cmd: Command) -> None:
+    async def _execute(self, key: str, cmd: Command, inherited: bool = False) -> None:
         if not self.may_act():
             self.in_flight.discard(key)
             log.warning("command_not_executed_no_lease", key=key)
@@ -111,7 +115,7 @@ class Executor:
                 case Launch():
                     events = await self._launch(cmd)
                 case Terminate():
-                    events = await self._terminate(cmd)
+                    events = (await self._already_going(cmd) if inherited else ()) or await self._terminate(cmd)
                 case CheckInstance():
                     events = await self._check(cmd)
                 case SendToAgent():
@@ -203,6 +207,17 @@ class Executor:
                 except ProviderError as e:
                     log.error("terminate_failed", node=cmd.node_id, error=str(e))
                     return ()  # the reaper finds leftovers; the core keeps the node until it is gone
+        return (NodeGone(node_id=cmd.node_id, instance_id=cmd.instance_id, reason="terminated_by_us"),)
+
+    async def _already_going(self, cmd: Terminate) -> tuple[CoreEvent, ...]:
+        """The Terminate's own result (NodeGone terminated_by_us) when the provider shows the instance
+        missing, terminated or stopping; () when it is running or the provider cannot tell."""
+        if cmd.instance_id is None or cmd.pool is None:
+            return ()
+        gone = await self._check(CheckInstance(node_id=cmd.node_id, instance_id=cmd.instance_id, pool=cmd.pool))
+        if not gone:
+            return ()
+        log.info("terminate_already_done", node=cmd.node_id, instance=cmd.instance_id)
         return (NodeGone(node_id=cmd.node_id, instance_id=cmd.instance_id, reason="terminated_by_us"),)
 
     async def _check(self, cmd: CheckInstance) -> tuple[CoreEvent, ...]:

@@ -227,7 +227,7 @@ async def _serve(d: Daemon, executor: Executor, js: JetStreamContext, conns: tup
         await tg.start(executor.run)
         d.attach_background(tg)
         for key, cmd in outbox.items():  # decided before a crash: execute again, same ids/tokens
-            executor.submit(key, _refence(cmd, d.fencing_token))
+            executor.submit(key, _refence(cmd, d.fencing_token), inherited=True)
         if feeds:
             _start_feeds(tg, d, js, executor)
         if d.providers and settings.daemon.reap_interval_s > 0:

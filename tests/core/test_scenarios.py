@@ -143,6 +143,25 @@ def test_vanish_without_notice_check_then_confirm() -> None:
     assert start.node_id == ids[0] and start.resume_from is None and start.generation == 2
 
 
+def test_a_suspect_whose_instance_still_ran_is_checked_again_each_heartbeat_timeout() -> None:
+    """The provider said the silent node's instance was running; it dies later. Without another check
+    nothing would give the node up: it is asked again every heartbeat timeout while the node is silent,
+    and the next answer (gone) replaces it."""
+    drv = Driver()
+    ids = running(drv)
+    beat(drv, ids, 3)
+    checks = []
+    for _ in range(40):  # 40 s of silence, heartbeat timeout 10 s: the first check, then one per timeout
+        beat(drv, ids[:1], 1)
+        checks += [(drv.now, c.node_id) for c in cmds(drv.decisions[-1], CheckInstance)]
+    assert [nid for _, nid in checks] == [ids[1]] * len(checks) and len(checks) >= 3
+    gaps = [b[0] - a[0] for a, b in zip(checks, checks[1:], strict=False)]
+    assert all(g > drv.state.config.heartbeat_timeout_s for g in gaps), gaps
+    assert drv.job().phase == JobPhase.RUNNING  # each "still running" answer keeps it
+    d = drv(NodeGone(node_id=ids[1], reason="provider_terminated"))  # the later check finds it gone
+    assert cmds(d, Launch) and ids[1] not in drv.state.nodes
+
+
 def test_agent_disconnect_then_timeout_confirms() -> None:
     drv = Driver()
     ids = running(drv)
