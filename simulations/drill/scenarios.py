@@ -224,6 +224,9 @@ def _kill_leader(d: Drill) -> Any:
 
 
 def _restart(d: Drill, orchd: Any) -> None:
+    """Start the killed orchd again once the standby leads: as a standby, as systemd would after the
+    takeover (started at once, it could win the lease back and the takeover would not be seen)."""
+    wait_until(lambda: (lead := d.leader()) is not None and lead is not orchd, 120, "the standby leading")
     orchd.start()
 
 
