@@ -14,7 +14,6 @@ Concurrency contract: ``run_drill`` is async (anyio on asyncio); the process hel
 
 from __future__ import annotations
 
-import contextlib
 import math
 import shutil
 import time
@@ -23,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 
 import wire as ev
 from orchestrator.cli.sweep import serve
@@ -47,7 +45,7 @@ def trial_loss(args: dict[str, Any], step: int) -> float:
 
 
 class LossFleet(SimFleet):
-    """SimFleet whose heartbeats and exits carry ``trial_loss`` of the node's job and step."""
+    """SimFleet whose heartbeats and exits carry ``trial_loss`` of the node's job and step (``_loss``)."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
@@ -61,34 +59,6 @@ class LossFleet(SimFleet):
         if isinstance(cmd, ev.StartGenerationCmd):
             self.job_args[str(cmd.job_id)] = dict(cmd.trainer.args)
         return super()._execute(node, cmd)
-
-    async def _heartbeats(self) -> None:
-        while True:
-            now = time.time()
-            for node in list(self.nodes.values()):
-                if not node.alive:
-                    continue
-                step = node.step(now, self.step_s)
-                if node.training and step >= node.total_steps:
-                    self._exit(node, "completed", 0, step)
-                node.seq += 1
-                hb = ev.Heartbeat(node_id=ev.NodeId(node.node_id), seq=node.seq, ts=now,
-                                  state=ev.AgentState.TRAINING if node.training else ev.AgentState.IDLE,
-                                  job_id=ev.JobId(node.job_id) if node.job_id else None, generation=node.generation,
-                                  step=step, loss=self._loss(node, step) if node.training else None,
-                                  fencing_token=node.fencing)
-                with contextlib.suppress(Exception):
-                    await self.nc.publish(ev.subject_heartbeat(node.node_id), ev.encode(hb))
-            await anyio.sleep(self.hb_s)
-
-    def _exit(self, node: SimNode, reason: str, code: int, last_step: int) -> None:
-        node.training = False
-        node.first_step = last_step
-        loss = self._loss(node, last_step)
-        self._emit(ev.RanksExited(id=f"exit-{node.job_id}-{node.generation}-{node.node_id}",
-                                  node_id=ev.NodeId(node.node_id), job_id=ev.JobId(str(node.job_id)),
-                                  generation=node.generation, exit_code=code, reason=reason, last_step=last_step,
-                                  ts=time.time(), last_loss=msgspec.UNSET if loss is None else loss))
 
 
 def sweep_file(*, trials: int, parallelism: int, nodes: int, total_steps: int, pruner: str, seed: int,

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 import wire as ev
 from simulations.fakecloud import read_fake_file
@@ -169,7 +170,8 @@ class SimFleet:
                 hb = ev.Heartbeat(node_id=ev.NodeId(node.node_id), seq=node.seq, ts=now,
                                   state=ev.AgentState.TRAINING if node.training else ev.AgentState.IDLE,
                                   job_id=ev.JobId(node.job_id) if node.job_id else None, generation=node.generation,
-                                  step=step, fencing_token=node.fencing,
+                                  step=step, loss=self._loss(node, step) if node.training else None,
+                                  fencing_token=node.fencing,
                                   gpus=self.sampler.gpus() if self.sampler is not None else ())
                 with contextlib.suppress(Exception):  # disconnected: a lost heartbeat only delays liveness
                     await self.nc.publish(ev.subject_heartbeat(node.node_id), ev.encode(hb))
@@ -259,12 +261,17 @@ class SimFleet:
                 return None
         return "unknown_command"
 
+    def _loss(self, node: SimNode, step: int) -> float | None:
+        """The loss a node reports at ``step`` (heartbeats, exits): none here; a subclass may model one."""
+        return None
+
     def _exit(self, node: SimNode, reason: str, code: int, last_step: int) -> None:
         node.training = False
         node.first_step = last_step
+        loss = self._loss(node, last_step)
         self._emit(ev.RanksExited(id=f"exit-{node.job_id}-{node.generation}-{node.node_id}",
                                   node_id=ev.NodeId(node.node_id), job_id=ev.JobId(str(node.job_id)),
                                   generation=node.generation, exit_code=code, reason=reason, last_step=last_step,
-                                  ts=time.time()))
+                                  ts=time.time(), last_loss=msgspec.UNSET if loss is None else loss))
 
 
