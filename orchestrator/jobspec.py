@@ -352,12 +352,27 @@ SWEEP_ID_RE: typing.Final = re.compile(r"[a-z0-9][a-z0-9-]{0,39}")
 """A sweep id (``JobSpec.sweep_id``, docs/sweeps.md): lower-case letters, digits and dashes, 1 .. 40."""
 
 
+SWEEP_CAPS: typing.Final = (("sweep_budget_usd", 1e-6, 1e9), ("sweep_deadline_ts", 1e9, 1e11))
+"""The sweep's total budget and deadline on a trial job (core/sweeps.py): bounds like budget_usd, deadline_ts."""
+
+
 def _sweep_problems(spec: JobSpec) -> list[str]:
-    """The sweep id a trial job carries (set by the sweep controller, never by a job file)."""
+    """The sweep id a trial job carries and the sweep's total budget and deadline (set by the sweep
+    controller, never by a job file): the caps need a sweep id and must be finite and within bounds."""
+    p: list[str] = []
     sid = spec.sweep_id
     if isinstance(sid, str) and SWEEP_ID_RE.fullmatch(sid) is None:
-        return [f"sweep_id: must match {SWEEP_ID_RE.pattern}, got {sid[:60]!r}"]
-    return []
+        p.append(f"sweep_id: must match {SWEEP_ID_RE.pattern}, got {sid[:60]!r}")
+    for name, lo, hi in SWEEP_CAPS:
+        value = getattr(spec, name)
+        if isinstance(value, msgspec.UnsetType):
+            continue
+        if not isinstance(sid, str):
+            p.append(f"{name}: only on a job of a sweep (with sweep_id)")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                math.isfinite(value) and lo <= value <= hi):
+            p.append(f"{name}: must be a number within {lo:g} .. {hi:g}, got {value!r}")
+    return p
 
 
 TRACKING_SCHEMES = ("http://", "https://")

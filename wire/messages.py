@@ -347,6 +347,11 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
     # The sweep this job is a trial of (docs/sweeps.md); the core only carries it. Unset is not encoded,
     # so specs and records written before this field keep their bytes.
     sweep_id: str | msgspec.UnsetType = msgspec.UNSET
+    # The sweep's total budget and deadline (set by the sweep controller on each trial): orchd sums the cost
+    # of every job with this sweep_id and stops the sweep's trials at either (core/sweeps.py); the smallest
+    # value any job of the sweep carries is the sweep's. Unset is not encoded (older specs keep their bytes).
+    sweep_budget_usd: float | msgspec.UnsetType = msgspec.UNSET
+    sweep_deadline_ts: float | msgspec.UnsetType = msgspec.UNSET
     # Accept a deadline that even on-demand cannot meet (run as fast as possible, the deadline missed);
     # without it such a job is refused at submit. Unset is not encoded (older specs keep their bytes).
     best_effort: bool | msgspec.UnsetType = msgspec.UNSET

@@ -4,12 +4,15 @@
     orchctl sweep list                    every sweep in the storage
     orchctl sweep show SWEEP              the sweep, its best trial so far and each trial's state
     orchctl sweep cancel SWEEP            no new trials; running trials' jobs are cancelled
-    orchctl sweep run [--interval S]      the controller (``orch-sweep``): reconciles every sweep with
-                                          orchd through the admin API until stopped
+    orchctl sweep run [--interval S] [--lease-ttl S]
+                                          the controller (``orch-sweep``): reconciles every sweep with
+                                          orchd through the admin API until stopped, while it holds the
+                                          storage's lease (orchestrator/sweeps/lease.py; else standby)
 
-Every command takes ``--storage URL`` (default ``$ORCH_SWEEP_STORAGE``): the Optuna storage that holds the
-sweeps. ``submit``, ``list`` and ``show`` talk only to the storage; ``cancel`` also cancels the running
-trials' jobs when orchd answers; ``run`` talks to both.
+Every command takes ``--storage URL`` (default ``$ORCH_SWEEP_STORAGE``, else the systemd credential
+``sweep-storage.url``): the Optuna storage that holds the sweeps. ``submit``, ``list`` and ``show`` talk
+only to the storage; ``cancel`` also cancels the running trials' jobs when orchd answers; ``run`` talks to
+both.
 
 Concurrency contract: ``run`` is an anyio task on the asyncio backend; each pass runs in a worker thread
 (Optuna's storage blocks) and reaches orchd's admin client on the event loop through ``from_thread``.
@@ -23,6 +26,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -62,6 +66,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("sweep_id")
     s = verbs.add_parser("run", parents=[common, store], help="the sweep controller (orch-sweep)")
     s.add_argument("--interval", type=float, default=2.0, help="seconds between passes (default 2)")
+    s.add_argument("--lease-ttl", type=float, default=30.0,
+                   help="seconds a dead controller's lease keeps another from acting (default 30)")
     p.set_defaults(run=run)
 
 
@@ -114,8 +120,19 @@ def _stdout(s: str) -> None:
     sys.stdout.flush()
 
 
-def _storage_url(args: argparse.Namespace) -> str:
-    return str(args.storage or os.environ.get(STORAGE_ENV, ""))
+STORAGE_CREDENTIAL = "sweep-storage.url"
+"""The storage URL as a systemd credential (``LoadCredential=``, systemd/orch-sweep.service): a URL with a
+password stays out of the unit, its environment and the command line."""
+
+
+def _storage_url(args: argparse.Namespace, env: Any = os.environ) -> str:
+    if args.storage or env.get(STORAGE_ENV):
+        return str(args.storage or env.get(STORAGE_ENV))
+    cdir = env.get("CREDENTIALS_DIRECTORY", "")
+    try:
+        return (open(os.path.join(cdir, STORAGE_CREDENTIAL), encoding="utf-8").read().strip() if cdir else "")
+    except OSError:
+        return ""
 
 
 def run(args: argparse.Namespace, out: Callable[[str], None] | None = None,
@@ -204,6 +221,10 @@ async def _cancel_running(args: argparse.Namespace, sw: Any) -> int:
 # --- the controller service ------------------------------------------------------------------------
 
 
+_CLOSED = re.compile(r"is closed \((sweep_budget|sweep_deadline)\)")
+"""orchd's refusal of a trial whose sweep is closed (core/sweeps.py, ``submit_refusal``)."""
+
+
 class _AdminBridge:
     """OrchdApi for the controller's worker thread: each call runs on the event loop's admin client."""
 
@@ -222,7 +243,15 @@ class _AdminBridge:
             raise OrchdUnavailable(str(e)) from None
 
     def submit(self, spec: JobSpec, job_id: str) -> None:
-        self._call("submit", spec, job_id)
+        from orchestrator.sweeps.controller import SweepClosed
+
+        try:
+            self._call("submit", spec, job_id)
+        except AdminError as e:
+            closed = _CLOSED.search(e.message) if e.code == 409 else None
+            if closed is None:
+                raise
+            raise SweepClosed(closed.group(1), e.message) from None
 
     def job(self, job_id: str) -> dict[str, Any] | None:
         try:
@@ -241,22 +270,48 @@ class _AdminBridge:
                 raise
 
 
+def _try_lease(lease: Any) -> bool:
+    """Take or renew the lease; a database error counts as not holding it (logged; retried next pass)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        return bool(lease.acquire())
+    except SQLAlchemyError as e:
+        log.error("sweep_lease_error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+        return False
+
+
 async def serve(storage_url: str, urls: list[str], ns: NatsSettings | None, *, interval_s: float = 2.0,
-                timeout_s: float = 5.0, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-    """The controller until cancelled: a pass every ``interval_s``; orchd or NATS away (restart, leader
-    takeover) is waited out - the next pass reconnects and goes on from the storage."""
+                timeout_s: float = 5.0, lease_ttl_s: float = 30.0,
+                task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    """The controller until cancelled: a pass every ``interval_s`` while it holds the storage's lease
+    (orchestrator/sweeps/lease.py; standby otherwise); orchd or NATS away (restart, leader takeover) is
+    waited out - the next pass reconnects and goes on from the storage."""
     from orchestrator.sweeps.controller import Controller, OrchdUnavailable
+    from orchestrator.sweeps.lease import ControllerLease
     from orchestrator.sweeps.store import SweepStore, redact_url
 
     sweeps = await anyio.to_thread.run_sync(SweepStore, storage_url)
+    holder = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    lease = await anyio.to_thread.run_sync(ControllerLease, sweeps.storage.engine, holder, lease_ttl_s)
     client: AdminClient | None = None
     bridge = _AdminBridge(None)
-    ctl = Controller(sweeps, bridge)  # one for the service's life: it remembers the cancels it sent
+    ctl = Controller(sweeps, bridge, lease.held)  # one for the service's life: it remembers the cancels it sent
     task_status.started()
-    log.info("sweep_controller_started", storage=redact_url(storage_url), interval_s=interval_s)
+    log.info("sweep_controller_started", storage=redact_url(storage_url), interval_s=interval_s, holder=holder)
+    leading: bool | None = None  # unknown until the first try
     try:
         while True:
             try:
+                if not await anyio.to_thread.run_sync(_try_lease, lease):
+                    if leading is not False:  # said once per change
+                        log.warning("sweep_controller_standby", holder=holder, lease=lease.current())
+                    leading = False
+                    await anyio.sleep(interval_s)
+                    continue
+                if not leading:
+                    log.info("sweep_controller_leading", holder=holder, token=lease.token)
+                    leading = True
                 if client is None or client.nc.is_closed:
                     client = bridge.client = await AdminClient.connect(urls, timeout_s=timeout_s, nats_settings=ns)
                 for r in await anyio.to_thread.run_sync(ctl.run_pass, time.time()):
@@ -272,8 +327,11 @@ async def serve(storage_url: str, urls: list[str], ns: NatsSettings | None, *, i
                 client = None
             await anyio.sleep(interval_s)
     finally:
-        if client is not None:
-            with anyio.CancelScope(shield=True):
+        with anyio.CancelScope(shield=True):
+            if leading:
+                with anyio.move_on_after(5):
+                    await anyio.to_thread.run_sync(lease.release)
+            if client is not None:
                 await client.close()
 
 
@@ -284,7 +342,8 @@ async def _serve_until_signal(storage_url: str, urls: list[str], ns: NatsSetting
     configure(level="info")
     async with anyio.create_task_group() as tg:
         await tg.start(lambda task_status: serve(storage_url, urls, ns, interval_s=args.interval,
-                                                 timeout_s=args.timeout, task_status=task_status))
+                                                 timeout_s=args.timeout, lease_ttl_s=args.lease_ttl,
+                                                 task_status=task_status))
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for _ in signals:
                 tg.cancel_scope.cancel()

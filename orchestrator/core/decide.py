@@ -21,7 +21,7 @@ import msgspec
 
 from orchestrator.core import lifecycle as lc
 from orchestrator.core import node_events as ne
-from orchestrator.core import policy, roots, tick, tracking
+from orchestrator.core import policy, roots, sweeps, tick, tracking
 from orchestrator.core.commands import Terminate
 from orchestrator.core.costs import billing_start
 from orchestrator.core.inputs import (
@@ -210,6 +210,10 @@ def _job_submitted(tx: Tx, ev: JobSubmitted) -> None:
     if clash is not None:
         tx.record(ev.job_id, "submit_refused", "checkpoint_root_overlap", name=spec.name, root=clash.root,
                   relation=clash.relation, other_job=clash.job_id, other_root=clash.other_root)
+        return
+    closed = sweeps.submit_refusal(tx, spec)  # a sweep past its deadline or at its total budget
+    if closed is not None:
+        tx.record(ev.job_id, "submit_refused", closed[0], name=spec.name, sweep_id=spec.sweep_id, message=closed[1])
         return
     target = min(max(spec.nodes, spec.nodes_min, 1), max(spec.nodes_max, spec.nodes_min, 1))
     job = Job(

@@ -40,7 +40,8 @@ J = JobPhase
 N = NodePhase
 _COUNTING = frozenset({N.REQUESTED, N.BOOTING, N.REGISTERED, N.RUNNING})
 _INFLIGHT = frozenset({N.REQUESTED, N.BOOTING})
-_STOP_PHASE = {Intent.PAUSE: J.PAUSED, Intent.BUDGET: J.STOPPED, Intent.CANCEL: J.CANCELLED}
+_STOP_PHASE = {Intent.PAUSE: J.PAUSED, Intent.BUDGET: J.STOPPED, Intent.CANCEL: J.CANCELLED,
+               Intent.SWEEP_BUDGET: J.STOPPED, Intent.SWEEP_DEADLINE: J.STOPPED}
 
 
 # --- queries ------------------------------------------------------------------------------------

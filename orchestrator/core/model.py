@@ -101,6 +101,8 @@ class Intent(StrEnum):
     CANCEL = "cancel"
     DRAIN = "drain"
     RECOVER = "recover"
+    SWEEP_BUDGET = "sweep_budget"  # the job's sweep reached its total budget (core/sweeps.py): stopped
+    SWEEP_DEADLINE = "sweep_deadline"  # the job's sweep passed its deadline (core/sweeps.py): stopped
 
 
 DEFAULT_MAX_PRICE_USD_H: Final = 1000.0  # per node-hour, spot or on-demand

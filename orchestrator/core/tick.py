@@ -22,6 +22,7 @@ import math
 import msgspec
 
 from orchestrator.core import lifecycle as lc
+from orchestrator.core import sweeps
 from orchestrator.core.confirm import confirm_due
 from orchestrator.core.model import Job, JobPhase, Node, NodePhase
 from orchestrator.core.policy import ACTIVE, job_tick, steady, suspect
@@ -57,6 +58,8 @@ def on_tick(tx: Tx) -> None:
     evals = [cfg.max_price_evals_per_tick]
     tx.timers, order = tx.timers.pop_jobs(now)
     extra: list[str] = []  # jobs after the current one woken by what an earlier job's Tick wrote
+    sweeps.on_tick(tx, order)  # a sweep's total budget and deadline, over all its jobs (sweeps.py)
+    extra.extend(sorted(tx.sync_timers()))
     i, last = 0, ""
     expiry: list[float | None] = []
     done: list[str] = []  # finished jobs: they leave the index

@@ -26,7 +26,8 @@ price to confirm (confirm.confirm_due), and the index keeps no queue for them.
 
 Jobs are *awake* (ticked on every Tick, as before) or *asleep*. A job falls asleep only after a Tick
 that did nothing to it (no record, command or audit entry changed), and only in the situations where
-the next Ticks provably do nothing either until a known time or a change this index sees:
+the next Ticks provably do nothing either until a known time or a change this index sees (never a job of
+a sweep: ``deadline_driven``):
 
 - ``PRICE``: running with its target nodes, no budget and no deadline fallback: until its next price
   evaluation (``price_eval_ts + price_eval_interval_s``) or a change of a confirmed price of any pool;
@@ -287,5 +288,8 @@ def build(jobs: immutables.Map[str, Job], nodes: immutables.Map[str, Node]) -> T
 
 
 def deadline_driven(job: Job) -> bool:
-    """A deadline under spot_with_fallback: the slack shrinks with time, so the job never sleeps."""
-    return job.spec.deadline_ts is not None and job.spec.market == MarketPolicy.SPOT_WITH_FALLBACK
+    """A deadline under spot_with_fallback: the slack shrinks with time, so the job never sleeps. Nor does a
+    job of a sweep: every Tick checks its sweep's total budget and deadline (sweeps.py)."""
+    spec = job.spec
+    return (spec.deadline_ts is not None and spec.market == MarketPolicy.SPOT_WITH_FALLBACK) or isinstance(
+        spec.sweep_id, str)

@@ -37,6 +37,7 @@ from orchestrator import bus
 from orchestrator.core.feasibility import deadline_problem, submit_problems
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
 from orchestrator.core.roots import Overlap, find_overlap
+from orchestrator.core.sweeps import refusal_view as sweep_refusal
 from orchestrator.daemon.state import (
     counts,
     job_summary,
@@ -177,6 +178,9 @@ class Handlers:
             if clash is not None:  # the core's reason (audit submit_refused), said again from the same rule
                 raise AdminFailure(409, _overlap_message(job_id, clash, self.d.state.jobs[clash.job_id]),
                                    "checkpoint_root_overlap")
+            closed = sweep_refusal(self.d.state, req.spec, time.time())
+            if closed is not None:  # the core's reason (audit submit_refused), said again from the same rule
+                raise AdminFailure(409, f"job {job_id!r} refused: {closed[1]}", "sweep_closed")
             raise AdminFailure(409, f"the core did not accept job {job_id!r} (see orchctl explain {job_id})")
         late = deadline_problem(req.spec, self.d.state.meta.config, time.time()) if req.spec.best_effort else None
         log.info("job_submitted", job=job_id, name=req.spec.name, **({"best_effort": late} if late else {}))

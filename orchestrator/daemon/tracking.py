@@ -10,7 +10,8 @@ Role (docs/tracking.md):
   summary queued (latest wins, one per job); a background task sends them: tags ``orch.phase``,
   ``orch.generations``, ``orch.pools``, ``orch.preemptions``, ``orch.final_checkpoint``; metrics
   ``orchd/cost_usd``, ``orchd/goodput``, ``orchd/generations``, ``orchd/preemptions``,
-  ``orchd/committed_step`` at the job's step; at the end the run's status (FINISHED, FAILED, KILLED).
+  ``orchd/committed_step`` at the job's step; at the end the final checkpoint as the run's output (an
+  external LoggedModel, ``log_final_checkpoint``) and the run's status (FINISHED, FAILED, KILLED).
   A tracking outage delays them (retried with backoff, the newest summary only) and never blocks the
   decide loop. Pools and preemptions are counted from what this orchd saw since it started leading.
 
@@ -121,6 +122,9 @@ class Summary:
     tags: tuple[tuple[str, str], ...]
     metrics: tuple[tuple[str, float], ...]
     status: str | None  # FINISHED | FAILED | KILLED once the job ended
+    job_id: str = ""
+    final_checkpoint: str | None = None  # the last committed checkpoint's URL once the job ended
+    final_step: int = 0  # its step
 
     def same_figures(self, other: Summary | None) -> bool:
         return (other is not None and other.tags == self.tags and other.metrics == self.metrics
@@ -154,8 +158,10 @@ def summarize(state: State, job: Job, seen: _Seen, goodput: float | None, now: f
         metrics.append(("orchd/cost_usd", round(cost, 6)))
     if goodput is not None and math.isfinite(goodput):
         metrics.append(("orchd/goodput", round(goodput, 6)))
+    final = job.committed_url if status is not None else None
     return Summary(uri=t.uri, run_id=job.tracking_run_id, step=job_step(state, job.job_id), ts_ms=int(now * 1000),
-                   tags=tuple(tags), metrics=tuple(metrics), status=status)
+                   tags=tuple(tags), metrics=tuple(metrics), status=status, job_id=job.job_id,
+                   final_checkpoint=final, final_step=job.committed_step)
 
 
 def send_summary(s: Summary) -> None:
@@ -165,8 +171,43 @@ def send_summary(s: Summary) -> None:
     client = _client(s.uri)
     client.log_batch(s.run_id, metrics=[Metric(k, v, s.ts_ms, s.step) for k, v in s.metrics],
                      tags=[RunTag(k, v) for k, v in s.tags])
+    if s.final_checkpoint is not None:
+        log_final_checkpoint(client, s.run_id, s.job_id, s.final_checkpoint, s.final_step)
     if s.status is not None:
         client.set_terminated(s.run_id, status=s.status, end_time=s.ts_ms)
+
+
+CHECKPOINT_URL_TAG = "orch.checkpoint_url"
+FINAL_MODEL_NAME = "final_checkpoint"
+
+
+def log_final_checkpoint(client: Any, run_id: str, job_id: str, url: str, step: int) -> str:
+    """The job's final checkpoint as its run's output (blocking): an external LoggedModel - MLflow 3's
+    model entity whose weights live outside MLflow (``mlflow.model.isExternal``), here at ``url`` (tag
+    ``orch.checkpoint_url``) - finalized READY and logged with ``log_outputs`` at the checkpoint's step.
+    Idempotent, so a retried or re-sent summary adds nothing: a model of this run with this URL is
+    reused (also one created before a crash and not yet finalized or logged as the output). Returns its
+    model id."""
+    from mlflow.entities import LoggedModelOutput, LoggedModelStatus
+    from mlflow.utils.mlflow_tags import MLFLOW_MODEL_IS_EXTERNAL
+
+    run = client.get_run(run_id)
+    mine = [m for m in client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                                   filter_string=f"source_run_id = '{run_id}'")
+            if m.tags.get(CHECKPOINT_URL_TAG) == url]
+    if mine:
+        model = min(mine, key=lambda m: (m.creation_timestamp, m.model_id))
+    else:
+        model = client.create_logged_model(
+            run.info.experiment_id, name=FINAL_MODEL_NAME, source_run_id=run_id, model_type="checkpoint",
+            tags={CHECKPOINT_URL_TAG: url, JOB_TAG: job_id, MLFLOW_MODEL_IS_EXTERNAL: "true"},
+            params={"step": str(step)})
+    if model.status != LoggedModelStatus.READY:
+        model = client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+    outputs = run.outputs.model_outputs if run.outputs is not None else []
+    if not any(o.model_id == model.model_id for o in outputs):
+        client.log_outputs(run_id, [LoggedModelOutput(model.model_id, step)])
+    return str(model.model_id)
 
 
 class TrackingReporter:

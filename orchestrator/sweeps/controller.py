@@ -12,21 +12,26 @@ on, so a controller (or orchd) that crashed anywhere resumes by running the next
   nothing); the pruner decides on it; a pruned trial is recorded (``orch.prune_step``) *before* its job
   is cancelled, so a crash in between still ends it as PRUNED, never as a failure or twice;
 - a terminal job ends its trial once (``tell(skip_if_finished=True)``): succeeded -> COMPLETE with the
-  job's final loss, cancelled after pruning -> PRUNED, anything else -> FAIL with orchd's reason;
+  job's final loss, cancelled after pruning -> PRUNED, anything else -> FAIL with orchd's reason; a job
+  orchd stopped for the sweep's total budget or deadline (``sweep_budget``, ``sweep_deadline``:
+  core/sweeps.py), or a trial orchd refused at submit for them, FAILs with that reason and finishes the
+  sweep with it;
 - a new trial is asked for only while fewer than ``parallelism`` run, fewer than ``trials`` exist, the
-  deadline has not passed, the sweep is not cancelled and its budget still holds one more share.
+  deadline has not passed, the sweep is not cancelled, orchd has not closed it and what its trials cost so
+  far is below its budget (orchd stops them all at it and refuses more: core/sweeps.py).
 
 A preempted trial is orchd's business: the job keeps its id and checkpoint root and resumes there in a
 new generation; the trial is neither restarted nor told twice.
 
 Concurrency contract: synchronous and blocking (Optuna's storage, orchd through ``OrchdApi``); run a pass
-in a worker thread. One controller per storage at a time (docs/sweeps.md, "Where the controller runs").
+in a worker thread. One controller per storage acts at a time: the service holds a lease in the storage
+(lease.py) and hands ``may_act`` in, checked before each sweep of a pass.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -35,16 +40,28 @@ from orchestrator.sweeps.spec import SweepSpec, trial_job_id, trial_jobspec
 from wire import JobSpec
 
 TERMINAL: Final = frozenset({"succeeded", "failed", "cancelled", "stopped"})
+ORCHD_STOPS: Final = frozenset({"sweep_budget", "sweep_deadline"})
+"""Why orchd stops a sweep's jobs (core/sweeps.py): the trial FAILs with it and the sweep finishes with it."""
 
 
 class OrchdUnavailable(Exception):
     """orchd (or NATS) did not answer: the pass stops and the next one retries."""
 
 
+class SweepClosed(Exception):
+    """orchd refused a trial's job: its sweep is closed (``reason``: sweep_budget | sweep_deadline)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class OrchdApi(Protocol):
     """What the controller needs of orchd's admin API (blocking)."""
 
-    def submit(self, spec: JobSpec, job_id: str) -> None: ...
+    def submit(self, spec: JobSpec, job_id: str) -> None:
+        """Raises SweepClosed when orchd refuses it for its sweep's budget or deadline."""
+        ...
 
     def job(self, job_id: str) -> dict[str, Any] | None:
         """``{"summary": {...}, "nodes": [...]}``; None when orchd has no such job."""
@@ -66,6 +83,16 @@ class PassResult:
     cancelled: list[str] = field(default_factory=list)  # job ids
     state: str = "running"
     error: str = ""
+    closed: str = ""  # orchd closed the sweep (ORCHD_STOPS)
+
+
+def orchd_stop(trials: Any) -> str | None:
+    """The reason orchd stopped the sweep (a trial that FAILed with one of ORCHD_STOPS), or None."""
+    for t in trials:
+        reason = t.user_attrs.get(store.FAIL_REASON)
+        if not store.is_running(t) and reason in ORCHD_STOPS:
+            return str(reason)
+    return None
 
 
 def rank0_progress(job: Mapping[str, Any]) -> tuple[int, float] | None:
@@ -85,16 +112,20 @@ class Controller:
     """One pass over a sweep at a time; keeps nothing between passes that the storage does not hold
     (``_cancel_sent`` only spares repeated cancel requests within one process)."""
 
-    def __init__(self, sweeps: store.SweepStore, orchd: OrchdApi) -> None:
+    def __init__(self, sweeps: store.SweepStore, orchd: OrchdApi,
+                 may_act: Callable[[], bool] = lambda: True) -> None:
         self.sweeps = sweeps
         self.orchd = orchd
+        self.may_act = may_act  # the lease (lease.py): checked before each sweep of a pass
         self._cancel_sent: set[str] = set()
 
     def run_pass(self, now: float) -> list[PassResult]:
         """One pass over every active sweep; a sweep that fails is reported in its result and the others
         go on (orchd unreachable ends the pass: OrchdUnavailable)."""
-        out = []
+        out: list[PassResult] = []
         for sid in self.sweeps.active_ids():
+            if not self.may_act():
+                break  # the lease lapsed mid-pass: another controller may act now
             try:
                 out.append(self.reconcile(sid, now))
             except OrchdUnavailable:
@@ -114,13 +145,14 @@ class Controller:
         sw = self.sweeps.open(sweep_id)
         spec, study = sw.spec, sw.study
         res = PassResult(sweep_id)
-        stop = sw.stop_reason(now)
+        stop = sw.stop_reason(now) or orchd_stop(study.get_trials(deepcopy=False))
         for t in study.get_trials(deepcopy=False):
             if store.is_running(t):
                 self._trial(sw, t, stop, res)
         trials = study.get_trials(deepcopy=False)
         running = sum(1 for t in trials if store.is_running(t))
         blocked = ""
+        stop = stop or res.closed or orchd_stop(trials)
         while stop is None and len(trials) < spec.trials and running < spec.parallelism:
             if not sw.budget_allows_one_more(trials):
                 blocked = "budget"
@@ -129,7 +161,8 @@ class Controller:
             res.asked.append(t.number)
             self._trial(sw, t, None, res)
             trials = study.get_trials(deepcopy=False)
-            running += 1
+            running = sum(1 for t in trials if store.is_running(t))
+            stop = res.closed or None
         if running == 0:
             finished = sum(1 for t in trials if not store.is_running(t))
             if stop is not None or blocked or finished >= spec.trials:
@@ -150,7 +183,14 @@ class Controller:
                 sw.set(t, store.STOP, stop)
                 sw.tell(t, "fail", res, reason=stop)
             else:
-                self.orchd.submit(trial_jobspec(spec, sw.sweep_id, job_id, t.params, sw.share()), job_id)
+                try:
+                    self.orchd.submit(trial_jobspec(spec, sw.sweep_id, job_id, t.params, sw.share(),
+                                                    sw.deadline_ts), job_id)
+                except SweepClosed as e:  # orchd holds the sweep to its budget and deadline
+                    sw.set(t, store.STOP, e.reason)
+                    sw.tell(t, "fail", res, reason=e.reason)
+                    res.closed = e.reason
+                    return
                 res.submitted.append(job_id)
             return
         s = job["summary"]
@@ -176,6 +216,9 @@ class Controller:
                 sw.tell(t, "complete", res, value=float(value))
         elif phase == "cancelled" and store.PRUNE_STEP in ua:
             sw.tell(t, "pruned", res)
+        elif phase == "stopped" and s.get("reason") in ORCHD_STOPS:  # orchd stopped the sweep
+            sw.tell(t, "fail", res, reason=str(s["reason"]))
+            res.closed = str(s["reason"])
         else:
             sw.tell(t, "fail", res, reason=str(ua.get(store.STOP) or f"{phase}:{s.get('reason', '')}"))
 

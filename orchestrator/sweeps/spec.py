@@ -67,9 +67,9 @@ class SweepSpec:
     name: str
     trials: int
     parallelism: int = 1
-    budget_usd: float | None = None  # the whole sweep's cap (orchd enforces each trial's share)
-    trial_budget_usd: float | None = None  # each trial's share; default budget_usd / trials
-    deadline_ts: float | None = None  # no trial starts after it; running ones are cancelled at it
+    budget_usd: float | None = None  # the whole sweep's cap: orchd stops all its trials at it (core/sweeps.py)
+    trial_budget_usd: float | None = None  # each trial's own cap (its job's budget); default none
+    deadline_ts: float | None = None  # no trial starts after it; orchd stops running ones at it
     deadline_in_s: float | None = None  # resolved into deadline_ts at submission
     direction: str = "minimize"
     report_every_steps: int = 10
@@ -84,10 +84,12 @@ class SweepSpec:
     template: JobSpec
 
     def share_usd(self) -> float | None:
-        """Each trial's budget share: what orchd stops a trial at (docs/sweeps.md, "Budget")."""
-        if self.trial_budget_usd is not None:
-            return self.trial_budget_usd if self.budget_usd is None else min(self.trial_budget_usd, self.budget_usd)
-        return None if self.budget_usd is None else self.budget_usd / self.trials
+        """Each trial's own cap, its job's ``budget_usd`` (docs/sweeps.md, "Budget and deadline"): the lower
+        of ``trial_budget_usd`` and the sweep's budget; None without ``trial_budget_usd`` - orchd holds the
+        trials together to the sweep's budget (core/sweeps.py), so none needs a share of it."""
+        if self.trial_budget_usd is None:
+            return None
+        return self.trial_budget_usd if self.budget_usd is None else min(self.trial_budget_usd, self.budget_usd)
 
 
 def load_sweepspec(path: str | os.PathLike[str]) -> tuple[SweepSpec, str]:
@@ -279,9 +281,10 @@ def trial_job_id(sweep_id: str, number: int) -> str:
 
 
 def trial_jobspec(spec: SweepSpec, sweep_id: str, job_id: str, params: Mapping[str, Any],
-                  budget_usd: float | None) -> JobSpec:
+                  budget_usd: float | None, deadline_ts: float | None = None) -> JobSpec:
     """The trial's job: the template, its parameters in trainer.args, its own checkpoint root under the
-    template's, the sweep id, and its budget share (the lower of the template's and the share)."""
+    template's, the sweep id, its own budget (the lower of the template's and the share), and the
+    sweep's total budget and absolute deadline, which orchd enforces over all the sweep's jobs."""
     t = spec.template
     args = {**t.trainer.args, **{k: v for k, v in params.items()}}
     caps = [b for b in (t.budget_usd, budget_usd) if b is not None]
@@ -289,7 +292,8 @@ def trial_jobspec(spec: SweepSpec, sweep_id: str, job_id: str, params: Mapping[s
     return msgspec.structs.replace(
         t, name=f"{t.name}-{job_id}"[:200], trainer=msgspec.structs.replace(t.trainer, args=args),
         checkpoint=msgspec.structs.replace(t.checkpoint, url=root), budget_usd=min(caps) if caps else None,
-        sweep_id=sweep_id)
+        sweep_id=sweep_id, sweep_budget_usd=msgspec.UNSET if spec.budget_usd is None else spec.budget_usd,
+        sweep_deadline_ts=msgspec.UNSET if deadline_ts is None else deadline_ts)
 
 
 def check_sweep_id(sweep_id: str) -> str:

@@ -180,18 +180,13 @@ class Sweep:
         return self.spec.share_usd()
 
     def budget_allows_one_more(self, trials: Sequence[Any]) -> bool:
-        """The sweep's cap holds what finished trials cost, every running trial's whole share (orchd stops a
-        trial at its share) and one more share."""
-        cap, share = self.spec.budget_usd, self.share()
-        if cap is None or share is None:
+        """What the trials cost so far (as last seen) is below the sweep's cap. orchd holds the sweep to the
+        cap over all its jobs (core/sweeps.py: it stops them at it and refuses new ones), so nothing is
+        reserved here; each trial's share only caps that trial."""
+        cap = self.spec.budget_usd
+        if cap is None:
             return True
-        spent = reserved = 0.0
-        for t in trials:
-            if is_running(t):
-                reserved += float(t.user_attrs.get(SHARE, share))
-            else:
-                spent += float(t.user_attrs.get(COST, 0.0))
-        return spent + reserved + share <= cap * (1 + 1e-9)
+        return sum(float(t.user_attrs.get(COST, 0.0)) for t in trials) < cap
 
     def ask(self) -> Any:
         """A new trial with every parameter of the space drawn by the sampler (stored before it is

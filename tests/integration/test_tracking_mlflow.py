@@ -4,6 +4,8 @@
   nothing, each step is in the run once and in order; a tracking outage (the connection to the server cut by
   a proxy) never blocks the hand-over, and the metrics arrive when it is back;
 - orchd creates one run per job, idempotently (a re-executed command finds the run it created);
+- the final checkpoint is the run's output: one external LoggedModel (READY, its URL a tag) logged with
+  ``log_outputs``, once however often the end is sent, also after a crash between the model and the output;
 - the whole loop: orchd (subprocess) with local nodes runs a tracked job of a trainer-library script; a node
   vanishes (kill) and another is preempted with a notice mid-run; MLflow holds every step once and in order,
   and orchd's own tags and figures, the final checkpoint and the run's end.
@@ -24,13 +26,21 @@ import anyio
 import pytest
 
 from orchestrator.core.commands import CreateTrackingRun
-from orchestrator.daemon.tracking import LocalMlflowServer, create_run
+from orchestrator.daemon.tracking import (
+    CHECKPOINT_URL_TAG,
+    LocalMlflowServer,
+    Summary,
+    create_run,
+    log_final_checkpoint,
+    send_summary,
+)
 from tests.conftest import IN_CI
 from tests.integration.local_orchd import LocalOrchd, wait_until
 from trainer.tracking import STEP_KEY, MetricsLogger
 
 if not IN_CI:  # in CI (ORCH_CI=1) a missing mlflow fails the collection instead
     pytest.importorskip("mlflow.server", reason="the tracking tests need the full mlflow package (the dev extra)")
+from mlflow.entities import LoggedModelStatus  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 TRAINER = Path(__file__).with_name("tracked_trainer.py")
@@ -271,3 +281,38 @@ def _run_tracked(orchd: LocalOrchd, tmp: Path, uri: str) -> None:
     assert int(tags["orch.preemptions"]) >= 2 and metrics["orchd/preemptions"] >= 2
     assert tags["orch.final_checkpoint"].endswith(f"step_{TOTAL:09d}") and tags["orch.pools"].startswith("local/")
     assert metrics["orchd/committed_step"] == TOTAL and metrics["orchd/cost_usd"] >= 0
+    (out,) = run.outputs.model_outputs  # the final checkpoint is the run's output (an external model)
+    model = client.get_logged_model(out.model_id)
+    assert out.step == TOTAL and model.tags[CHECKPOINT_URL_TAG] == tags["orch.final_checkpoint"]
+
+
+def test_final_checkpoint_is_the_runs_output_once(mlflow_server: LocalMlflowServer) -> None:
+    uri = mlflow_server.uri
+    client = MlflowClient(tracking_uri=uri)
+    run_id = create_run(CreateTrackingRun(job_id="jo", uri=uri, experiment="outputs", run_name="jo"))
+    url = "s3://bucket/ckpt/jo/step_000000120"
+    end = Summary(uri=uri, run_id=run_id, step=120, ts_ms=int(time.time() * 1000),
+                  tags=(("orch.final_checkpoint", url),), metrics=(), status="FINISHED", job_id="jo",
+                  final_checkpoint=url, final_step=120)
+    send_summary(end)
+    send_summary(end)  # sent again (a retry after a lost reply, a new leader): nothing more
+    run = client.get_run(run_id)
+    (out,) = run.outputs.model_outputs
+    model = client.get_logged_model(out.model_id)
+    assert out.step == 120 and model.source_run_id == run_id and model.status == LoggedModelStatus.READY
+    assert model.tags[CHECKPOINT_URL_TAG] == url and model.tags["mlflow.model.isExternal"] == "true"
+    assert model.tags["orch.job_id"] == "jo" and model.params == {"step": "120"}
+    assert run.data.tags["orch.final_checkpoint"] == url and run.info.status == "FINISHED"  # the tag stays
+
+    # a crash after the model was created, before it was finalized and logged: the next send reuses it
+    run2 = create_run(CreateTrackingRun(job_id="jp", uri=uri, experiment="outputs", run_name="jp"))
+    pending = client.create_logged_model(run.info.experiment_id, name="final_checkpoint", source_run_id=run2,
+                                         tags={CHECKPOINT_URL_TAG: url + "x"})
+    assert log_final_checkpoint(client, run2, "jp", url + "x", 7) == pending.model_id
+    assert log_final_checkpoint(client, run2, "jp", url + "x", 7) == pending.model_id
+    (out2,) = client.get_run(run2).outputs.model_outputs
+    assert out2.model_id == pending.model_id
+    assert client.get_logged_model(pending.model_id).status == LoggedModelStatus.READY
+    found = client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                        filter_string=f"source_run_id = '{run2}'")
+    assert len(found) == 1

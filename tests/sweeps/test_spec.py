@@ -22,9 +22,12 @@ GOOD = sweep_file(trials=4, parallelism=2, nodes=2, total_steps=100, pruner="med
 def test_a_good_file_and_its_trials():
     spec = parse_sweepspec(GOOD)
     assert (spec.trials, spec.parallelism, spec.pruner, spec.report_every_steps) == (4, 2, "median", 10)
-    assert spec.share_usd() == 5.0  # the budget split evenly: orchd stops each trial at its share
-    job = trial_jobspec(spec, "lr-1a2b", trial_job_id("lr-1a2b", 3), {"x": 0.5}, spec.share_usd())
-    assert job.sweep_id == "lr-1a2b" and job.budget_usd == 5.0
+    assert spec.share_usd() is None  # no trial_budget_usd: orchd holds the trials together to the budget
+    job = trial_jobspec(spec, "lr-1a2b", trial_job_id("lr-1a2b", 3), {"x": 0.5}, spec.share_usd(), 1.9e9)
+    assert job.sweep_id == "lr-1a2b" and job.budget_usd is None
+    assert (job.sweep_budget_usd, job.sweep_deadline_ts) == (20.0, 1.9e9)  # the sweep's, on every trial
+    shared = parse_sweepspec(GOOD.replace("budget_usd = 20.0\n", "budget_usd = 20.0\ntrial_budget_usd = 50.0\n"))
+    assert shared.share_usd() == 20.0  # a trial's own cap, never above the sweep's
     assert job.checkpoint.url == "file:///data/sweeps/lr/lr-1a2b-t0003"  # each trial its own root
     assert job.trainer.args == {"x": 0.5} and job.trainer.command == ("sim-trainer",)
     assert spec_problems(job) == []

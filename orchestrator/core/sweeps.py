@@ -1,0 +1,204 @@
+"""A sweep's total budget and deadline, enforced by the core over every job of the sweep.
+
+Role: the jobs of a sweep (``JobSpec.sweep_id``, docs/sweeps.md) carry the sweep's total budget and
+deadline (``sweep_budget_usd``, ``sweep_deadline_ts``). The core, not the sweep controller, holds the sweep
+to them, so a sweep whose controller is down still stops:
+
+- **The cap is the smallest value any job of the sweep carries** (terminal jobs included, and jobs never
+  leave the state): a later submit that names an existing sweep id with a bigger budget or a later deadline
+  cannot raise the cap; one with a smaller value lowers it (an admin can cancel those jobs anyway). A
+  value that is not a finite positive number is ignored here (orchd's submit refuses it: jobspec.py).
+- **Cost** is the sum of ``cost_now`` over every job with that sweep id, ended ones included.
+- **Stop** (``on_tick``, before the jobs' own Ticks): once the deadline has passed, or once the budget
+  left no longer covers the running trials' checkpoint and termination at their current burn (the
+  margins of ``policy.check_budget``, summed over the sweep's live jobs), every live job of the sweep is
+  stopped in order: a running generation checkpoints first (intent ``sweep_budget`` / ``sweep_deadline``,
+  lifecycle.py ends it as STOPPED with that reason), a job without one stops at once. When even one more
+  Tick at the current burn would cross the budget, the jobs are terminated at once (hard stop).
+- **Refuse** (``submit_refusal``): a new job of a sweep that is closed - deadline passed, a job of it
+  stopped or stopping for the budget, or its cost at the budget - is refused at submit, with the reason.
+
+A job of a sweep never sleeps in the Tick index (timers.deadline_driven): the sweep pass must see its
+budget and deadline on every Tick, and which Ticks see them must not depend on the index. The pass scans
+the jobs once per Tick (to find every job of the sweeps concerned) only when a job of a sweep is awake.
+
+Pure: no I/O, no clock (``tx.now``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+
+from orchestrator.core import lifecycle as lc
+from orchestrator.core.costs import burn_usd_h, cost_now, worst_burn_usd_h
+from orchestrator.core.model import TERMINAL_JOB_PHASES, Intent, Job, JobPhase, State
+from orchestrator.core.pricing import save_seconds
+from orchestrator.core.tx import Tx
+from wire.messages import JobSpec
+
+J = JobPhase
+SWEEP_BUDGET: Final = "sweep_budget"
+SWEEP_DEADLINE: Final = "sweep_deadline"
+_INTENTS: Final = {SWEEP_BUDGET: Intent.SWEEP_BUDGET, SWEEP_DEADLINE: Intent.SWEEP_DEADLINE}
+# a running checkpoint with one of these intents keeps it (the job ends as asked: cancelled, or stopped
+# at its own budget); any other intent (preemption, pause, drain, ...) is replaced by the sweep's stop
+_KEEP: Final = frozenset({Intent.CANCEL, Intent.BUDGET, Intent.SWEEP_BUDGET, Intent.SWEEP_DEADLINE})
+
+
+@dataclass(frozen=True, slots=True)
+class SweepCap:
+    budget_usd: float | None
+    deadline_ts: float | None
+
+
+def sweep_of(spec: JobSpec) -> str | None:
+    sid = spec.sweep_id
+    return None if isinstance(sid, msgspec.UnsetType) else sid
+
+
+def _value(v: float | msgspec.UnsetType) -> float | None:
+    if isinstance(v, msgspec.UnsetType | bool) or not isinstance(v, int | float):
+        return None
+    return float(v) if math.isfinite(v) and v > 0 else None
+
+
+def cap_of(specs: Iterable[JobSpec]) -> SweepCap:
+    """The sweep's cap: the smallest budget and the earliest deadline any of its jobs carries."""
+    budgets: list[float] = []
+    deadlines: list[float] = []
+    for spec in specs:
+        if (b := _value(spec.sweep_budget_usd)) is not None:
+            budgets.append(b)
+        if (d := _value(spec.sweep_deadline_ts)) is not None:
+            deadlines.append(d)
+    return SweepCap(min(budgets, default=None), min(deadlines, default=None))
+
+
+def members(jobs: Mapping[str, Job], sweep_ids: set[str]) -> dict[str, list[Job]]:
+    """Every job (any phase) of each sweep in ``sweep_ids``, in job id order: one scan of the jobs."""
+    out: dict[str, list[Job]] = {sid: [] for sid in sweep_ids}
+    for job in jobs.values():
+        sid = job.spec.sweep_id
+        if isinstance(sid, str) and sid in out:
+            out[sid].append(job)
+    for group in out.values():
+        group.sort(key=lambda j: j.job_id)
+    return out
+
+
+def sweep_cost_usd(tx: Tx, jobs: Iterable[Job]) -> float:
+    return sum((cost_now(tx, j) for j in jobs), 0.0)
+
+
+def _stopping(job: Job) -> str | None:
+    """The sweep reason a job of the sweep stopped (or is stopping) for, else None."""
+    if job.intent in (Intent.SWEEP_BUDGET, Intent.SWEEP_DEADLINE):
+        return str(job.intent)
+    if job.phase == J.STOPPED and job.reason in _INTENTS:
+        return job.reason
+    return None
+
+
+def closed_reason(tx: Tx, jobs: list[Job], cap: SweepCap) -> str | None:
+    """Why the sweep takes no new job: its deadline passed, a job of it stopped (or is stopping) for the
+    sweep's budget, or its cost reached the budget. None: open."""
+    if cap.deadline_ts is not None and tx.now >= cap.deadline_ts:
+        return SWEEP_DEADLINE
+    if cap.budget_usd is not None:
+        if any(_stopping(j) == SWEEP_BUDGET for j in jobs):
+            return SWEEP_BUDGET
+        if sweep_cost_usd(tx, jobs) >= cap.budget_usd:
+            return SWEEP_BUDGET
+    return None
+
+
+def submit_refusal(tx: Tx, spec: JobSpec) -> tuple[str, str] | None:
+    """(reason, message) when a new job with this spec is refused because of its sweep - the message names
+    the sweep, the reason, the cap and the cost -, or None. The spec's own values count toward the cap."""
+    sid = sweep_of(spec)
+    if sid is None:
+        return None
+    jobs = members(tx.jobs, {sid})[sid]
+    cap = cap_of([*(j.spec for j in jobs), spec])
+    why = closed_reason(tx, jobs, cap)
+    if why is None:
+        return None
+    if why == SWEEP_DEADLINE:
+        return why, (f"sweep {sid!r} is closed (sweep_deadline): its deadline {cap.deadline_ts} has passed; "
+                     "no new trial of it starts")
+    return why, (f"sweep {sid!r} is closed (sweep_budget): its jobs cost {sweep_cost_usd(tx, jobs):.4f} USD of "
+                 f"its budget of {cap.budget_usd} USD; no new trial of it starts")
+
+
+# --- the Tick ---------------------------------------------------------------------------------
+
+
+def on_tick(tx: Tx, order: list[str]) -> None:
+    """Stop the sweeps that reached their budget or deadline; ``order``: the jobs this Tick visits (every
+    awake job: the jobs of a sweep never sleep). Nothing to do, and no scan, without a job of a sweep."""
+    sids: set[str] = set()
+    jobs = tx.jobs
+    for jid in order:  # every awake job: kept cheap (a finished one in it changes nothing below)
+        job = jobs.get(jid)
+        if job is not None and type(sid := job.spec.sweep_id) is str:
+            sids.add(sid)
+    if not sids:
+        return
+    groups = members(jobs, sids)
+    for sid in sorted(sids):
+        _enforce(tx, sid, groups[sid])
+
+
+def _enforce(tx: Tx, sid: str, jobs: list[Job]) -> None:
+    cap = cap_of(j.spec for j in jobs)
+    live = [j for j in jobs if j.phase not in TERMINAL_JOB_PHASES]
+    if not live or (cap.budget_usd is None and cap.deadline_ts is None):
+        return
+    cfg = tx.cfg
+    if cap.deadline_ts is not None and tx.now >= cap.deadline_ts:
+        _stop_all(tx, sid, live, SWEEP_DEADLINE, False, {"deadline_ts": cap.deadline_ts})
+        return
+    if cap.budget_usd is None:
+        return
+    cost = sweep_cost_usd(tx, jobs)
+    burn = sum((burn_usd_h(tx, j) for j in live), 0.0)
+    tail = sum((worst_burn_usd_h(tx, j) for j in live), 0.0) * cfg.terminate_s / 3600.0
+    details = {"cost_usd": round(cost, 6), "budget_usd": cap.budget_usd, "burn_usd_h": round(burn, 6)}
+    if cost + tail + burn * cfg.tick_s / 3600.0 >= cap.budget_usd:
+        _stop_all(tx, sid, live, SWEEP_BUDGET, True, details)
+        return
+    save = max((save_seconds(j) for j in live), default=0.0)
+    if (cost + tail + burn * (save + 2 * cfg.tick_s) / 3600.0 >= cap.budget_usd
+            or any(_stopping(j) == SWEEP_BUDGET for j in jobs)):
+        _stop_all(tx, sid, live, SWEEP_BUDGET, False, details)
+
+
+def _stop_all(tx: Tx, sid: str, live: list[Job], why: str, hard: bool, details: dict[str, float]) -> None:
+    """Stop every live job of the sweep: checkpoint then stop (``hard``: terminate now). ``details``: the
+    figures the audit entries carry (under ``figures``)."""
+    intent = _INTENTS[why]
+    for job in live:
+        job = tx.job(job.job_id)
+        if job.phase in TERMINAL_JOB_PHASES or job.intent == intent and not hard:
+            continue
+        if not hard and job.phase in (J.CHECKPOINTING, J.RECOVERING):
+            if job.intent not in _KEEP:
+                tx.record(job.job_id, "stop", why, sweep_id=sid, figures=details)
+                tx.update_job(job, intent=intent)
+            continue
+        tx.record(job.job_id, "stop", why + ("_hard_stop" if hard else ""), sweep_id=sid, figures=details)
+        if not hard and job.phase in (J.STARTING, J.RUNNING):
+            lc.checkpoint_job(tx, job, intent, why)
+        else:
+            job = lc.terminate_all(tx, job, why)
+            tx.job_phase(job, J.STOPPED, reason=why, intent=Intent.NONE)
+
+
+def refusal_view(state: State, spec: JobSpec, now: float) -> tuple[str, str] | None:
+    """``submit_refusal`` on a state (the admin service says why the core refused a submit)."""
+    return submit_refusal(Tx(state, "view", now), spec)
