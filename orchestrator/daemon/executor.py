@@ -67,6 +67,12 @@ class Result:
     events: tuple[CoreEvent, ...] = ()
 
 
+UNOWNED_REASONS = frozenset({"unknown_node", "other_launch_token", "second_instance"})
+"""Terminates of an instance the state does not own (decide.py ``_terminate_unowned``): often one that a
+launch re-executed from the outbox returned after another daemon had terminated it already, so the
+provider is asked first, as for an inherited Terminate."""
+
+
 @dataclass
 class Executor:
     settings: Settings
@@ -115,7 +121,8 @@ class Executor:
                 case Launch():
                     events = await self._launch(cmd)
                 case Terminate():
-                    events = (await self._already_going(cmd) if inherited else ()) or await self._terminate(cmd)
+                    check = inherited or cmd.reason in UNOWNED_REASONS
+                    events = (await self._already_going(cmd) if check else ()) or await self._terminate(cmd)
                 case CheckInstance():
                     events = await self._check(cmd)
                 case SendToAgent():

@@ -48,19 +48,31 @@ class StartupError(RuntimeError):
     """A problem found while starting that an operator must fix (reported without a traceback)."""
 
 
+JS_NO_SUITABLE_PEERS = 10005
+"""JetStream's "no suitable peers for placement": a replicated stream asked of a cluster whose servers
+do not all know each other yet (just started) or with a server down."""
+
+
+def _transient(e: Exception) -> bool:
+    if isinstance(e, nats.js.errors.APIError) and not isinstance(e, nats.js.errors.ServiceUnavailableError):
+        return e.err_code == JS_NO_SUITABLE_PEERS
+    return True
+
+
 async def retrying(stopping: Callable[[], bool], what: str, call: Callable[[], Awaitable[T]],
                    give_up_s: float = 60.0) -> T:
-    """``await call()``, retried on timeouts and 503s (idempotent JetStream set-up): a cluster still
-    electing its JetStream meta leader or a stream leader (after a server died: ~5 s), or two orchd
-    creating the same R3 streams at once (on a 3-server cluster both creates then time out; a retry
-    finds the streams). A new leader must not crash on these while taking over. ``stopping()``: give up
-    at once (the daemon is asked to stop)."""
+    """``await call()``, retried on timeouts, 503s and "no suitable peers" (idempotent JetStream set-up):
+    a cluster still electing its JetStream meta leader or a stream leader (after a server died: ~5 s), a
+    cluster just started whose servers do not all know each other yet (an R3 stream cannot be placed), or
+    two orchd creating the same R3 streams at once (on a 3-server cluster both creates then time out; a
+    retry finds the streams). A new leader must not crash on these while taking over. ``stopping()``: give
+    up at once (the daemon is asked to stop)."""
     deadline = time.monotonic() + give_up_s
     while True:
         try:
             return await call()
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.ServiceUnavailableError) as e:
-            if time.monotonic() > deadline or stopping():
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError) as e:
+            if not _transient(e) or time.monotonic() > deadline or stopping():
                 raise
             log.warning("jetstream_setup_retry", step=what, error=repr(e))
             await anyio.sleep(0.2 + random.random())  # jitter: do not collide with the other orchd again

@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drills", default=",".join(partitions.DRILLS),
                    help="with --partitions: which drills, comma-separated (default: all)")
     p.add_argument("--drop-s", type=float, default=60.0, help="with --partitions: seconds of 30%% packet drops")
+    p.add_argument("--sim-agents", action="store_true",
+                   help="with --partitions: simulated agents (simhost.py) instead of orch-agent with ranks")
     a = p.parse_args(argv)
     if a.partitions:
         return _partitions(a)
@@ -133,7 +135,8 @@ def _partitions(a: argparse.Namespace) -> int:
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="orch-partitions-") as tmp:
         results = anyio.run(lambda: partitions.run(a.seed, Path(a.workdir or tmp), drills=drills, drop_s=a.drop_s,
-                                                   progress=progress), backend="asyncio")
+                                                   agents="sim" if a.sim_agents else "real", progress=progress),
+                            backend="asyncio")
     out = partitions.summary(results, a.seed, time.monotonic() - t0)
     if a.json:
         print(json.dumps(out, indent=1))

@@ -11,8 +11,11 @@ their host's namespace with ``ip netns exec`` - the product's own commands, unch
     drop(host, share)             iptables ``-m statistic --mode random`` drops ``share`` of each direction
     clear(host)                   removes the iptables faults (``heal`` does not touch them)
 
-The kernel here has no ``netem`` (``tc qdisc ... netem`` fails), so delay and reordering are not offered:
-a cut is total loss, a drop is random loss; TCP retransmission is the only delay the drills see.
+    delay(host, ms)               ``tc ... netem delay`` on the host's link, where the kernel has netem
+
+The kernel here has no ``netem`` (``tc qdisc add dev X root netem delay 100ms``: "Specified qdisc kind is
+unknown"), so ``delay`` raises ``TopologyError`` with that reason (``netem_unavailable``) and no drill
+delays: a cut is total loss, a drop is random loss; TCP retransmission is the only delay the drills see.
 
 Cleanup: ``close`` (and leaving the ``with`` block, by return, exception or Ctrl-C) kills every process
 it started and every process still in its namespaces (SIGTERM, then SIGKILL), and deletes the namespaces
@@ -61,6 +64,32 @@ def unavailable() -> str | None:
         r = subprocess.run(["ip", "netns", "exec", probe, "iptables", "-S"], capture_output=True, text=True)
         if r.returncode != 0:
             return f"iptables does not work in a namespace: {r.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def netem_unavailable() -> str | None:
+    """Why links cannot be delayed here (None: they can). Tries a real ``tc qdisc add ... netem`` on a
+    throwaway veth pair in a throwaway namespace; root only."""
+    if os.geteuid() != 0:
+        return "tc qdisc needs root"
+    if shutil.which("tc") is None:
+        return "tc not installed (apt-get install iproute2)"
+    probe = f"{PREFIX}{os.getpid()}-netem"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    try:
+        r = subprocess.run(["ip", "netns", "exec", probe, "ip", "link", "add", "nm0", "type", "veth", "peer", "name",
+                            "nm1"], capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"cannot make a veth pair to probe netem: {r.stderr.strip()}"
+        r = subprocess.run(["ip", "netns", "exec", probe, "tc", "qdisc", "add", "dev", "nm0", "root", "netem", "delay",
+                            "1ms"], capture_output=True, text=True)
+        if r.returncode != 0:
+            return (f"this kernel has no netem: `tc qdisc add dev X root netem delay 1ms` failed: "
+                    f"{r.stderr.strip() or r.returncode}")
     finally:
         subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
@@ -143,6 +172,7 @@ class Topology:
         self.hosts: dict[str, Host] = {}
         self.faults: list[tuple[float, str, str]] = []  # (time, host, what): the drill's record
         self._old_term: Any = None
+        self._delayed: set[str] = set()
         self._open = False
 
     @property
@@ -267,8 +297,25 @@ class Topology:
                   "-j", "DROP")
         self._note(host, f"drop_{share}")
 
+    def delay(self, host: str, delay_ms: float) -> None:
+        """Delay every packet of the host's link by ``delay_ms`` (``tc qdisc add ... netem delay``): only on a
+        kernel with ``sch_netem``; raises ``TopologyError`` with the reason where there is none (as here)."""
+        if not delay_ms > 0:
+            raise TopologyError(f"delay must be > 0 ms, not {delay_ms}")
+        reason = netem_unavailable()
+        if reason:
+            raise TopologyError(f"cannot delay {host}'s link: {reason}")
+        self._in(self.hosts[host].ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "netem", "delay",
+                 f"{delay_ms:g}ms")
+        self._delayed.add(host)
+        self._note(host, f"delay_{delay_ms:g}ms")
+
     def clear(self, host: str) -> None:
+        """Remove the host's iptables faults (and its delay, where one was set)."""
         self._ipt(host, "-F")
+        if host in self._delayed:
+            self._in(self.hosts[host].ns, "tc", "qdisc", "del", "dev", "eth0", "root")
+            self._delayed.discard(host)
         self._note(host, "clear")
 
     # --- helpers --------------------------------------------------------------------------------
@@ -309,6 +356,11 @@ def _hold(argv: list[str]) -> int:
         for i in range(n):
             topo.add_host(f"n{i}")
             topo.spawn(f"n{i}", ["sleep", "600"], log=Path(os.devnull))
+        deadline = time.monotonic() + 10
+        while not all(_run("ip", "netns", "pids", h.ns, check=False).stdout.split() for h in topo.hosts.values()):
+            if time.monotonic() > deadline:  # `ip netns exec` enters the namespace after Popen returns
+                raise TopologyError("the sleepers did not enter their namespaces in 10 s")
+            time.sleep(0.01)
         print(f"ready {os.getpid()}", flush=True)
         if argv[0] == "fail":
             raise TopologyError("failing on purpose")

@@ -10,10 +10,10 @@ Role: on a ``netns.Topology``, start what the product runs, as it runs it:
   are attributed on the cloud side). A supervisor restarts an orchd that exited, 2 s later, as
   systemd's ``Restart=on-failure`` / ``RestartSec=2s`` does (systemd/orchd.service);
 * one agent host per instance the fake cloud launched (``agentN``, created when the instance appears, as a
-  VM boots): ``python -m simulations.chaos.simhost`` - the simulated agent of ``agents.SimFleet`` with
-  orch-agent's connection settings, not orch-agent with trainer processes (a drill of real FSDP ranks
-  would take minutes per generation on 2 cores; the wire behaviour - registration, heartbeats, fencing,
-  command dedup, checkpoint agreement - is the same).
+  VM boots): ``python -m simulations.chaos.realhost`` - the VM's metadata service and the real orch-agent,
+  started as the local provider starts a node, whose ranks run the job's ``trainer.command``
+  (``simulations.chaos.parttrainer``, no torch); or, with ``agents="sim"``, ``simulations.chaos.simhost``
+  (the simulated agent of ``agents.SimFleet``: no processes but the one, for drills of many nodes).
 
 The driver (this process, root namespace, on the bridge) talks to the cluster like orchctl does (the
 admin service) and reads the agents' records and the fake cloud's files to score.
@@ -103,8 +103,11 @@ class OrchdProc:
 
 
 class World:
-    def __init__(self, topo: Topology, work: Path, timing: Timing | None = None) -> None:
-        self.topo, self.work, self.t = topo, work, timing or Timing()
+    def __init__(self, topo: Topology, work: Path, timing: Timing | None = None, agents: str = "real") -> None:
+        if agents not in ("real", "sim"):
+            raise ValueError(f"agents must be 'real' or 'sim', not {agents!r}")
+        self.topo, self.work, self.t, self.agent_kind = topo, work, timing or Timing(), agents
+        self.ckpt_root = work / "checkpoints"
         self.fake_file = work / "fake-cloud.json"
         self.calls_file = self.fake_file.with_suffix(".calls.jsonl")
         self.servers: dict[str, subprocess.Popen[bytes]] = {}
@@ -190,14 +193,16 @@ class World:
             await anyio.sleep(0.1)
 
     def _boot_agent(self, instance_id: str, name: str) -> None:
-        self.topo.add_host(name)
+        host = self.topo.add_host(name)
         d = self.work / name
         d.mkdir(parents=True, exist_ok=True)
-        self.topo.spawn(name, [sys.executable, "-m", "simulations.chaos.simhost",
-                               "--nats", ",".join(self.urls.values()), "--fake-file", str(self.fake_file),
-                               "--instance", instance_id, "--out", str(d),
-                               "--step-s", str(self.t.step_s), "--hb-s", str(self.t.hb_s)],
-                        log=d / "simhost.log", cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        common = ["--nats", ",".join(self.urls.values()), "--fake-file", str(self.fake_file),
+                  "--instance", instance_id, "--out", str(d), "--hb-s", str(self.t.hb_s)]
+        if self.agent_kind == "real":
+            argv = [sys.executable, "-m", "simulations.chaos.realhost", *common, "--ip", host.ip]
+        else:
+            argv = [sys.executable, "-m", "simulations.chaos.simhost", *common, "--step-s", str(self.t.step_s)]
+        self.topo.spawn(name, argv, log=d / "host.log", cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_log(self, orchd: str, event: str, timeout_s: float, after: int = 0) -> None:
         log = self.orchds[orchd].log
@@ -295,7 +300,8 @@ class World:
         return None
 
     def notice(self, host: str, deadline_s: float) -> float:
-        """Make the agent on ``host`` publish a preemption notice (its metadata watcher saw one)."""
+        """The cloud announces that ``host``'s VM is reclaimed in ``deadline_s``: its metadata service says
+        so (realhost; simhost publishes the notice itself). Returns when it was asked."""
         t = time.time()
         tmp = self.agent_dirs[host] / "notice.tmp"
         tmp.write_text(str(deadline_s))
@@ -307,7 +313,19 @@ def instances_of(fake_file: Path, job_id: str) -> list[Any]:
     return [i for i in read_fake_file(fake_file) if i.tags.get(TAG_JOB) == job_id]
 
 
-def job_spec(name: str, *, nodes: int, total_steps: int) -> ev.JobSpec:
+def job_spec(name: str, *, nodes: int, total_steps: int, root: Path, step_s: float = 0.05) -> ev.JobSpec:
+    """The drills' job: checkpoints under ``root/<name>`` (its own root, emptied first: a rerun with the same
+    seed starts clean), ranks that run ``parttrainer`` at ``step_s`` a step."""
+    import shutil
+
+    import msgspec
+
     from simulations.chaos.harness import job_spec as base
 
-    return base(name, nodes=nodes, total_steps=total_steps)
+    ckpt = root / name
+    shutil.rmtree(ckpt, ignore_errors=True)
+    spec = base(name, nodes=nodes, total_steps=total_steps)
+    return msgspec.structs.replace(
+        spec, checkpoint=msgspec.structs.replace(spec.checkpoint, url=f"file://{ckpt}"),
+        trainer=ev.TrainerSpec(command=(sys.executable, "-m", "simulations.chaos.parttrainer"),
+                               args={"step_time_s": step_s}))

@@ -28,6 +28,7 @@ from simulations.chaos.partscore import (
     recoveries,
     sample,
     split_brain,
+    store_writes,
 )
 from simulations.fakecloud import FileFakeCloud
 
@@ -84,16 +85,15 @@ async def _agent_long(s: Session, d: Drill, nodes: int) -> None:
     d.facts["metric_heartbeat_age_max_s"] = max(ages, default=None)
     summary = await s.end_job(d, job, nodes, timeout_s=120)
     entries = await s.explain(job)
-    recs = s.w.records()
     suspected = audit(entries, "suspect", node)
     recovered = audit(entries, "node_recovered", node)
     given_up = [e for e in audit(entries, "remove_node", node) if (e.get("details") or {}).get("lost")]
     t_given_up = min((e.get("ts", 0.0) for e in given_up), default=None)
-    # a commit from the victim after orchd gave up on it that the job then resumed from
-    late = [r for r in records_of(recs, "event", "checkpoint_committed", job) if r["host"] == victim
-            and t_given_up is not None and r["t"] > t_given_up]
-    resumed = {r["msg"].get("resume_from") for r in records_of(recs, "cmd", "start_generation", job)}
-    d.commits_from_given_up += sum(1 for r in late if r["msg"]["url"] in resumed)
+    # checkpoints the victim wrote after orchd gave up on it (the store's own records; end_job counts any
+    # that the job went on from in commits_from_given_up)
+    d.facts["victim_saves_after_given_up"] = sum(
+        1 for w in store_writes(s.w.ckpt_root / job)
+        if w.get("node_id") == node and t_given_up is not None and w.get("t", 0.0) > t_given_up)
     d.facts.update(cut_s=cut_s, victim=victim, suspected=bool(suspected), kept=bool(recovered),
                    given_up=t_given_up is not None, generations=summary and summary["generation"],
                    first_generation=gen, provider_checked=checked(s.w, victim, t_cut),
@@ -154,7 +154,7 @@ async def _agent_gone(s: Session, d: Drill, *, later: bool) -> None:
     # a zombie's commit after orchd gave up on the node: a later step than anything committed
     zombie = ev.CheckpointCommitted(id=f"zombie-{node}", node_id=ev.NodeId(node), job_id=ev.JobId(job), generation=gen,
                                     step=390, checkpoint_id="step_000000390",
-                                    url=f"file:///tmp/orch-chaos/{job}/step_000000390", save_s=0.1, ts=time.time())
+                                    url=f"file://{w.ckpt_root / job}/step_000000390", save_s=0.1, ts=time.time())
     nc = await common.connect(next(iter(w.urls.values())), "partition-zombie")
     try:
         await common.publish_until_stored(nc.jetstream(timeout=2.0), ev.subject_node_event(node), zombie, zombie.id)
@@ -304,10 +304,12 @@ async def nats_minority(s: Session, d: Drill, n_events: int = 30) -> None:
         d.problems.append(f"recovery during a minority cut: {rec}, {extra} launch(es)")
 
 
-async def _notice_path(s: Session, d: Drill, job: str, deadline_s: float, fault: Any, label: str) -> None:
-    """Submit ``job`` (2 nodes), apply ``fault``, publish a notice from one of its agents, wait for the
-    checkpoint command on every member; record notice-to-command seconds under ``label``."""
-    await s.submit(job, nodes=2, total_steps=500)
+async def _notice_path(s: Session, d: Drill, job: str, deadline_s: float, fault: Any, label: str,
+                       total_steps: int) -> None:
+    """Submit ``job`` (2 nodes, ``total_steps`` long enough to be training when the command comes), apply
+    ``fault``, have one member's metadata service announce a notice, wait for the checkpoint command on
+    every member; record notice-to-command seconds under ``label``."""
+    await s.submit(job, nodes=2, total_steps=total_steps)
     gen = await s.training(job, 2)
     hosts = sorted({r["host"] for r in records_of(s.w.records(), "event", "generation_started", job)
                     if r["msg"]["generation"] == gen})
@@ -354,7 +356,8 @@ async def _asymmetric(s: Session, d: Drill, direction: str) -> None:
             await anyio.to_thread.run_sync(w.topo.clear, name)
         return undo
 
-    await _notice_path(s, d, d.job_id, NOTICE_S, fault, "notice_to_command_s")
+    # the command comes after the consumers' ack wait (10 s at this TTL): 400 steps (20 s) leave room
+    await _notice_path(s, d, d.job_id, NOTICE_S, fault, "notice_to_command_s", 400)
     await s.leader()  # the blocked leader lost its lease; someone leads again
     split_brain(s, d, pid, token, t_fault[0])
 
@@ -383,4 +386,4 @@ async def drops(s: Session, d: Drill, drop_s: float, share: float = 0.3) -> None
         return undo
 
     d.facts.update(drop_share=share, drop_s=drop_s)
-    await _notice_path(s, d, d.job_id, NOTICE_S, fault, "notice_to_command_s")
+    await _notice_path(s, d, d.job_id, NOTICE_S, fault, "notice_to_command_s", 300)

@@ -1,7 +1,8 @@
 """Partition drills across real network namespaces (docs/chaos.md, "Partitions").
 
 One session: a ``netns.Topology`` with the ``nsworld.World`` on it (3 NATS servers, leader + standby
-orchd, one namespace per agent host); then the drills, each with its own job and its outcome asserted:
+orchd, one namespace per agent host: the real orch-agent with its ranks, or with ``--sim-agents`` the
+simulated agent); then the drills, each with its own job and its outcome asserted:
 
   agent_short    an agent host's link cut for a third of the heartbeat timeout: no suspicion, no
                  recovery, the job finishes in its first generation at its last step
@@ -51,9 +52,8 @@ DRILLS = ("agent_short", "agent_long", "agent_long_alone", "agent_gone", "agent_
 KNOWN_FAILURES: dict[str, str] = {}
 """Drills that fail today, with the reason found; ``python -m simulations.chaos --partitions`` runs them
 (and exits 1) - the CI set (tests/chaos/test_partitions.py) leaves them out until they are fixed."""
-CI_DRILLS = tuple(d for d in DRILLS if d not in KNOWN_FAILURES and not d.startswith("asymmetric"))
-"""The asymmetric drills run one at a time after the others and wait out the consumers' ack wait: left
-out of CI for time (the full command runs them)."""
+CI_DRILLS = tuple(d for d in DRILLS if d not in KNOWN_FAILURES)
+"""Every drill but the known failures (tests/chaos/test_partitions.py, seed 7, 10 s of drops)."""
 AGENT_GROUP = frozenset({"agent_short", "agent_long", "agent_long_alone", "agent_gone", "agent_gone_later"})
 """Drills that cut only their own job's agents: they run at once, before the others (one at a time)."""
 
@@ -62,10 +62,11 @@ AGENT_GROUP = frozenset({"agent_short", "agent_long", "agent_long_alone", "agent
 
 
 async def run(seed: int, work: Path, *, drills: tuple[str, ...] = DRILLS, drop_s: float = 60.0,
-              timing: Timing | None = None, progress: Any = None) -> list[Drill]:
+              timing: Timing | None = None, agents: str = "real", progress: Any = None) -> list[Drill]:
+    """Run ``drills``; ``agents``: ``real`` (orch-agent with ``parttrainer`` ranks) or ``sim`` (simhost)."""
     out: list[Drill] = []
     with Topology() as topo:
-        world = World(topo, work, timing)
+        world = World(topo, work, timing, agents)
         await anyio.to_thread.run_sync(world.start_nats)
         await anyio.to_thread.run_sync(world.start_orchds)
         async with anyio.create_task_group() as tg:

@@ -8,9 +8,12 @@ Concurrency contract: async helpers run on the driver's loop; blocking reads are
 
 from __future__ import annotations
 
+import contextlib
+import json
 import random
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -119,7 +122,8 @@ class Session:
         return random.Random(f"{self.seed}-{d.name}")
 
     async def submit(self, job_id: str, *, nodes: int, total_steps: int) -> None:
-        await common.call(self.client, "submit", job_spec(job_id, nodes=nodes, total_steps=total_steps),
+        await common.call(self.client, "submit", job_spec(job_id, nodes=nodes, total_steps=total_steps,
+                                                          root=self.w.ckpt_root),
                           job_id=job_id, retry_s=60)
 
     async def training(self, job_id: str, nodes: int, timeout_s: float = 90) -> int:
@@ -179,7 +183,33 @@ class Session:
         for inst in instances_of(self.w.fake_file, job_id):  # counted on the cloud side: one instance a node id
             by_node.setdefault(str(inst.node_id), []).append(inst)
         d.duplicate_launches += sum(len(v) - 1 for v in by_node.values())
+        late = given_up_commits(self.w.ckpt_root / job_id, recs, await self.explain(job_id), job_id)
+        d.commits_from_given_up += len(late)
+        if late:
+            d.problems.append(f"{job_id} went on from checkpoints written by nodes orchd had given up on: {late}")
         return s
+
+
+def store_writes(root: Path) -> list[dict[str, Any]]:
+    """Every checkpoint save in a job's root, as the trainer (``parttrainer``) recorded it in the checkpoint
+    itself: ``{"step", "rank", "generation", "node_id", "t", "url"}`` (the url is the checkpoint's)."""
+    out = []
+    for f in sorted(root.glob("step_*/rank*.json")):
+        with contextlib.suppress(OSError, ValueError):
+            out.append({**json.loads(f.read_text()), "url": f"file://{f.parent}"})
+    return out
+
+
+def given_up_commits(root: Path, records: list[dict[str, Any]], entries: list[dict[str, Any]], job: str) -> list[str]:
+    """Checkpoints orchd accepted as committed (its audit) or the job resumed from (a generation's
+    ``resume_from``) that hold a save by a node after orchd removed that node as lost: read from the
+    checkpoint store, not from what any node reported."""
+    lost = {(e.get("details") or {}).get("node_id"): e.get("ts", 0.0) for e in audit(entries, "remove_node")
+            if (e.get("details") or {}).get("lost")}
+    used = {r["msg"].get("resume_from") for r in records_of(records, "cmd", "start_generation", job)}
+    used |= {(e.get("details") or {}).get("url") for e in audit(entries, "checkpoint_committed")}
+    return sorted({w["url"] for w in store_writes(root)
+                   if w.get("node_id") in lost and w.get("t", 0.0) > lost[w["node_id"]] and w["url"] in used})
 
 
 async def sample(s: Session, orchd: str | None, metric: str, label: str, seconds: float) -> list[float]:

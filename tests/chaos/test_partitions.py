@@ -3,8 +3,10 @@
 The topology helper: every namespace, link and process it made is gone after a normal exit, an exception,
 SIGINT and SIGTERM (also Ctrl-C of the drill command mid-drill); what a SIGKILLed driver left is swept by
 the next one; cut/heal, one-way blocks and
-random drops really change what crosses a link (TCP connects and UDP counts over the bridge). Then the CI
-set of partition drills (``partitions.CI_DRILLS``, seeded) with every goal asserted.
+random drops really change what crosses a link (TCP connects and UDP counts over the bridge); ``delay`` says
+why it cannot (no netem). The drills' trainer (``parttrainer``, the ranks of the real orch-agent in the
+drills) and the store scoring of ``commits_from_given_up`` (no root needed). Then the CI set of partition
+drills (``partitions.CI_DRILLS``, seeded, every drill) with every goal asserted.
 
 Needs root, ``ip`` and ``iptables`` (.ci/run installs them): skipped with the reason elsewhere, a failure
 under ORCH_CI=1.
@@ -12,6 +14,8 @@ under ORCH_CI=1.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import socket
 import subprocess
@@ -22,7 +26,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from simulations.chaos import netns, partitions
+from simulations.chaos import netns, partitions, partscore
 from tests.conftest import IN_CI
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,6 +75,73 @@ def test_bad_fault_arguments_are_refused() -> None:
         topo.drop("any", 1.5)
     with pytest.raises(netns.TopologyError, match="direction"):
         topo.block("any", "sideways")
+
+
+def test_delay_says_why_it_cannot(namespaces: None) -> None:
+    """This kernel has no netem: ``delay`` refuses with that reason instead of pretending."""
+    topo = netns.Topology()
+    with pytest.raises(netns.TopologyError, match="delay must be > 0"):
+        topo.delay("any", 0)
+    reason = netns.netem_unavailable()
+    if reason is None:
+        pytest.skip("this kernel has netem: links can be delayed")
+    assert "netem" in reason
+    with pytest.raises(netns.TopologyError, match="cannot delay any's link: this kernel has no netem"):
+        topo.delay("any", 100)
+    assert not [n for n in netns.leftovers(topo.pid)["namespaces"] if n.endswith("-netem")]
+
+
+def _trainer(tmp_path: Path, generation: int, resume: str, total: int = 1000) -> subprocess.Popen[str]:
+    env = {**os.environ, "RANK": "0", "ORCH_GENERATION": str(generation), "ORCH_TOTAL_STEPS": str(total),
+           "ORCH_CKPT_URL": f"file://{tmp_path}/ck", "ORCH_RESUME_FROM": resume, "ORCH_JOB_ID": "j",
+           "ORCH_TRAINER_ARGS": json.dumps({"step_time_s": 0.01}), "CHAOS_NODE_ID": "n1",
+           "CHAOS_JOURNAL": str(tmp_path / "journal.jsonl"), "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "simulations.chaos.parttrainer"], env=env, cwd=tmp_path,
+                            stdout=subprocess.PIPE, text=True)
+
+
+def test_the_drills_trainer_checkpoints_on_request_and_resumes(tmp_path: Path) -> None:
+    """parttrainer (the ranks of the drills' agents): steps, a checkpoint on SIGUSR1 then exit 75, a resume
+    from the commit marker's step, exit 78 when the checkpoint to resume from has no marker."""
+    p = _trainer(tmp_path, 1, "")
+    assert p.stdout is not None
+    first = p.stdout.readline()
+    assert '"orch":"step"' in first.replace(" ", ""), first
+    p.send_signal(signal.SIGUSR1)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 75, out
+    (ckpt,) = sorted((tmp_path / "ck").glob("step_*"))
+    marker = json.loads((ckpt / "COMMITTED").read_text())
+    assert marker["node_id"] == "n1" and marker["generation"] == 1 and ckpt.name == f"step_{marker['step']:09d}"
+    assert [w["step"] for w in partscore.store_writes(tmp_path / "ck")] == [marker["step"]]
+    p = _trainer(tmp_path, 2, f"file://{ckpt}", total=marker["step"] + 3)
+    out, _ = p.communicate(timeout=30)
+    assert p.returncode == 0, out
+    assert (tmp_path / "ck" / f"step_{marker['step'] + 3:09d}" / "COMMITTED").exists()
+    (ckpt / "COMMITTED").unlink()
+    p = _trainer(tmp_path, 3, f"file://{ckpt}")
+    p.communicate(timeout=30)
+    assert p.returncode == 78
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "journal.jsonl").read_text().splitlines()]
+    assert kinds == ["start", "ckpt", "exit", "start", "ckpt", "exit", "start", "exit"]
+
+
+def test_commits_from_given_up_nodes_are_read_from_the_store(tmp_path: Path) -> None:
+    """The scoring of ``commits_from_given_up``: a save by a node after orchd removed it as lost, in a
+    checkpoint the job resumed from or orchd accepted, counts; a save before the removal does not."""
+    for step, node, t in ((10, "n1", 100.0), (20, "n2", 100.0), (30, "n1", 300.0), (40, "n1", 300.0)):
+        d = tmp_path / f"step_{step:09d}"
+        d.mkdir()
+        (d / f"rank0-g1-{node}.json").write_text(json.dumps({"step": step, "node_id": node, "generation": 1, "t": t}))
+    url = f"file://{tmp_path}/step_"
+    entries = [{"action": "remove_node", "ts": 200.0, "details": {"node_id": "n1", "lost": True}},
+               {"action": "checkpoint_committed", "ts": 310.0, "details": {"url": f"{url}000000040"}}]
+    records = [{"t": 250.0, "kind": "cmd", "host": "a", "msg": {"type": "start_generation", "job_id": "j",
+                                                                "resume_from": f"{url}000000030"}},
+               {"t": 250.0, "kind": "cmd", "host": "b", "msg": {"type": "start_generation", "job_id": "j",
+                                                                "resume_from": f"{url}000000010"}}]
+    assert partscore.given_up_commits(tmp_path, records, entries, "j") == [f"{url}000000030", f"{url}000000040"]
+    assert partscore.given_up_commits(tmp_path, records, entries[1:], "j") == []  # n1 never given up on
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -190,3 +261,10 @@ def test_partition_drills(namespaces: None, tmp_path: Path) -> None:
     assert facts["leader_cut"]["takeover_s"] <= 2 * facts["leader_cut"]["lease_ttl_s"]
     assert facts["leader_cut"]["old_standby_after_heal"]
     assert facts["drops"]["notice_to_command_s"] <= partitions.NOTICE_S
+    for name in ("asymmetric_out", "asymmetric_in"):
+        assert facts[name]["notice_to_command_s"] <= partitions.NOTICE_S
+    # the hosts ran the real orch-agent, whose ranks (parttrainer) committed into each job's checkpoint root
+    started = [f for f in tmp_path.glob("agent*/agent.log") if '"event": "agent_started"' in f.read_text()]
+    assert len(started) >= len(partitions.CI_DRILLS), started
+    for d in out["drills"]:
+        assert list((tmp_path / "checkpoints").glob(f"{d['job_id']}*/step_*/COMMITTED")), d["name"]
