@@ -81,6 +81,10 @@ class WorldResult:
 
 
 class World(CloudModel):
+    # whether the consumer of the events reads heartbeats (orchd's core does; a baseline's controller
+    # ignores them, and price ticks - ``CloudModel.reads_prices`` -, so they are not built for it)
+    reads_heartbeats = True
+
     def __init__(
         self,
         sc: Scenario,
@@ -320,6 +324,9 @@ class World(CloudModel):
         for n in list(self.live.values()):
             if n.alive and n.registered:
                 n.hb_seq += 1
+                if not self.reads_heartbeats:
+                    self.decisions += 1  # counted as fed: the consumer would have ignored it
+                    continue
                 training = n.training and n.generation == self.gen
                 self.feed(Heartbeat(node_id=n.node_id, seq=n.hb_seq, ts=self.now,
                                     state=AgentState.TRAINING if training else AgentState.IDLE, job_id=JOB_ID,

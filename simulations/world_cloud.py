@@ -99,6 +99,11 @@ class CloudModel:
         self.heap: list[tuple[float, int, str, tuple[Any, ...]]] = []
         self.seq = itertools.count()
         self.now = BASE_TS
+        # read on every event: plain attributes (``Scenario.n_ticks`` is a property)
+        self._n_ticks = sc.n_ticks
+        self._start_tick = job.start_tick
+        self._tick_s = sc.tick_s
+        self._od_usd = [float(sc.od_price[sc.zone_region[z]]) for z in range(len(sc.zones))]
         self.step_s = sc.quantum_s
         self.work_s = job.work_q * sc.quantum_s
         self.total_steps = job.work_q
@@ -120,6 +125,7 @@ class CloudModel:
         self.od_s = 0.0
         self.bill_ts = BASE_TS
         self.preemptions = 0
+        self.decisions = 0  # events fed to the consumer (orchd: decide() calls)
         self.timeline: list[tuple[float, str, str]] = []
         self.msg = itertools.count()
 
@@ -140,15 +146,15 @@ class CloudModel:
     # --- time and trace ------------------------------------------------------------------------
 
     def tick_index(self, ts: float) -> int:
-        return int(math.floor((ts - BASE_TS) / self.sc.tick_s + 1e-9))
+        return int(math.floor((ts - BASE_TS) / self._tick_s + 1e-9))
 
     def trace_t(self, k: int) -> int:
-        return (self.job.start_tick + k) % self.sc.n_ticks
+        return (self._start_tick + k) % self._n_ticks
 
     def price(self, node: WNode, k: int) -> float:
         if node.pool.market == Market.SPOT:
-            return float(self.sc.spot_price[node.zone, self.trace_t(k)])
-        return float(self.sc.od_price[self.sc.zone_region[node.zone]])
+            return float(self.sc.spot_price[node.zone, (self._start_tick + k) % self._n_ticks])
+        return self._od_usd[node.zone]
 
     def capacity(self, z: int, k: int) -> int:
         return int(self.sc.avail[z, self.trace_t(k)])
@@ -169,19 +175,25 @@ class CloudModel:
     # --- accounting ----------------------------------------------------------------------------
 
     def bill_to(self, ts: float) -> None:
-        """Integrate node cost from bill_ts to ts (prices change only at tick boundaries)."""
+        """Integrate node cost from bill_ts to ts (prices change only at tick boundaries). The same sums in
+        the same order as a walk over every segment; segments with no billed node add nothing."""
         t = self.bill_ts
-        while t < ts:
-            k = self.tick_index(t)
-            end = min(ts, BASE_TS + (k + 1) * self.sc.tick_s)
-            dt = end - t
-            for n in self.live.values():
-                if n.launched is not None:
-                    self.cost += self.price(n, k) * dt / 3600.0
-                    self.billed_s += dt
-                    if n.pool.market != Market.SPOT:
-                        self.od_s += dt
-            t = end
+        if t < ts:
+            billed = [(n.pool.market == Market.SPOT, n.zone) for n in self.live.values() if n.launched is not None]
+            tick_s, spot, od_usd = self._tick_s, self.sc.spot_price, self._od_usd
+            cost, billed_s, od_s = self.cost, self.billed_s, self.od_s
+            while billed and t < ts:
+                k = self.tick_index(t)
+                end = min(ts, BASE_TS + (k + 1) * tick_s)
+                dt = end - t
+                tt = (self._start_tick + k) % self._n_ticks
+                for is_spot, z in billed:  # per node, in this order: the float sums of ``price`` per node
+                    cost += (float(spot[z, tt]) if is_spot else od_usd[z]) * dt / 3600.0
+                    billed_s += dt
+                    if not is_spot:
+                        od_s += dt
+                t = end
+            self.cost, self.billed_s, self.od_s = cost, billed_s, od_s
         self.bill_ts = ts
 
     # --- instances -----------------------------------------------------------------------------
@@ -277,8 +289,13 @@ class CloudModel:
 
     # --- the market ----------------------------------------------------------------------------
 
+    reads_prices = True  # False: the consumer ignores PriceTicks (a baseline's controller reads the trace)
+
     def publish_price(self, z: int, pk: PoolKey, price: float, hint: float) -> None:
-        od = float(self.sc.od_price[self.sc.zone_region[z]])
+        if not self.reads_prices:
+            self.decisions += 1  # counted as fed: the consumer would have ignored it
+            return
+        od = self._od_usd[z]
         self.feed(PriceTick(id=f"p{next(self.msg)}", pool=pk, gpu_type=GPU, gpus_per_node=1,
                             price_usd_h=price if math.isfinite(price) else od, on_demand_usd_h=od,
                             capacity_hint=hint if self.capacity_hints else None, ts=self.now))

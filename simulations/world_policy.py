@@ -53,6 +53,9 @@ from wire import (
 
 
 class PolicyWorld(World):
+    reads_heartbeats = False  # ``feed`` ignores Heartbeat and PriceTick: the controller reads the trace
+    reads_prices = False
+
     def __init__(
         self,
         policy: Policy,

@@ -295,14 +295,20 @@ def keep_or_leave(tx: Tx, job: Job) -> Job:
     """A job leaving pools (``avoid_pools``, a price migration) keeps them when the move failed: fewer
     usable nodes outside them than the job needs to start (the new nodes were preempted or never came).
     Without this the old nodes would be terminated as unusable and, where no other pool is open, the job
-    would wait for capacity that is not coming (``no_feasible_pool`` for good)."""
+    would wait for capacity that is not coming (``no_feasible_pool`` for good). A move that never happened
+    starts no migration cooldown: the next evaluation may try the next pool (the failed one is in launch
+    backoff), instead of retrying the same full pool once per cooldown while others have room."""
     if not job.avoid_pools:
         return job
     usable = sum(1 for n in job_nodes(tx, job) if acceptable(job, n, suspect_ok=True))
     if usable >= max(job.spec.nodes_min, 1):
         return job
+    # the move may have been to another zone: the job stays in the zone of the nodes it keeps (else they
+    # would be unacceptable there, terminated, and replaced in the zone it never reached)
+    kept = [n for n in job_nodes(tx, job) if n.pool_name in job.avoid_pools and n.phase in _COUNTING]
+    zone = zone_of(kept[0].pool) if kept else job.zone
     tx.record(job.job_id, "migrate_abandoned", "destination_lost", pools=list(job.avoid_pools), usable=usable)
-    return tx.update_job(job, avoid_pools=())
+    return tx.update_job(job, avoid_pools=(), migrate_ts=None, zone=zone)
 
 
 def hold(tx: Tx, job: Job, reason: str) -> Job:

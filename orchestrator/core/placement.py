@@ -33,13 +33,19 @@ def zone_of(pool: PoolKey) -> str:
     return f"{pool.cloud}/{pool.region}/{pool.zone}"
 
 
+_SPOT_ONLY: frozenset[Market] = frozenset({Market.SPOT})
+_ON_DEMAND_ONLY: frozenset[Market] = frozenset({Market.ON_DEMAND})
+_BOTH_MARKETS: frozenset[Market] = frozenset({Market.SPOT, Market.ON_DEMAND})
+
+
 def markets_for(job: Job) -> frozenset[Market]:
+    """Markets the job's nodes may be in (shared frozensets: called per node in the lifecycle's loops)."""
     policy = job.spec.market
     if policy == MarketPolicy.SPOT:
-        return frozenset({Market.SPOT})
+        return _SPOT_ONLY
     if policy == MarketPolicy.ON_DEMAND or job.force_on_demand:
-        return frozenset({Market.ON_DEMAND})
-    return frozenset({Market.SPOT, Market.ON_DEMAND})
+        return _ON_DEMAND_ONLY
+    return _BOTH_MARKETS
 
 
 def line_step(job: Job, ts: float) -> float | None:
@@ -73,9 +79,6 @@ def launch_markets_for(job: Job, step: int, cfg: CoreConfig, now: float) -> froz
     if spare is not None and spare >= wait_reserve_s(job, step, cfg, now):
         return _SPOT_ONLY
     return allowed
-
-
-_SPOT_ONLY: frozenset[Market] = frozenset({Market.SPOT})
 
 
 def has_capacity(ps: PoolStats) -> bool:

@@ -35,6 +35,7 @@ from orchestrator.core.model import (
 )
 from orchestrator.core.placement import Ranked, alternatives, ranked, zone_of
 from orchestrator.core.pricing import (
+    checkpoint_interval_s,
     deadline_margin_s,
     expected_cost_usd,
     migration_cost_usd,
@@ -160,8 +161,9 @@ def check_budget(tx: Tx, job: Job) -> bool:
 
 def _deadline(tx: Tx, job: Job) -> None:
     """Fall back to on-demand when the slack no longer covers the remaining work, the work since the last
-    checkpoint, one restart and the deadline margin (in time: ``deadline_margin_s``); back to spot once
-    it covers a checkpoint interval and twice the margin again (the job ran faster than estimated)."""
+    checkpoint on spot, one restart and the deadline margin (in time: ``deadline_margin_s``); back to
+    spot once it covers a spot checkpoint interval and twice the margin again (the job ran faster than
+    estimated, or it gained slack on on-demand while spot was away)."""
     spec = job.spec
     if spec.deadline_ts is None or spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
         return
@@ -169,14 +171,18 @@ def _deadline(tx: Tx, job: Job) -> None:
     spare = spare_slack_s(job, step, tx.cfg, tx.now, live_step_time(tx, job))
     if spare is None:
         return
-    # A node that vanishes loses the work since the last checkpoint (at most one checkpoint interval):
-    # that work is at risk. Going back to spot counts a whole interval, so a commit never flips it back.
+    # A spot node that vanishes loses the work since the last checkpoint (at most one checkpoint
+    # interval): that work is at risk. Work on on-demand nodes is not (they are not preempted: their
+    # interval is the long on-demand one, and counting it would force a job that runs on on-demand onto
+    # on-demand for good). Going back to spot counts a whole interval at spot's rate, so a commit never
+    # flips it back.
     per_step = live_step_time(tx, job) or step_seconds(job)
     interval = job.ckpt_interval_s or 0.0
-    at_risk = min(interval, max(0, step - job.committed_step) * per_step)
+    at_risk = min(interval, max(0, step - job.committed_step) * per_step) if _on_spot(tx, job) else 0.0
     margin = deadline_margin_s(job, tx.cfg)
     if job.force_on_demand:
-        if spare - interval >= 2.0 * margin:
+        spot_interval = checkpoint_interval_s(job, None, job.target_nodes, tx.cfg, tx.now)
+        if spare - spot_interval >= 2.0 * margin:
             tx.record(job.job_id, "spot_again", "deadline_slack_regained", spare_s=round(spare, 3),
                       margin_s=round(margin, 3), step=step)
             tx.update_job(job, force_on_demand=False)
@@ -187,6 +193,12 @@ def _deadline(tx: Tx, job: Job) -> None:
     tx.record(job.job_id, "on_demand_fallback", "deadline", slack_s=round(spec.deadline_ts - tx.now, 3),
               spare_s=round(spare, 3), margin_s=round(margin, 3), step=step)
     tx.update_job(job, force_on_demand=True)
+
+
+def _on_spot(tx: Tx, job: Job) -> bool:
+    """Some member of the current generation runs on a spot node (or the job has no member yet)."""
+    pools = [tx.nodes[n].pool for n in job.gen_nodes if n in tx.nodes]
+    return not pools or any(p.market == Market.SPOT for p in pools)
 
 
 # --- price --------------------------------------------------------------------------------------

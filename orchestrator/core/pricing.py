@@ -168,19 +168,28 @@ def checkpoint_interval_s(job: Job, ps: PoolStats | None, nnodes: int, cfg: Core
     if job.spec.checkpoint.interval_s is not None:
         return job.spec.checkpoint.interval_s
     rate = preemption_rate_h(ps, cfg, now) if ps is not None else cfg.spot_prior_rate_h
-    rate_job_s = max(rate * max(nnodes, 1), 1e-9) / 3600.0
+    return _interval_at(job, rate, nnodes, cfg, ps is not None and not emergency_fits(job, cfg, ps.pool.cloud))
+
+
+def _interval_at(job: Job, rate_h: float, nnodes: int, cfg: CoreConfig, unfit: bool) -> float:
+    """``checkpoint_interval_s`` for a pool of preemption rate ``rate_h`` (no fixed interval in the spec);
+    ``unfit``: the emergency save cannot fit the pool's notice window."""
+    rate_job_s = max(rate_h * max(nnodes, 1), 1e-9) / 3600.0
     interval = young_daly_s(save_seconds(job), 1.0 / rate_job_s)
-    if ps is not None and not emergency_fits(job, cfg, ps.pool.cloud):
+    if unfit:
         interval *= cfg.unfit_interval_factor
     return min(max(interval, cfg.ckpt_interval_min_s), cfg.ckpt_interval_max_s)
 
 
 def efficiency(job: Job, ps: PoolStats, nnodes: int, cfg: CoreConfig, now: float) -> float:
-    """Useful fraction of paid time on this pool, given its interruption rate."""
-    rate_job_h = preemption_rate_h(ps, cfg, now) * max(nnodes, 1)
+    """Useful fraction of paid time on this pool, given its interruption rate (read once: ``ranked``
+    calls this for every pool on every evaluation)."""
+    rate = preemption_rate_h(ps, cfg, now)
+    rate_job_h = rate * max(nnodes, 1)
     loss_s = cfg.restart_overhead_s + cfg.boot_s_estimate + save_seconds(job)
     if not emergency_fits(job, cfg, ps.pool.cloud):
-        loss_s += checkpoint_interval_s(job, ps, nnodes, cfg, now) / 2.0
+        fixed = job.spec.checkpoint.interval_s
+        loss_s += (fixed if fixed is not None else _interval_at(job, rate, nnodes, cfg, True)) / 2.0
     return max(0.05, 1.0 - rate_job_h * loss_s / 3600.0)
 
 

@@ -1,0 +1,137 @@
+"""Policy fixes found by tracing single jobs of the results table (``python -m simulations explain``; the
+aws-2023-04-22-v100 family, where orchd paid more than greedy_spot): a job that reaches on-demand while
+spot is away is not locked onto on-demand by the work its on-demand node has not saved yet, and goes back
+to spot once the slack covers a spot checkpoint interval; a price migration to another zone whose launch
+fails leaves the job in its zone, on its running node, free to try the next pool."""
+
+from __future__ import annotations
+
+from orchestrator.core import CoreConfig, JobPhase, State
+from orchestrator.core.commands import Launch, Terminate
+from orchestrator.core.inputs import JobSubmitted, LaunchFailed, Tick
+from orchestrator.core.placement import zone_of
+from tests.core.harness import (
+    AgentState,
+    Driver,
+    GenerationStarted,
+    Heartbeat,
+    RanksExited,
+    StartGenerationCmd,
+    cmds,
+    pool,
+    price,
+    spec,
+)
+from wire import Market
+from wire.messages import FailureReason
+
+A = pool("p4d.24xlarge", "us-east-1a")
+A_OD = pool("p4d.24xlarge", "us-east-1a", market=Market.ON_DEMAND)
+B = pool("p4d.24xlarge", "us-east-1b")
+B_OD = pool("p4d.24xlarge", "us-east-1b", market=Market.ON_DEMAND)
+T0 = 1000.0
+H = 3600.0
+
+
+def _start(drv: Driver, ids: list[str], gen: int, step: int, step_time: float) -> None:
+    for nid in ids:
+        drv(GenerationStarted(id=f"g{gen}-{nid}", node_id=nid, job_id="j1", generation=gen, first_step=step + 1,
+                              ts=drv.now))
+        drv(Heartbeat(node_id=nid, seq=gen * 1000, ts=drv.now, state=AgentState.TRAINING, job_id="j1",
+                      generation=gen, step=step + 1, step_time_s=step_time))
+
+
+def _hb(drv: Driver, nid: str, gen: int, step: int, step_time: float = 1.0) -> None:
+    drv(Heartbeat(node_id=nid, seq=int(drv.now), ts=drv.now, state=AgentState.TRAINING, job_id="j1",
+                  generation=gen, step=step, step_time_s=step_time))
+
+
+def _on_demand_job(drv: Driver, *, total_steps: int, deadline_s: float) -> str:
+    """A 1-node job on on-demand in zone A (its spot is priced at on-demand: no capacity)."""
+    drv(price(A, 35.0, od=30.0))
+    d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=total_steps,
+                                                 deadline_ts=T0 + deadline_s, step_time_s_estimate=1.0)))
+    (la,) = cmds(d, Launch)
+    assert la.pool == A_OD
+    (nid,) = drv.launched(d)
+    drv.register([nid])
+    _start(drv, [nid], 1, 0, 1.0)
+    assert drv.job().phase == JobPhase.RUNNING
+    return nid
+
+
+def test_unsaved_work_on_on_demand_does_not_force_on_demand_for_good() -> None:
+    """A job on on-demand (checkpoint interval: the long on-demand one) with ~1.9 h of spare slack trains
+    2 h without a commit. That work is not at risk of a preemption: the deadline fallback must not fire
+    (before the fix it did, and ``force_on_demand`` then stayed set until the end: the job could never go
+    back to spot when spot returned). ``progress_line`` off: on-demand at once (spot has no capacity)."""
+    cfg = CoreConfig(price_confirm_s=0.0, progress_line=False)
+    drv = Driver(State.empty(cfg), now=T0)
+    total = 20 * 3600
+    od = _on_demand_job(drv, total_steps=total, deadline_s=total + 2 * H)
+    assert (drv.job().ckpt_interval_s or 0.0) >= 2 * H  # the on-demand interval: no periodic commit here
+    start = drv.now
+    for k in range(1, 25):  # 2 h in 5-minute steps, 1 step per second, nothing committed
+        drv.now = start + k * 300.0
+        _hb(drv, od, 1, k * 300)
+        d = drv(Tick())
+        assert not any(a.action == "on_demand_fallback" for a in d.audit), k
+    assert not drv.job().force_on_demand
+
+
+def test_a_forced_job_on_on_demand_goes_back_to_spot_with_a_spot_interval_of_slack() -> None:
+    """Forced on-demand (the step time was estimated at 2 s), moved to an on-demand node; the trainer then
+    reports 1 s steps: ~1.9 h of spare slack, which covers a spot checkpoint interval and twice the margin
+    (not the 4 h on-demand interval the job runs with): back to spot."""
+    cfg = CoreConfig(price_confirm_s=0.0)
+    drv = Driver(State.empty(cfg), now=T0)
+    drv(price(A, 10.0, od=30.0))
+    total = 20000
+    d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=total,
+                                                 deadline_ts=T0 + total + 2 * H, step_time_s_estimate=2.0)))
+    (spot,) = drv.launched(d)
+    drv.register([spot])
+    _start(drv, [spot], 1, 0, 2.0)
+    d = drv(Tick(), dt=5)
+    assert drv.job().force_on_demand
+    (la,) = cmds(d, Launch)
+    assert la.pool == A_OD
+    (od,) = drv.launched(d)
+    drv.register([od])
+    d = drv(RanksExited(id="x1", node_id=spot, job_id="j1", generation=1, exit_code=75,
+                        reason="emergency_checkpoint", last_step=1, ts=drv.now))
+    assert [s.node_id for s in cmds(d, StartGenerationCmd)] == [od]
+    _start(drv, [od], 2, 1, 2.0)
+    assert (drv.job().ckpt_interval_s or 0.0) >= 2 * H and drv.job().force_on_demand
+    _hb(drv, od, 2, 10, step_time=1.0)
+    d = drv(Tick(), dt=5)
+    assert any(a.action == "spot_again" for a in d.audit), [a.action for a in d.audit]
+    assert not drv.job().force_on_demand
+
+
+def test_a_failed_move_to_another_zone_keeps_the_job_in_its_zone() -> None:
+    """On on-demand in zone A, a cheaper spot pool appears in zone B: the job moves (make before break);
+    the spot launch fails for capacity. The job must stay in zone A on its on-demand node (before the fix
+    its zone stayed B: the node in A was terminated as unusable and replaced by an on-demand node in B,
+    a move across zones on on-demand), and the next evaluation may try again (no migration cooldown for a
+    move that never happened)."""
+    cfg = CoreConfig(price_confirm_s=0.0, progress_line=False)
+    drv = Driver(State.empty(cfg), now=T0)
+    od = _on_demand_job(drv, total_steps=40 * 3600, deadline_s=80 * H)
+    drv(price(B, 10.0, od=30.0, ts=drv.now), dt=5)
+    _hb(drv, od, 1, 100)
+    d = drv(Tick(), dt=cfg.price_eval_interval_s)
+    assert any(a.action == "migrate" for a in d.audit), [a.action for a in d.audit]
+    (la,) = cmds(d, Launch)
+    assert la.pool == B and drv.job().zone == zone_of(B)
+    d = drv(LaunchFailed(node_ids=la.node_ids, job_id="j1", pool=B, token=la.token, reason=FailureReason.CAPACITY))
+    assert any(a.action == "migrate_abandoned" for dd in drv.decisions[-2:] for a in dd.audit)
+    job = drv.job()
+    assert job.zone == zone_of(A_OD) and job.avoid_pools == () and job.migrate_ts is None
+    for i in range(5):
+        _hb(drv, od, 1, 200 + i)
+        d = drv(Tick(), dt=5)
+        assert od not in [t.node_id for t in cmds(d, Terminate)]
+        assert B_OD not in [c.pool for c in cmds(d, Launch)]
+    assert od in drv.state.nodes and drv.job().phase == JobPhase.RUNNING
+
