@@ -29,6 +29,9 @@ import pytest
 from simulations.chaos import netns, partitions, partscore
 from tests.conftest import IN_CI
 
+# namespaces, a bridge and a subnet per driver process: the drills of this file run on one xdist worker
+pytestmark = pytest.mark.xdist_group("netns")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SERVER = r"""
