@@ -33,8 +33,8 @@ def notice(tx: Tx, ev: PreemptionNotice) -> None:
             tx.put_pool(node.pool_name, _replace(ps, last_preempted_ts=tx.now))
         tx.record(node.job_id, "note", "rebalance_recommendation", node_id=node.node_id, pool=node.pool_name)
         return
-    if node.phase not in (N.BOOTING, N.REGISTERED, N.RUNNING, N.DRAINING):
-        return  # already noticed (redelivered), or not launched
+    if node.phase not in (N.REQUESTED, N.BOOTING, N.REGISTERED, N.RUNNING, N.DRAINING):
+        return  # already noticed (redelivered), or gone
     # The deadline is clamped into [now, now + the notice window of the node's cloud as the state records
     # it (never the cloud the event names)]: a host with a wrong clock still gets its checkpoint, and a
     # far-future deadline cannot close the pool for good (noticed_until) or keep a dead node alive.
@@ -50,7 +50,10 @@ def notice(tx: Tx, ev: PreemptionNotice) -> None:
             skip = max(skip, deadline + tx.cfg.notice_skip_grace_s)
         exposure = record_exposure(ps, tx.cfg, tx.now, 0, True, node.job_id)
         tx.put_pool(node.pool_name, _replace(ps, noticed_until=skip, **exposure))
-    node = tx.node_phase(node, N.NOTICED, notice_deadline=deadline)
+    # A notice may overtake the launch's confirmation (NodeLaunched): a REQUESTED node is noticed too -
+    # dropped at once below (never a member), so no generation starts on an instance about to die.
+    if node.phase != N.REQUESTED:
+        node = tx.node_phase(node, N.NOTICED, notice_deadline=deadline)
     job = tx.jobs.get(node.job_id)
     tx.record(node.job_id, "preemption_notice", ev.source, node_id=node.node_id, pool=node.pool_name,
               deadline_ts=deadline)

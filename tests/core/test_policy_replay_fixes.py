@@ -2,19 +2,21 @@
 aws-2023-04-22-v100 family, where orchd paid more than greedy_spot): a job that reaches on-demand while
 spot is away is not locked onto on-demand by the work its on-demand node has not saved yet, and goes back
 to spot once the slack covers a spot checkpoint interval; a price migration to another zone whose launch
-fails leaves the job in its zone, on its running node, free to try the next pool."""
+fails leaves the job in its zone, on its running node, free to try the next pool. On gcp-2023-04-30-c3
+(orchd a hair above greedy_spot): a notice that comes before the launch's confirmation is acted on."""
 
 from __future__ import annotations
 
 from orchestrator.core import CoreConfig, JobPhase, State
 from orchestrator.core.commands import Launch, Terminate
-from orchestrator.core.inputs import JobSubmitted, LaunchFailed, Tick
+from orchestrator.core.inputs import JobSubmitted, LaunchFailed, NodeLaunched, Tick
 from orchestrator.core.placement import zone_of
 from tests.core.harness import (
     AgentState,
     Driver,
     GenerationStarted,
     Heartbeat,
+    NodeRegistered,
     RanksExited,
     StartGenerationCmd,
     cmds,
@@ -23,7 +25,7 @@ from tests.core.harness import (
     spec,
 )
 from wire import Market
-from wire.messages import FailureReason
+from wire.messages import FailureReason, PreemptionNotice
 
 A = pool("p4d.24xlarge", "us-east-1a")
 A_OD = pool("p4d.24xlarge", "us-east-1a", market=Market.ON_DEMAND)
@@ -135,3 +137,37 @@ def test_a_failed_move_to_another_zone_keeps_the_job_in_its_zone() -> None:
         assert B_OD not in [c.pool for c in cmds(d, Launch)]
     assert od in drv.state.nodes and drv.job().phase == JobPhase.RUNNING
 
+
+
+def test_a_notice_before_the_launch_is_confirmed_drops_the_node_and_closes_its_pool() -> None:
+    """A spot node in zone A gets a notice; the replacement goes to zone B, whose capacity is reclaimed at
+    the same moment: B's notice for the new node comes before its NodeLaunched (the node is still
+    REQUESTED). Before the fix the core ignored that notice ("not launched"), started the next
+    generation on the doomed node and launched into B again; now the node is terminated at once, B is
+    closed like any noticed pool (the next launch goes elsewhere), and the late NodeLaunched and
+    registration of that instance start nothing."""
+    cfg = CoreConfig(price_confirm_s=0.0)  # 40 h of slack: spot only
+    drv = Driver(State.empty(cfg), now=T0)
+    drv(price(A, 10.0, od=30.0))
+    drv(price(B, 11.0, od=30.0))
+    c = pool("p4d.24xlarge", "us-east-1c")
+    drv(price(c, 12.0, od=30.0))
+    d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=40 * 3600,
+                                                 deadline_ts=T0 + 80 * H, step_time_s_estimate=1.0)))
+    (a_node,) = drv.launched(d)
+    drv.register([a_node])
+    _start(drv, [a_node], 1, 0, 1.0)
+    d = drv(PreemptionNotice(id="na", node_id=a_node, cloud="aws", deadline_ts=drv.now + 120, observed_ts=drv.now),
+            dt=60)
+    (la,) = cmds(d, Launch)
+    assert la.pool == B
+    (b_node,) = la.node_ids
+    d = drv(PreemptionNotice(id="nb", node_id=b_node, cloud="aws", deadline_ts=drv.now + 120, observed_ts=drv.now))
+    assert b_node in [t.node_id for t in cmds(d, Terminate)], [a.action for a in d.audit]
+    assert b_node not in drv.state.nodes
+    assert drv.state.pools[B.name].noticed_until > drv.now
+    assert [la.pool for la in cmds(d, Launch)] == [c]
+    d = drv(NodeLaunched(node_id=b_node, job_id="j1", instance_id="i-b", pool=B, token=la.token))
+    assert [t.instance_id for t in cmds(d, Terminate)] == ["i-b"] and b_node not in drv.state.nodes
+    d = drv(NodeRegistered(id="r-b", node_id=b_node, host="10.0.0.9", ts=drv.now), dt=30)
+    assert not cmds(d, StartGenerationCmd) and b_node not in drv.job().gen_nodes
