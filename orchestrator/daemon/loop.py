@@ -216,17 +216,23 @@ class Daemon:
         # While this batch is written, a liveness slice must not write its dirty keys from the older
         # state (``_write_liveness``): the batch's newer value would be overwritten.
         self._persisting = decided.dirty
+
+        async def send() -> None:
+            # Commands as soon as they are in the outbox (checkpoint commands before the rest), while the
+            # records are written: the metrics, the acks and the next liveness slice come after.
+            pipeline.dispatch(decided, executor, self.notice_ts)
+            if decided.commands:
+                await anyio.sleep(0)  # let the executor's tasks send before the records' publishes
+
         try:
-            records = await pipeline.persist(store, self.core, decided)
+            records = await pipeline.persist(store, self.core, decided, after_outbox=send)
         finally:
             self._persisting = _NOTHING
         t_persisted = time.perf_counter()
         self.state = decided.state
-        # Commands first (checkpoint commands before the rest): the metrics, the acks of the batch's
-        # messages and the next liveness slice come once they are on their way.
-        pipeline.dispatch(decided, executor, self.notice_ts)
-        if decided.commands:
-            await anyio.sleep(0)  # let the executor's tasks send before anything else
+        for reply in decided.replies:  # admin requests: answered once the whole batch is persisted
+            if not reply.done():
+                reply.set_result(None)
         self._observe_batch(decided, records, t_begin, t_decided, t_persisted)
         self.observer.after_batch(state, decided, time.time())
         self.tracking.after_batch(state, decided, time.time())

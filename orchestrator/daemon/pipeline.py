@@ -14,9 +14,10 @@ them; heartbeats take the very same functions, batched, with nothing logged per 
                over the events in order, one state threaded through -> ``Decided`` (dirty keys,
                commands, audit, liveness keys, acks)
                ``decide_batch(batch, decider)`` runs decode, screen and decide over a whole batch
-    persist    ``persist(store, core, decided)``: records of the dirty keys, outbox, audit (outbox first)
+    persist    ``persist(store, core, decided, after_outbox)``: outbox, then records of the dirty keys,
+               audit; ``after_outbox`` runs between the two (the daemon dispatches there)
     dispatch   ``dispatch(decided, executor, notice_ts)``: hand commands out (checkpoint commands
-               first), answer admin requests
+               first) once they are in the outbox; admin requests are answered once persisted
     ack        ``acknowledge(decided)``: ack the decided JetStream messages, ``term`` the rejected ones,
                park (``bus.park_msg``, stream ``ORCH_DEAD``) and ``term`` those given up on: the core
                raised on it, or delivered ``dead_after`` times already
@@ -39,7 +40,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Generic, TypeAlias, TypeVar
 
@@ -439,15 +440,16 @@ def _decide_js(msgs: list[Msg], decider: Decider, dead_after: int) -> None:
 # --- persist, ack, dispatch --------------------------------------------------------------------------
 
 
-async def persist(store: Store, core: CoreApi, decided: Decided) -> int:
-    """Stage persist: outbox puts first, then the records of the dirty keys, the outbox deletions and the
-    audit (``Store.persist``; retried until stored). Returns the number of records written."""
+async def persist(store: Store, core: CoreApi, decided: Decided,
+                  after_outbox: Callable[[], Awaitable[None]] | None = None) -> int:
+    """Stage persist: outbox puts, ``after_outbox`` (the daemon dispatches there), then the records of the
+    dirty keys, outbox deletions and audit (``Store.persist``; retried until stored). Returns the records written."""
     dirty = decided.dirty
     records = core.state_to_records(decided.state, frozenset(dirty)) if dirty else {}
     done = decided.done_keys
     if decided.commands and done:  # a command decided again in this batch keeps its outbox entry
         done = [k for k in done if k not in decided.commands]
-    await store.persist(records, decided.commands, done, decided.audit)
+    await store.persist(records, decided.commands, done, decided.audit, after_outbox=after_outbox)
     return len(records)
 
 
@@ -485,14 +487,11 @@ async def _park(msg: Msg, reason: str) -> bool:
 
 def dispatch(decided: Decided, executor: Executor, notice_ts: dict[str, float]) -> None:
     """Stage dispatch: hand the new commands to the executor, checkpoint commands first, then the other
-    agent commands, then the cloud calls (the caller yields once after, so their tasks send at once);
-    answer the admin requests of the batch."""
+    agent commands, then the cloud calls (the caller yields once after, so their tasks send at once).
+    Called once the commands are in the outbox (``persist``'s ``after_outbox``)."""
     notice_ts.update(decided.notice_ts)
     for key, c in sorted(decided.commands.items(), key=_dispatch_rank):
         executor.submit(key, c)
-    for reply in decided.replies:
-        if not reply.done():
-            reply.set_result(None)
 
 
 def _dispatch_rank(item: tuple[str, Command]) -> int:

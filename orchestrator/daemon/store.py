@@ -7,10 +7,11 @@ Role: persistence with the ordering that makes a crash harmless. For each batch 
     2. state records    - the union of the batch's dirty keys (``b""`` = deleted), the deletions of
                           outbox entries whose results were decided in this batch, and audit entries.
 
-Only after ``persist`` returns does the daemon ack the consumed JetStream messages and execute the new
-commands. A crash before phase 1 loses nothing (the messages are redelivered and decided again; ids and
-tokens are deterministic in the state). A crash after phase 1 leaves commands in the outbox, which the
-next daemon re-executes with the same ids/tokens (idempotent at the cloud and at the agent). An outbox
+The daemon executes the new commands once phase 1 is stored (``after_outbox``), and acks the consumed
+JetStream messages only after ``persist`` returns. A crash before phase 1 loses nothing (the messages
+are redelivered and decided again; ids and tokens are deterministic in the state). A crash after phase
+1 leaves commands in the outbox, which the next daemon re-executes with the same ids/tokens (idempotent
+at the cloud and at the agent), whether or not they had been executed already. An outbox
 entry is deleted only in the batch that decided the command's result, so a result is never lost.
 
 Writes use ``publish_async`` (pipelined: one round trip per phase, not per key) and are retried until
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeAlias
 
 import anyio
@@ -43,6 +44,9 @@ _MARKER = "Nats-Marker-Reason"  # nats-server 2.11+: a server-placed removal (TT
 _command_codec_enc = msgspec.json.Encoder()
 _command_codec_dec = msgspec.json.Decoder(Command)
 _AUDIT_ANY = "_"
+
+BACKGROUND_YIELD_EVERY = 32
+"""A background (liveness) write lets the decide loop run after each this many records."""
 
 _Write: TypeAlias = tuple[str, bytes, dict[str, str] | None]
 """One publish of a write round: subject, payload, headers."""
@@ -97,11 +101,18 @@ class Store:
         outbox_put: Mapping[str, Command] = {},
         outbox_done: Iterable[str] = (),
         audit: Iterable[tuple[str | None, bytes]] = (),
+        *,
+        after_outbox: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """Phase 1 (the outbox puts), then ``after_outbox`` (the daemon hands the commands out there: once
+        they are in the outbox a crash re-executes them with the same ids and tokens, so they need not
+        wait for phase 2's round trip), then phase 2 (records, outbox deletions, audit)."""
         state_pre = f"$KV.{bus.KV_STATE}."
         outbox_pre = f"$KV.{bus.KV_OUTBOX}."
         if outbox_put:
             await self._write([(outbox_pre + k, encode_command(c), None) for k, c in outbox_put.items()])
+        if after_outbox is not None:
+            await after_outbox()
         phase2: list[_Write] = []
         for key, value in records.items():
             if value:
@@ -151,7 +162,8 @@ class Store:
         attempt = 0
         while keys:
             order = sorted(keys)
-            failed = await self._pipe.write([item(k) for k in order], self.write_timeout_s)
+            failed = await self._pipe.write([item(k) for k in order], self.write_timeout_s,
+                                            yield_every=BACKGROUND_YIELD_EVERY)
             self.writes += len(order) - len(failed)
             keys = {order[i] for i in failed}
             if keys:
@@ -255,9 +267,13 @@ class _Pipeline:
         if not rnd.pending:
             rnd.done.set()
 
-    async def write(self, items: Sequence[_Write | Callable[[], _Write | None]], timeout_s: float) -> list[int]:
+    async def write(self, items: Sequence[_Write | Callable[[], _Write | None]], timeout_s: float,
+                    yield_every: int = 0) -> list[int]:
         """Publish every item (a callable one is encoded at its publish, and skipped when it gives None),
-        wait up to ``timeout_s`` for the acks; the indices of the items not stored, in order."""
+        wait up to ``timeout_s`` for the acks; the indices of the items not stored, in order.
+        ``yield_every`` > 0: let the event loop run other tasks after each that many items (a background
+        write must not hold the decide loop for a whole slice; each item is still encoded and queued with
+        no await in between)."""
         if not self.prefix:
             self.prefix = self.nc.new_inbox() + "."
             await self.nc.subscribe(self.prefix + "*", cb=self._on_ack, pending_msgs_limit=1_000_000)
@@ -267,6 +283,8 @@ class _Pipeline:
         failed_now: set[int] = set()
         try:
             for i, item in enumerate(items):
+                if yield_every and i and i % yield_every == 0:
+                    await anyio.sleep(0)
                 # A callable item is encoded right here, with no await before its publish is queued:
                 # the value is the newest at the moment it enters the connection's ordered stream.
                 made = item() if callable(item) else item

@@ -4,6 +4,9 @@ first, and the heartbeat fast path admits exactly what the one-by-one path admit
 - A liveness flush slice (``Daemon._write_liveness``, off the decide loop) runs while a batch is being
   persisted: it must not write the batch's dirty keys from the older state, or the batch's newer record
   (a noticed node's) would be overwritten in KV and lost on a restart. Real nats-server, real ``Store``.
+- ``Store.persist`` hands over (``after_outbox``: the daemon dispatches there) once the commands are in
+  the outbox, before the records are written.
+- A liveness slice's background write lets the event loop run between its records.
 - ``pipeline.dispatch`` hands checkpoint commands to the executor before other agent commands and cloud
   calls.
 - ``pipeline.admit_heartbeats`` (the batched hot path) gives the same events and the same rejections as
@@ -16,9 +19,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import msgspec
 import nats
 import pytest
+from nats.js.errors import KeyNotFoundError
 
 import wire as ev
 from orchestrator import bus
@@ -28,7 +33,7 @@ from orchestrator.daemon.executor import Executor
 from orchestrator.daemon.loop import Daemon
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.state import CoreApi
-from orchestrator.daemon.store import Store
+from orchestrator.daemon.store import BACKGROUND_YIELD_EVERY, Store, encode_command, outbox_key
 from orchestrator.settings import Settings
 from simulations.chaos.fuzz import Generator
 
@@ -63,6 +68,69 @@ async def test_a_liveness_slice_never_writes_a_key_of_the_batch_being_persisted(
         d.state = {"node.a": b"a-noticed-then-heartbeat", "node.b": b"b-liveness"}  # type: ignore[assignment]
         await d._write_liveness({"node.a"})
         assert (await topo.state_kv.get("node.a")).value == b"a-noticed-then-heartbeat"
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_commands_go_out_once_in_the_outbox_before_the_records_are_written(nats_server) -> None:
+    """``Store.persist`` runs ``after_outbox`` (where the daemon dispatches) once the outbox puts are stored
+    and before the records are written: a notice's checkpoint command does not wait for the records'
+    round trip (a crash in between re-executes it from the outbox with the same ids)."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        topo = await bus.ensure_topology(nc)
+        store = Store(topo, writer=nc)
+        cmd = SendToAgent(command=ev.CheckpointCmd(cmd_id="c-1", node_id=ev.NodeId("n1"), job_id=ev.JobId("j1"),
+                                                   generation=1, fencing_token=1, issued_ts=1.0,
+                                                   reason="preemption_notice"))
+        key = outbox_key(cmd)
+        seen: list[tuple[bytes | None, bool]] = []
+
+        async def after_outbox() -> None:
+            outbox = (await topo.outbox_kv.get(key)).value
+            try:
+                await topo.state_kv.get("node.n1")
+                record = True
+            except KeyNotFoundError:
+                record = False
+            seen.append((outbox, record))
+
+        await store.persist({"node.n1": b"noticed"}, {key: cmd}, after_outbox=after_outbox)
+        assert seen == [(encode_command(cmd), False)]  # the command stored, the record not yet
+        assert (await topo.state_kv.get("node.n1")).value == b"noticed"  # and then the record
+    finally:
+        await nc.close()
+
+
+@pytest.mark.anyio
+async def test_a_liveness_write_lets_the_decide_loop_run_between_its_records(nats_server) -> None:
+    """A background write of a liveness slice yields to the event loop every ``BACKGROUND_YIELD_EVERY``
+    records: a notice that arrives meanwhile is not held for the whole slice's encodes and publishes."""
+    nc = await nats.connect(nats_server.url)
+    try:
+        store = Store(await bus.ensure_topology(nc), writer=nc)
+        ran = 0
+        seen: list[int] = []  # how often the other task had run when each record was encoded
+
+        async def other() -> None:
+            nonlocal ran
+            while True:
+                ran += 1
+                await anyio.sleep(0)
+
+        def encode(keys: tuple[str, ...]) -> dict[str, bytes]:
+            seen.append(ran)
+            return {k: b"alive" for k in keys}
+
+        n = 4 * BACKGROUND_YIELD_EVERY
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            await anyio.sleep(0)
+            await store.write_records_background({f"node.n{i:03d}" for i in range(n)}, encode)
+            tg.cancel_scope.cancel()
+        assert len(seen) == n
+        assert len(set(seen)) >= 4  # the other task ran between the slice's records
     finally:
         await nc.close()
 
