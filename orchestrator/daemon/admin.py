@@ -46,6 +46,7 @@ from orchestrator.daemon.state import (
     node_summary,
     pool_summary,
     record_dict,
+    sweep_summary,
 )
 from orchestrator.daemon.tracking import submit_problems as tracking_submit_problems
 from orchestrator.jobspec import spec_problems
@@ -199,7 +200,10 @@ class Handlers:
         job = self._job(req.job_id)
         nodes = self.d.state.nodes
         now = time.time()
-        return ev.JobReply(summary=job_summary(self.d.state, job, now), job=record_dict(job),
+        summary = job_summary(self.d.state, job, now)
+        if isinstance(job.spec.sweep_id, str):  # its sweep's cap and cost, as orchd enforces them
+            summary["sweep"] = sweep_summary(self.d.state, job.spec.sweep_id, now)
+        return ev.JobReply(summary=summary, job=record_dict(job),
                            nodes=[node_summary(nodes[n], now) for n in job.nodes if n in nodes])
 
     async def jobs_cancel(self, req: ev.JobRequest) -> ev.OkReply:

@@ -22,10 +22,22 @@ import msgspec
 from prometheus_client import Gauge
 
 import wire as ev
-from orchestrator.core import AuditEntry, Decision, Job, JobPhase, Node, PoolStats, State, job_cost_usd, job_step
+from orchestrator.core import (
+    AuditEntry,
+    Decision,
+    Job,
+    JobPhase,
+    Node,
+    PoolStats,
+    State,
+    job_cost_usd,
+    job_step,
+    sweeps,
+)
 from orchestrator.core.feasibility import wake_up
 from orchestrator.core.inputs import CoreEvent
 from orchestrator.core.model import DEFAULT_RESTART_BACKOFF_BASE_S, DEFAULT_RESTART_BACKOFF_MAX_S, TERMINAL_JOB_PHASES
+from orchestrator.core.tx import Tx
 from orchestrator.settings import Settings
 
 if TYPE_CHECKING:
@@ -132,6 +144,18 @@ def job_summary(state: State, job: Job, now: float) -> dict[str, Any]:
         "waiting": dict(zip(("reason", "until"), wake_up(job, state.pools, state.config, now), strict=True))
         if job.phase in _WAITING else None,
     }
+
+
+def sweep_summary(state: State, sweep_id: str, now: float) -> dict[str, Any]:
+    """The sweep a job belongs to, as orchd holds it to its cap (core/sweeps.py): the cap (the smallest
+    budget and earliest deadline its jobs carry), the cost of all its jobs so far, and why it takes no new
+    trial (``closed``: ``sweep_budget`` / ``sweep_deadline``, None while open). One scan of the jobs."""
+    tx = Tx(state, "view", now)
+    jobs = sweeps.members(state.jobs, {sweep_id})[sweep_id]
+    cap = sweeps.cap_of(j.spec for j in jobs)
+    return {"id": sweep_id, "budget_usd": cap.budget_usd, "deadline_ts": cap.deadline_ts,
+            "cost_usd": round(sweeps.sweep_cost_usd(tx, jobs), 4), "jobs": len(jobs),
+            "closed": sweeps.closed_reason(tx, jobs, cap)}
 
 
 def node_summary(node: Node, now: float) -> dict[str, Any]:

@@ -96,7 +96,11 @@ async def _scenario(tmp, url: str) -> None:
             out: list[str] = []
             code = await anyio.to_thread.run_sync(
                 lambda: main(["--server", url, "jobs", "show", jobs[0], "-o", "json"], out=out.append))
-            assert code == 0 and json.loads("".join(out))["summary"]["reason"] == "sweep_budget"
+            shown = json.loads("".join(out))["summary"]
+            assert code == 0 and shown["reason"] == "sweep_budget"
+            # the sweep as orchd holds it: the smallest cap any of its jobs carries, not the hostile one's
+            assert shown["sweep"]["budget_usd"] == BUDGET and shown["sweep"]["closed"] == "sweep_budget"
+            assert shown["sweep"]["jobs"] == 3 and 0 < shown["sweep"]["cost_usd"] <= BUDGET
 
             # a new trial of the closed sweep is refused, with the reason
             with pytest.raises(AdminError) as e:
