@@ -175,8 +175,8 @@ class World:
                 if o.proc is not None and o.proc.poll() is not None:
                     code = o.proc.returncode
                     o.exits.append((time.time(), o.proc.pid, code))
-                    if code != EXIT_LEASE_LOST:
-                        self.crashes.append(f"{o.name} pid {o.proc.pid} exited {code}")
+                    if code != EXIT_LEASE_LOST:  # with the last lines of its log: why
+                        self.crashes.append(f"{o.name} pid {o.proc.pid} exited {code}: {_tail(o.log)}")
                     o.proc = None
                 if o.proc is None and not o.held and (not o.exits or time.time() - o.exits[-1][0] >= 2.0):
                     await anyio.to_thread.run_sync(self._spawn_orchd, o)
@@ -329,3 +329,11 @@ def job_spec(name: str, *, nodes: int, total_steps: int, root: Path, step_s: flo
         spec, checkpoint=msgspec.structs.replace(spec.checkpoint, url=f"file://{ckpt}"),
         trainer=ev.TrainerSpec(command=(sys.executable, "-m", "simulations.chaos.parttrainer"),
                                args={"step_time_s": step_s}))
+
+
+def _tail(log: Path, lines: int = 3) -> list[str]:
+    """The last ``lines`` lines of an orchd log (each cut to 300 characters): why it exited."""
+    try:
+        return [line[:300] for line in log.read_text(errors="replace").splitlines()[-lines:]]
+    except OSError as e:
+        return [f"(log unreadable: {e})"]

@@ -101,6 +101,11 @@ async def _one(s: Session, d: Drill, drop_s: float, progress: Any) -> None:
     except Exception as e:  # a drill that could not finish is a failed drill, with its reason
         d.problems.append(f"{type(e).__name__}: {e}")
     d.daemon_crashes = len(s.w.crashes) - crashes
+    if d.daemon_crashes:  # say which orchd exited, and how (its log has why)
+        d.problems.append(f"orchd exited during the drill: {s.w.crashes[crashes:]}")
+    counted = {k: getattr(d, k) for k in ZERO if getattr(d, k)}
+    if counted and not d.problems:  # a goal missed with no assertion of the drill's own: name the counters
+        d.problems.append(f"goals missed: {counted}")
     d.seconds = round(time.monotonic() - t0, 1)
     if progress:
         progress(f"{d.name}: {'ok' if d.passed else 'FAILED'} in {d.seconds} s {d.facts} {d.problems}")
