@@ -26,8 +26,8 @@ What it does (all through the wire, no shortcuts into the daemon):
      notice's publish to the last checkpoint command of those jobs acked by its agent;
   6. the burst's aftermath: right after the burst, the capacity phase again (``aftermath_*`` keys,
      ``aftermath_vs_raw``). It measures orchd while it still handles the burst's consequences
-     (replacement launches, new generations): with the file-backed fake cloud, whose launches rewrite
-     its JSON file of every instance in orchd's own process, much of that CPU is the fake cloud's;
+     (replacement launches, new generations; the file-backed fake cloud runs in orchd's own process and
+     appends a journal line per call);
   7. raw phase: the same heartbeats, published the same way, to a raw nats-py subscriber that only counts
      (``benchmarks/raw_nats.py count``, a process of its own, same server): ``raw_events_per_s``.
 
@@ -212,7 +212,7 @@ async def _burst_and_aftermath(args: argparse.Namespace, nc: Client, js: JetStre
     """The notice burst under the heartbeat load (once orchd has drained), then the capacity phase again
     right after it (``aftermath_*``)."""
     result: dict = {}
-    # (a scrape of /metrics costs orchd 0.1-0.2 s of CPU at 10,000 nodes: taken before the drain)
+    # (a scrape of /metrics costs orchd CPU at 10,000 nodes, benchmarks/gauge_refresh.py: taken before the drain)
     hist0 = {k: histogram_buckets(metrics_url, *v) for k, v in DAEMON_HISTOGRAMS.items()}
     result.update({f"burst_{k}": v for k, v in (await drained(js, client, args.drain_timeout)).items()})
     stop_load = asyncio.Event()

@@ -3,8 +3,9 @@
 Not part of the production packages: orchd loads it as a provider plugin (``[providers] enabled =
 ["fake"]``, see orchestrator/daemon/registry.py) through ``from_settings``. With ``[providers.fake]
 state_file = "..."`` it is a ``FileFakeCloud`` whose instances and idempotency tokens are kept in that
-JSON file, so they survive a restart of orchd (the kill -9 drills count duplicates on the cloud side,
-from the file with ``read_fake_file``). Optional ``prices = [{pool..., price_usd_h, on_demand_usd_h}]``.
+JSON file and a journal beside it (one line per call), so they survive a restart of orchd (the kill -9
+drills count duplicates on the cloud side, from the files with ``read_fake_file``). Optional
+``prices = [{pool..., price_usd_h, on_demand_usd_h}]``.
 
 Role: a `CloudProvider` that behaves like a cloud at the API edge: it enforces idempotency tokens (the
 same token twice returns the first call's instances), fulfils launches partially when capacity is
@@ -49,7 +50,8 @@ from wire.config import load_checked
 
 log = structlog.get_logger("orch.simulations.fakecloud")
 
-__all__ = ["FakeCloud", "FakeConfig", "FileFakeCloud", "TransientError", "from_settings", "read_fake_file"]
+__all__ = ["FakeCloud", "FakeConfig", "FileFakeCloud", "TransientError", "from_settings", "journal_path",
+           "load_fake_file", "read_fake_file"]
 
 
 class FakeCloud:
@@ -116,8 +118,10 @@ class FakeCloud:
                 err = queued.pop(0)
                 raise err(f"injected {err.__name__} in {request.pool.name}", pool=request.pool)
             cap = self.capacity.get(request.pool)
-            live = sum(1 for i in self._instances.values() if i.pool == request.pool and i.alive)
-            room = request.count if cap is None else max(0, min(request.count, cap - live))
+            room = request.count  # the live count is a scan of every instance: only where a cap is set
+            if cap is not None:
+                live = sum(1 for i in self._instances.values() if i.pool == request.pool and i.alive)
+                room = max(0, min(request.count, cap - live))
             if room == 0:
                 raise CapacityError(f"no capacity in {request.pool.name}", pool=request.pool)
             created = []
@@ -204,29 +208,37 @@ def _with_state(inst: Instance, state: InstanceState) -> Instance:
 
 
 class FileFakeCloud(FakeCloud):
-    """FakeCloud persisted to a JSON file after every change (and loaded at construction)."""
+    """FakeCloud persisted to files after every change (and loaded at construction): a JSON snapshot
+    (``state_file``: instances, idempotency tokens, launch calls) and an append-only journal beside it
+    (``<state_file>.journal.jsonl``, ``JOURNAL_SUFFIX``), one line per call with what the call changed.
+    A call appends its line (cost in proportion to the call, not to every instance the cloud holds); once
+    the journal is as large as the snapshot (at least ``COMPACT_MIN_BYTES``), the snapshot is rewritten and
+    the journal emptied: the bytes written stay within a small multiple of the bytes journaled.
+    Readers (``read_fake_file``, ``load_fake_file``) apply the journal over the snapshot; a line cut short
+    by a kill -9 (the last one) is ignored, like a snapshot replace that did not happen."""
 
     def __init__(self, state_file: str | os.PathLike[str], cloud: str = "fake", *, shared: bool = False,
                  **kw: Any) -> None:
         super().__init__(cloud, **kw)
         self.state_file = Path(state_file)
+        self.journal_file = journal_path(self.state_file)
         self.shared = shared
         self.calls_file = self.state_file.with_suffix(".calls.jsonl")
         self._file_lock = threading.Lock()
+        self._journal_bytes = self._snapshot_bytes = 0
         self._reload()
 
     def _reload(self) -> None:
-        if not self.state_file.exists():
+        instances, tokens, launch_calls, journal_bytes = _load(self.state_file)
+        if instances is None:
             return
-        data = json.loads(self.state_file.read_text())
         with self._lock:
-            self._instances = {}
-            for raw in data.get("instances", []):
-                inst = msgspec.convert(raw, Instance)
-                self._instances[inst.instance_id] = inst
-            self._by_token = {k: tuple(v) for k, v in data.get("tokens", {}).items()}
-            self.launch_calls = data.get("launch_calls", 0)
+            self._instances = instances
+            self._by_token = tokens
+            self.launch_calls = launch_calls
             self._ids = itertools.count(len(self._instances) + 1)
+        self._journal_bytes = journal_bytes
+        self._snapshot_bytes = self.state_file.stat().st_size if self.state_file.exists() else 0
 
     @contextlib.contextmanager
     def _shared(self, op: str, what: Sequence[str]) -> Iterator[None]:
@@ -246,31 +258,48 @@ class FileFakeCloud(FakeCloud):
             finally:
                 fcntl.flock(lk, fcntl.LOCK_UN)
 
-    def _save(self) -> None:
-        with self._file_lock:  # one writer at a time; the snapshot is taken under the cloud's lock
+    def _save(self, ids: Sequence[InstanceId] = (), token: str | None = None) -> None:
+        """Journal what a call changed: the instances ``ids`` as they are now, the idempotency ``token``'s
+        instances, the launch call count; the snapshot is rewritten when the journal is as long as it."""
+        with self._file_lock:  # one writer at a time; what is written is taken under the cloud's lock
             with self._lock:
-                data = {
-                    "instances": list(self._instances.values()),
-                    "tokens": {k: list(v) for k, v in self._by_token.items()},
-                    "launch_calls": self.launch_calls,
-                }
-            tmp = self.state_file.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-            tmp.write_bytes(msgspec.json.encode(data))
-            tmp.replace(self.state_file)
+                if token is not None and token in self._by_token:
+                    ids = (*ids, *self._by_token[token])
+                entry: dict[str, Any] = {"instances": [self._instances[i] for i in dict.fromkeys(ids)
+                                                       if i in self._instances],
+                                         "launch_calls": self.launch_calls}
+                if token is not None and token in self._by_token:
+                    entry["tokens"] = {token: list(self._by_token[token])}
+                line = msgspec.json.encode(entry) + b"\n"
+                compact = self._journal_bytes + len(line) >= max(COMPACT_MIN_BYTES, self._snapshot_bytes)
+                snapshot = _snapshot(self) if compact or not self.state_file.exists() else None
+            with open(self.journal_file, "ab") as j:
+                j.write(line)  # one write: a kill -9 leaves the line whole or cut short
+            self._journal_bytes += len(line)
+            if snapshot is not None:
+                # The line went to the journal first: a reader that read the journal before it is emptied
+                # and the snapshot after it is replaced applies lines whose last word on each instance is
+                # what the snapshot holds (readers read the journal first).
+                tmp = self.state_file.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+                tmp.write_bytes(snapshot)
+                tmp.replace(self.state_file)
+                with open(self.journal_file, "wb"):
+                    pass
+                self._journal_bytes, self._snapshot_bytes = 0, len(snapshot)
 
     def launch(self, request: LaunchRequest) -> LaunchResult:
         with self._shared("launch", request.node_ids):
             try:
                 return super().launch(request)
             finally:
-                self._save()
+                self._save(token=request.idempotency_token)
 
     def terminate(self, instance_ids: Sequence[InstanceId], cluster_id: str) -> None:
         with self._shared("terminate", instance_ids):
             try:
                 super().terminate(instance_ids, cluster_id)
             finally:
-                self._save()
+                self._save(instance_ids)
 
     def list_instances(self, cluster_id: str) -> list[Instance]:
         with self._shared("list", ()):
@@ -282,22 +311,80 @@ class FileFakeCloud(FakeCloud):
 
     def add_instance(self, pool: PoolKey, tags: Mapping[str, str] | None = None) -> Instance:
         out = super().add_instance(pool, tags)
-        self._save()
+        self._save((out.instance_id,))
         return out
 
     def preempt(self, instance_id: InstanceId) -> Instance:
         with self._shared("preempt", (instance_id,)):
             out = super().preempt(instance_id)
-            self._save()
+            self._save((instance_id,))
             return out
+
+
+JOURNAL_SUFFIX = ".journal.jsonl"
+COMPACT_MIN_BYTES = 256 * 1024
+"""The journal is folded into the snapshot once it holds this many bytes, or as many as the snapshot."""
+
+
+def journal_path(state_file: str | os.PathLike[str]) -> Path:
+    """The journal beside a FileFakeCloud's snapshot file."""
+    p = Path(state_file)
+    return p.with_name(p.name + JOURNAL_SUFFIX)
+
+
+def _snapshot(cloud: FileFakeCloud) -> bytes:
+    return msgspec.json.encode({"instances": list(cloud._instances.values()),  # noqa: SLF001 - its own class
+                                "tokens": {k: list(v) for k, v in cloud._by_token.items()},  # noqa: SLF001
+                                "launch_calls": cloud.launch_calls})
+
+
+def _load(path: Path) -> tuple[dict[InstanceId, Instance] | None, dict[str, tuple[InstanceId, ...]], int, int]:
+    """Snapshot plus journal: (instances or None when neither file exists, tokens, launch calls, the
+    journal's size in bytes)."""
+    journal = journal_path(path)
+    try:  # the journal before the snapshot: a compaction in between loses nothing (``FileFakeCloud._save``)
+        raw_journal = journal.read_bytes()
+    except FileNotFoundError:
+        raw_journal = b""
+    try:
+        data = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        if not raw_journal:
+            return None, {}, 0, 0
+        data = {}
+    instances: dict[InstanceId, Instance] = {}
+    for raw in data.get("instances", []):
+        inst = msgspec.convert(raw, Instance)
+        instances[inst.instance_id] = inst
+    tokens = {k: tuple(v) for k, v in data.get("tokens", {}).items()}
+    launch_calls: int = data.get("launch_calls", 0)
+    if raw_journal:
+        for line in raw_journal.split(b"\n"):
+            try:
+                entry = json.loads(line) if line else None
+            except ValueError:  # a line cut short by a kill -9 (the last one): the call never returned
+                entry = None
+            if not isinstance(entry, dict):
+                continue
+            for raw in entry.get("instances", []):
+                inst = msgspec.convert(raw, Instance)
+                instances[inst.instance_id] = inst
+            tokens.update({k: tuple(v) for k, v in entry.get("tokens", {}).items()})
+            launch_calls = entry.get("launch_calls", launch_calls)
+    return instances, tokens, launch_calls, len(raw_journal)
+
+
+def load_fake_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A FileFakeCloud's whole record as one JSON-like dict (``instances`` as ``Instance``, ``tokens``,
+    ``launch_calls``): the snapshot with the journal applied (empty when neither file exists)."""
+    instances, tokens, launch_calls, _ = _load(Path(path))
+    return {"instances": list((instances or {}).values()), "tokens": {k: list(v) for k, v in tokens.items()},
+            "launch_calls": launch_calls}
 
 
 def read_fake_file(path: str | os.PathLike[str]) -> list[Instance]:
     """The instances a FileFakeCloud recorded (for tests counting launches on the cloud side)."""
-    p = Path(path)
-    if not p.exists():
-        return []
-    return [msgspec.convert(raw, Instance) for raw in json.loads(p.read_text()).get("instances", [])]
+    return list((_load(Path(path))[0] or {}).values())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

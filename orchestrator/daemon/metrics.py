@@ -7,23 +7,47 @@ the name). The shell updates them; the core never touches them.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 HOLD_REASONS = ("storage_error", "failed", "no_usable_checkpoint", "exited_early")
 """The reasons of the core's restart holds (docs/core.md, "Restart hold")."""
 
 
+class _Registry(CollectorRegistry):
+    """A registry that lists its collectors in the order they were registered (``/metrics`` renders
+    them: ``metrics_http.Renderer``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.collectors: list[Any] = []
+
+    def register(self, collector: Any) -> None:
+        super().register(collector)
+        self.collectors.append(collector)
+
+    def unregister(self, collector: Any) -> None:
+        super().unregister(collector)
+        self.collectors.remove(collector)
+
+
 class Metrics:
     """All orchd metrics on one registry (a fresh one per daemon, so tests can run several)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = self.registry = registry or CollectorRegistry()
+    def __init__(self) -> None:
+        r = self.registry = _Registry()
         self.state_series: dict[Gauge, set[tuple[str, ...]]] = {}  # per gauge family: the series of the last
         # state refresh (``state.refresh_gauge_slices``: the ones not set again are removed)
         # In this order on /metrics:
         self._define_daemon_metrics(r)
         self._define_job_and_pool_metrics(r)
         self._define_dashboard_metrics(r)
+        self.collectors = r.collectors
+        self.bulk: tuple[Gauge, ...] = (  # a series per node or per job: /metrics writes them itself
+            self.node_heartbeat_age, self.gpu_util, self.gpu_temp, self.cost, self.on_demand_cost, self.budget,
+            self.job_step, self.goodput, self.job_phase, self.job_nodes,
+        )
 
     def _define_daemon_metrics(self, r: CollectorRegistry) -> None:
         """Up, bus, state counts, the events through decide() and their latencies."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -55,6 +56,33 @@ MISS_GRACE_S = 30.0
 MAX_GPUS = 64
 """GPU series per node at most (``ingest.MAX_GPUS_PER_NODE``): a node cannot flood the registry."""
 MAX_TEMP_C = 200.0
+SLICE_MAX_S = 0.002
+"""Wall time after which a slice of the gauge refresh ends even if its units of work are not done."""
+
+
+class Slicer:
+    """Where a slice of the gauge refresh ends. ``over(n)`` is asked before ``n`` units of work: True when
+    the slice already holds work and these ``n`` units would take it over ``units``, or it has run
+    ``max_s`` of wall time since it began; the caller then yields, calls ``restart``, and does the ``n``
+    units as the first of the next slice. So a slice holds at most ``units`` units (or one single piece
+    of work bigger than that) and, on a loaded machine, ends after ``max_s`` whatever a unit costs."""
+
+    __slots__ = ("_done", "_t0", "max_s", "units")
+
+    def __init__(self, units: int, max_s: float = SLICE_MAX_S) -> None:
+        self.units, self.max_s = max(1, units), max_s
+        self._done, self._t0 = 0, time.perf_counter()
+
+    def over(self, n: int = 1) -> bool:
+        if self._done and (self._done + n > self.units or time.perf_counter() - self._t0 >= self.max_s):
+            self._done = n
+            return True
+        self._done += n
+        return False
+
+    def restart(self) -> None:
+        """The next slice begins (its first units were counted by ``over``)."""
+        self._t0 = time.perf_counter()
 
 
 @dataclass(slots=True)
@@ -219,16 +247,21 @@ class MetricsObserver:
             pass
 
     def refresh_slices(self, state: State, now: float, nodes_per_slice: int = 800) -> Iterator[None]:
-        """``refresh`` in slices: yields after each ``nodes_per_slice`` nodes' heartbeat ages (the decide
-        loop takes urgent inputs between slices: ``state.refresh_gauge_slices``), and each eighth as many
-        jobs' goodput and on-demand cost. ``state`` is the one the refresh started with."""
-        yield from self._refresh_nodes(state, now, nodes_per_slice)
+        """``refresh`` in slices (the decide loop takes urgent inputs between slices:
+        ``state.refresh_gauge_slices``): a slice ends after ``nodes_per_slice`` units of work (a node's
+        heartbeat age, a GPU reading, a series removed, an eighth of a job's goodput and on-demand cost)
+        or ``SLICE_MAX_S`` of wall time, whichever comes first (``Slicer``). ``state`` is the one the
+        refresh started with."""
+        sl = Slicer(nodes_per_slice)
+        yield from self._refresh_nodes(state, now, sl)
+        yield from self._refresh_gpus(state, now, sl)
         for jid in [j for j in self.jobs if j not in state.jobs]:
             del self.jobs[jid]
         goodput: set[str] = set()
-        for i, job in enumerate(state.jobs.values(), 1):
-            if i % max(1, nodes_per_slice // 8) == 0:
+        for job in state.jobs.values():
+            if sl.over(8):
                 yield
+                sl.restart()
             t = self._track(job)
             g = t.goodput(job_step(state, job.job_id))
             if g is not None:
@@ -247,9 +280,14 @@ class MetricsObserver:
         for name, ps in state.pools.items():  # at 0 from the start, like checkpoint_missed
             for kind in ("notice", "vanished"):
                 self.m.preemptions.labels(ps.pool.cloud, name, kind)
-        for jid in self._goodput_labels - goodput:
-            self.m.goodput.remove(jid)
-        self._goodput_labels = goodput
+        old, self._goodput_labels = self._goodput_labels, goodput
+        while old:  # what left, sliced like the rest (popped: freeing the old set is sliced too)
+            jid = old.pop()
+            if sl.over():
+                yield
+                sl.restart()
+            if jid not in goodput:
+                self.m.goodput.remove(jid)
         for due, deadline in list(self.ckpt_due.items()):
             owner = state.jobs.get(due[0])
             if owner is None:
@@ -261,27 +299,40 @@ class MetricsObserver:
             for key in [k for k in done if k[0] not in state.jobs or state.jobs[k[0]].generation > k[1] + 1]:
                 done.discard(key)
 
-    def _refresh_nodes(self, state: State, now: float, nodes_per_slice: int) -> Iterator[None]:
-        """Heartbeat age of every node heard from; the latest GPU readings of the live ones."""
+    def _refresh_nodes(self, state: State, now: float, sl: Slicer) -> Iterator[None]:
+        """Heartbeat age of every node heard from."""
         hb_labels: set[tuple[str, str]] = set()
         age = self.m.node_heartbeat_age
-        for i, node in enumerate(state.nodes.values(), 1):
+        for node in state.nodes.values():
+            if sl.over():
+                yield
+                sl.restart()
             if node.last_seen > 0:
                 hb = (str(node.node_id), str(node.job_id))
                 hb_labels.add(hb)
                 age.labels(*hb).set(max(0.0, now - node.last_seen))
-            if i % nodes_per_slice == 0:
+        old, self._hb_labels = self._hb_labels, hb_labels
+        while old:
+            hb = old.pop()
+            if sl.over():
                 yield
-        for hb in self._hb_labels - hb_labels:
-            age.remove(*hb)
-        self._hb_labels = hb_labels
+                sl.restart()
+            if hb not in hb_labels:
+                age.remove(*hb)
+
+    def _refresh_gpus(self, state: State, now: float, sl: Slicer) -> Iterator[None]:
+        """The latest GPU readings of the live nodes (a unit of work per reading): at 8 GPUs a node,
+        10,000 nodes hold 80,000 readings, 0.4 s of CPU in one piece."""
         stale = state.meta.config.heartbeat_timeout_s
         gpu_labels: set[tuple[str, str]] = set()
         util, temp = self.m.gpu_util, self.m.gpu_temp
         for nid, (ts, gpus) in list(self.gpus.items()):
             if nid not in state.nodes or now - ts > stale:
-                del self.gpus[nid]  # gone, or silent: no reading is better than an old one
+                self.gpus.pop(nid, None)  # gone, or silent: no reading is better than an old one
                 continue
+            if sl.over(min(len(gpus), MAX_GPUS)):
+                yield
+                sl.restart()
             for g in gpus[:MAX_GPUS]:
                 key = (nid, str(g.index))
                 if 0.0 <= g.util_pct <= 100.0:
@@ -290,11 +341,17 @@ class MetricsObserver:
                 if g.temp_c is not None and -MAX_TEMP_C <= g.temp_c <= MAX_TEMP_C:
                     temp.labels(*key).set(g.temp_c)
                     gpu_labels.add(key)
-        for key in self._gpu_labels - gpu_labels:
+        old, self._gpu_labels = self._gpu_labels, gpu_labels
+        while old:
+            key = old.pop()
+            if sl.over():
+                yield
+                sl.restart()
+            if key in gpu_labels:
+                continue
             for gauge in (util, temp):
                 with contextlib.suppress(KeyError):  # set for one of the two only
                     gauge.remove(*key)
-        self._gpu_labels = gpu_labels
 
     # --- the consumers' backlog ----------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ from orchestrator.core.feasibility import wake_up
 from orchestrator.core.inputs import CoreEvent
 from orchestrator.core.model import DEFAULT_RESTART_BACKOFF_BASE_S, DEFAULT_RESTART_BACKOFF_MAX_S, TERMINAL_JOB_PHASES
 from orchestrator.core.tx import Tx
+from orchestrator.daemon.observe import Slicer
 from orchestrator.settings import Settings
 
 if TYPE_CHECKING:
@@ -229,16 +230,21 @@ def refresh_gauge_slices(d: Daemon, jobs_per_slice: int = GAUGE_SLICE_JOBS) -> I
     for phase, count in Counter(_s(j.phase) for j in state.jobs.values()).items():
         put(m.jobs, (phase,), count)
     per_pool: Counter[tuple[str, ...]] = Counter()
-    for i, node in enumerate(state.nodes.values(), 1):
-        per_pool[(node.pool.cloud, node.pool_name, _s(node.phase))] += 1
-        if i % (8 * jobs_per_slice) == 0:
+    sl = Slicer(8 * jobs_per_slice)  # a node a unit, a job 8; and at most SLICE_MAX_S of wall time a slice
+    for node in state.nodes.values():
+        if sl.over():
             yield
+            sl.restart()
+        per_pool[(node.pool.cloud, node.pool_name, _s(node.phase))] += 1
     for labels, count in per_pool.items():
         put(m.nodes, labels, count)
     now = time.time()
     # Series of deleted jobs go; a finished job keeps its final cost and step but no budget, so a budget
     # alert resolves when the job stops instead of firing for as long as the job is kept.
-    for i, job in enumerate(state.jobs.values(), 1):
+    for job in state.jobs.values():
+        if sl.over(8):
+            yield
+            sl.restart()
         put(m.cost, (job.job_id,), job_cost_usd(state, job.job_id, now))
         if job.spec.budget_usd is not None and job.phase not in TERMINAL_JOB_PHASES:
             put(m.budget, (job.job_id,), job.spec.budget_usd)
@@ -251,8 +257,6 @@ def refresh_gauge_slices(d: Daemon, jobs_per_slice: int = GAUGE_SLICE_JOBS) -> I
                 pools[member.pool] += 1
         for p, n in pools.items():
             put(m.job_nodes, (job.job_id, p.cloud, p.region, p.zone, p.instance_type, _s(p.market)), n)
-        if i % jobs_per_slice == 0:
-            yield
     for stats in state.pools.values():
         p = stats.pool
         if stats.price_usd_h is not None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import itertools
 import json
 import os
 import signal
@@ -36,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import nats.errors
 import nats.js.errors
 import pytest
@@ -46,7 +44,6 @@ from orchestrator import bus
 from orchestrator.cli.client import AdminClient, AdminUnreachable
 from orchestrator.daemon.lease import LEASE_BUCKET, LEASE_KEY
 from orchestrator.jobspec import parse_jobspec
-from providers.base import Instance
 from simulations.fakecloud import FileFakeCloud, read_fake_file
 from tests.ha_cluster import connect, nats_cluster, wait_jetstream
 from tests.integration import helpers as h
@@ -72,16 +69,6 @@ class SharedFileFakeCloud(FileFakeCloud):
                 yield
             finally:
                 fcntl.flock(lk, fcntl.LOCK_UN)
-
-    def _reload(self) -> None:
-        if not self.state_file.exists():
-            return
-        data = json.loads(self.state_file.read_text())
-        with self._lock:
-            self._instances = {i.instance_id: i for i in (msgspec.convert(r, Instance) for r in data["instances"])}
-            self._by_token = {k: tuple(v) for k, v in data.get("tokens", {}).items()}
-            self.launch_calls = data.get("launch_calls", 0)
-            self._ids = itertools.count(len(self._instances) + 1)
 
     def launch(self, request):
         with self._locked():
