@@ -213,7 +213,8 @@ GAUGE_SLICE_JOBS = 100
 
 def refresh_gauge_slices(d: Daemon, jobs_per_slice: int = GAUGE_SLICE_JOBS) -> Iterator[None]:
     """Set the state gauges from the daemon's state, in slices: yields after each ``jobs_per_slice`` jobs
-    (or 8 times as many nodes), so that the decide loop takes urgent inputs between slices (at 10,000
+    (or 8 times as many nodes), or after ``observe.SLICE_MAX_S`` of wall time, whichever comes first
+    (``observe.Slicer``), so that the decide loop takes urgent inputs between slices (at 10,000
     nodes the whole refresh costs 0.1-0.2 s of CPU). The state is read as it was at the start (it is
     immutable). Series are set in place and the stale ones removed at the end: a scrape between slices
     sees each series at its previous or its new value, never missing (and the children are not created
