@@ -134,6 +134,19 @@ class Orchd:
         return self.proc.returncode
 
 
+def roles(daemons: list[Orchd]) -> tuple[Orchd, Orchd] | None:
+    """(leader, standby) once exactly one orchd has written its discovery file and the other logged
+    ``standby``; None before. Either one dead fails the test with its log."""
+    for d in daemons:
+        assert d.alive(), d.tail()
+    ready = [d for d in daemons if d.discovery.exists()]
+    if len(ready) == 1:
+        other = next(d for d in daemons if d is not ready[0])
+        if other.logged("standby"):
+            return ready[0], other
+    return None
+
+
 def _config(tmp: Path, urls: list[str], fake_file: Path) -> Path:
     tmp.mkdir()
     cfg = h.write_config(tmp, urls[0], extra=f'[providers]\nenabled = ["fake"]\n'
@@ -249,17 +262,7 @@ async def _drill(tmp_path, overlapping: bool) -> None:
                        for n in ("a", "b")]
 
             # -- one leads, the other stands by ------------------------------------------------------
-            def roles() -> tuple[Orchd, Orchd] | None:
-                for d in daemons:
-                    assert d.alive(), d.tail()
-                ready = [d for d in daemons if d.discovery.exists()]
-                if len(ready) == 1:
-                    other = next(d for d in daemons if d is not ready[0])
-                    if other.logged("standby"):
-                        return ready[0], other
-                return None
-
-            leader, standby = await h.wait_for(roles, timeout=20)
+            leader, standby = await h.wait_for(lambda: roles(daemons), timeout=20)
             st = await _admin(urls, lambda c: c.status())
             term = st.fencing_token
             assert st.pid == leader.proc.pid and term > 0

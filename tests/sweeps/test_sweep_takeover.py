@@ -23,7 +23,7 @@ from orchestrator.sweeps.store import SweepStore
 from simulations.chaos import common
 from simulations.chaos.harness import CLUSTER_ID, CONFIG, count_cloud
 from simulations.sweeps import LossFleet, sweep_file, trial_loss
-from tests.integration.test_ha_cluster_orchd import Orchd
+from tests.integration.test_ha_cluster_orchd import Orchd, roles
 
 pytestmark = pytest.mark.timeout(240)
 TTL = 3.0
@@ -54,18 +54,8 @@ async def _scenario(tmp: Path, url: str) -> None:
     daemons = [_orchd(tmp, n, url, fake_file) for n in ("a", "b")]
     nc = client = None
     try:
-        def roles() -> tuple[Orchd, Orchd] | None:
-            for d in daemons:
-                assert d.alive(), d.tail()
-            ready = [d for d in daemons if d.discovery.exists()]
-            if len(ready) == 1:
-                other = next(d for d in daemons if d is not ready[0])
-                if other.logged("standby"):
-                    return ready[0], other
-            return None
-
-        await _wait(lambda: roles() is not None, 60, "one orchd leads, the other stands by")
-        leader, standby = roles()  # type: ignore[misc]
+        await _wait(lambda: roles(daemons) is not None, 60, "one orchd leads, the other stands by")
+        leader, standby = roles(daemons)  # type: ignore[misc]
         nc = await common.connect(url, "agents")
         client = await common.admin(url)
         text = sweep_file(trials=TRIALS, parallelism=2, nodes=1, total_steps=STEPS, pruner="none", seed=5,
