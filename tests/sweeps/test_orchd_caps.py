@@ -24,9 +24,8 @@ from orchestrator.sweeps import store as st
 from orchestrator.sweeps.controller import Controller
 from orchestrator.sweeps.spec import parse_sweepspec, trial_job_id, trial_jobspec
 from orchestrator.sweeps.store import SweepStore
-from simulations.chaos import common
-from simulations.chaos.harness import Orchd, count_cloud
-from simulations.sweeps import LossFleet, sweep_file
+from simulations.sweeps import sweep_file
+from tests.sweeps.world import sweep_world
 
 pytestmark = pytest.mark.timeout(180)
 # 1 $/h a node (on-demand 3 $/h: the termination tail orchd reserves is 0.05 $ a node): two trials, with
@@ -41,87 +40,72 @@ async def _until(cond, timeout_s: float = 60.0, every: float = 0.2) -> None:
 
 
 async def _scenario(tmp, url: str) -> None:
-    orchd = Orchd(tmp, url, daemon_extra="terminate_billing_s = 60.0")  # the tail BUDGET is sized for
-    storage = f"sqlite:///{tmp / 'sweeps.db'}"
-    await anyio.to_thread.run_sync(orchd.start)
-    nc = await common.connect(url, "agents")
-    client = await common.admin(url)
-    try:
-        fleet = LossFleet(nc, orchd.fake_file, step_s=0.05, hb_s=0.2)
-        async with anyio.create_task_group() as tg:
-            await tg.start(fleet.run)
-            await common.publish_prices(fleet.js, "caps")
-            text = sweep_file(trials=4, parallelism=2, nodes=1, total_steps=4000, pruner="none", seed=3,
-                              checkpoint_root=f"file://{tmp / 'ckpt'}", every=10, budget_usd=BUDGET)
-            sweeps = SweepStore(storage)
-            assert sweeps.create("capped", parse_sweepspec(text), text, time.time())
-            ctl = Controller(sweeps, _AdminBridge(client))
-            res = await anyio.to_thread.run_sync(ctl.reconcile, "capped", time.time())
-            jobs = [trial_job_id("capped", i) for i in range(2)]
-            assert res.submitted == jobs  # ... and now the controller is down
+    # the termination tail BUDGET is sized for
+    async with sweep_world(tmp, url, "caps", daemon_extra="terminate_billing_s = 60.0") as w:
+        client, storage = w.client, w.storage
+        text = sweep_file(trials=4, parallelism=2, nodes=1, total_steps=4000, pruner="none", seed=3,
+                          checkpoint_root=f"file://{tmp / 'ckpt'}", every=10, budget_usd=BUDGET)
+        sweeps = SweepStore(storage)
+        assert sweeps.create("capped", parse_sweepspec(text), text, time.time())
+        ctl = Controller(sweeps, _AdminBridge(client))
+        res = await anyio.to_thread.run_sync(ctl.reconcile, "capped", time.time())
+        jobs = [trial_job_id("capped", i) for i in range(2)]
+        assert res.submitted == jobs  # ... and now the controller is down
 
-            # a hostile submit claims the sweep with a far bigger budget (a GPU no pool has: it waits)
-            sw = sweeps.open("capped")
-            evil = msgspec.structs.replace(
-                trial_jobspec(sw.spec, "capped", "evil", {"x": 0.5}, None, time.time() + 86400.0),
-                gpu_type="H100", sweep_budget_usd=BUDGET * 1e6)
-            assert (await client.submit(evil, "evil")).created
-            # absurd caps are refused outright, each named
-            with pytest.raises(AdminError) as bad:
-                await client.submit(msgspec.structs.replace(evil, sweep_budget_usd=1e12, sweep_deadline_ts=-1.0),
-                                    "absurd")
-            assert bad.value.code == 400 and "sweep_budget_usd: must be a number within" in bad.value.message
-            assert "sweep_deadline_ts: must be a number within" in bad.value.message
+        # a hostile submit claims the sweep with a far bigger budget (a GPU no pool has: it waits)
+        sw = sweeps.open("capped")
+        evil = msgspec.structs.replace(
+            trial_jobspec(sw.spec, "capped", "evil", {"x": 0.5}, None, time.time() + 86400.0),
+            gpu_type="H100", sweep_budget_usd=BUDGET * 1e6)
+        assert (await client.submit(evil, "evil")).created
+        # absurd caps are refused outright, each named
+        with pytest.raises(AdminError) as bad:
+            await client.submit(msgspec.structs.replace(evil, sweep_budget_usd=1e12, sweep_deadline_ts=-1.0),
+                                "absurd")
+        assert bad.value.code == 400 and "sweep_budget_usd: must be a number within" in bad.value.message
+        assert "sweep_deadline_ts: must be a number within" in bad.value.message
 
-            async def stopped() -> bool:
-                phases = [(await client.job(j)).summary["phase"] for j in [*jobs, "evil"]]
-                return phases == ["stopped"] * 3
+        async def stopped() -> bool:
+            phases = [(await client.job(j)).summary["phase"] for j in [*jobs, "evil"]]
+            return phases == ["stopped"] * 3
 
-            try:
-                await _until(stopped, 60.0)
-            except TimeoutError:
-                for j in [*jobs, "evil"]:
-                    print(j, (await client.job(j)).summary)
-                    print([(e["action"], e["reason"]) for e in (await client.explain(j, 500)).entries][-15:])
-                raise
+        try:
+            await _until(stopped, 60.0)
+        except TimeoutError:
             for j in [*jobs, "evil"]:
-                summary = (await client.job(j)).summary
-                assert (summary["reason"], summary["nodes"]) == ("sweep_budget", 0), summary
-            # checkpoint first: the trials' ranks were asked to save (an orderly stop, not a hard one)
-            events = (await client.explain("capped-t0000", 500)).entries
-            assert any(e["action"] == "checkpoint" and e["reason"] == "sweep_budget" for e in events), events
-            cost = sum([(await client.job(j)).summary["cost_usd"] for j in jobs])
-            assert 0 < cost <= BUDGET
+                print(j, (await client.job(j)).summary)
+                print([(e["action"], e["reason"]) for e in (await client.explain(j, 500)).entries][-15:])
+            raise
+        for j in [*jobs, "evil"]:
+            summary = (await client.job(j)).summary
+            assert (summary["reason"], summary["nodes"]) == ("sweep_budget", 0), summary
+        # checkpoint first: the trials' ranks were asked to save (an orderly stop, not a hard one)
+        events = (await client.explain("capped-t0000", 500)).entries
+        assert any(e["action"] == "checkpoint" and e["reason"] == "sweep_budget" for e in events), events
+        cost = sum([(await client.job(j)).summary["cost_usd"] for j in jobs])
+        assert 0 < cost <= BUDGET
 
-            out: list[str] = []
-            code = await anyio.to_thread.run_sync(
-                lambda: main(["--server", url, "jobs", "show", jobs[0], "-o", "json"], out=out.append))
-            shown = json.loads("".join(out))["summary"]
-            assert code == 0 and shown["reason"] == "sweep_budget"
-            # the sweep as orchd holds it: the smallest cap any of its jobs carries, not the hostile one's
-            assert shown["sweep"]["budget_usd"] == BUDGET and shown["sweep"]["closed"] == "sweep_budget"
-            assert shown["sweep"]["jobs"] == 3 and 0 < shown["sweep"]["cost_usd"] <= BUDGET
+        out: list[str] = []
+        code = await anyio.to_thread.run_sync(
+            lambda: main(["--server", url, "jobs", "show", jobs[0], "-o", "json"], out=out.append))
+        shown = json.loads("".join(out))["summary"]
+        assert code == 0 and shown["reason"] == "sweep_budget"
+        # the sweep as orchd holds it: the smallest cap any of its jobs carries, not the hostile one's
+        assert shown["sweep"]["budget_usd"] == BUDGET and shown["sweep"]["closed"] == "sweep_budget"
+        assert shown["sweep"]["jobs"] == 3 and 0 < shown["sweep"]["cost_usd"] <= BUDGET
 
-            # a new trial of the closed sweep is refused, with the reason
-            with pytest.raises(AdminError) as e:
-                await client.submit(trial_jobspec(sw.spec, "capped", trial_job_id("capped", 2), {"x": 0.1}, 0.5),
-                                    trial_job_id("capped", 2))
-            assert e.value.code == 409 and "sweep 'capped' is closed (sweep_budget)" in e.value.message
+        # a new trial of the closed sweep is refused, with the reason
+        with pytest.raises(AdminError) as e:
+            await client.submit(trial_jobspec(sw.spec, "capped", trial_job_id("capped", 2), {"x": 0.1}, 0.5),
+                                trial_job_id("capped", 2))
+        assert e.value.code == 409 and "sweep 'capped' is closed (sweep_budget)" in e.value.message
 
-            # the controller, back: both trials FAIL with orchd's reason, the sweep finishes with it
-            res = await anyio.to_thread.run_sync(ctl.reconcile, "capped", time.time())
-            assert sorted(res.told) == [(0, "fail"), (1, "fail")] and res.asked == [] and res.state == "finished"
-            done = SweepStore(storage).open("capped")
-            assert done.attrs[st.REASON] == "sweep_budget"
-            assert [(r["state"], r["reason"]) for r in done.trial_rows()] == [("fail", "sweep_budget")] * 2
-            tg.cancel_scope.cancel()
-        with anyio.fail_after(30):
-            while count_cloud(orchd.fake_file).alive:
-                await anyio.sleep(0.2)
-    finally:
-        await client.close()
-        await nc.close()
-        await anyio.to_thread.run_sync(orchd.stop)
+        # the controller, back: both trials FAIL with orchd's reason, the sweep finishes with it
+        res = await anyio.to_thread.run_sync(ctl.reconcile, "capped", time.time())
+        assert sorted(res.told) == [(0, "fail"), (1, "fail")] and res.asked == [] and res.state == "finished"
+        done = SweepStore(storage).open("capped")
+        assert done.attrs[st.REASON] == "sweep_budget"
+        assert [(r["state"], r["reason"]) for r in done.trial_rows()] == [("fail", "sweep_budget")] * 2
 
 
 def test_orchd_stops_a_sweep_at_its_total_budget_with_the_controller_down(tmp_path, nats_url):
