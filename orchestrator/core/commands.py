@@ -7,7 +7,7 @@ instead of a new one).
 
 from __future__ import annotations
 
-from typing import TypeAlias
+from typing import Final, TypeAlias
 
 import msgspec
 
@@ -32,6 +32,13 @@ class Terminate(_Cmd, frozen=True, kw_only=True, tag="terminate"):
     instance_id: InstanceId | None
     pool: PoolKey | None = None
     reason: str = ""
+
+
+UNKNOWN_NODE: Final = "unknown_node"
+OTHER_LAUNCH_TOKEN: Final = "other_launch_token"
+SECOND_INSTANCE: Final = "second_instance"
+UNOWNED_REASONS: Final = frozenset({UNKNOWN_NODE, OTHER_LAUNCH_TOKEN, SECOND_INSTANCE})
+"""``Terminate.reason`` of an instance the state does not own (decide.py ``_terminate_unowned``)."""
 
 
 class SendToAgent(_Cmd, frozen=True, kw_only=True, tag="send_to_agent"):

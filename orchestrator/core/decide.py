@@ -22,7 +22,7 @@ import msgspec
 from orchestrator.core import lifecycle as lc
 from orchestrator.core import node_events as ne
 from orchestrator.core import policy, roots, sweeps, tick, tracking
-from orchestrator.core.commands import Terminate
+from orchestrator.core.commands import OTHER_LAUNCH_TOKEN, SECOND_INSTANCE, UNKNOWN_NODE, Terminate
 from orchestrator.core.costs import billing_start
 from orchestrator.core.inputs import (
     AgentDisconnected,
@@ -264,11 +264,11 @@ def _node_launched(tx: Tx, ev: NodeLaunched) -> None:
     node = tx.nodes.get(ev.node_id)
     if node is None or node.token != ev.token:
         _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool, ev.job_id,
-                           "unknown_node" if node is None else "other_launch_token")
+                           UNKNOWN_NODE if node is None else OTHER_LAUNCH_TOKEN)
         return
     if node.instance_id is not None:
         if ev.instance_id != node.instance_id:
-            _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool, node.job_id, "second_instance")
+            _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool, node.job_id, SECOND_INSTANCE)
         return  # redelivered
     job = tx.jobs.get(node.job_id)
     phase = N.BOOTING if node.phase == N.REQUESTED else node.phase
@@ -321,10 +321,10 @@ def _reconcile(tx: Tx, job: Job) -> None:
 def _node_registered(tx: Tx, ev: NodeRegistered) -> None:
     node = tx.nodes.get(ev.node_id)
     if node is None:
-        _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool, None, "unknown_node")
+        _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool, None, UNKNOWN_NODE)
         return
     if ev.instance_id and node.instance_id is not None and ev.instance_id != node.instance_id:
-        _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool or node.pool, node.job_id, "second_instance")
+        _terminate_unowned(tx, ev.node_id, ev.instance_id, ev.pool or node.pool, node.job_id, SECOND_INSTANCE)
         return
     if node.phase not in (N.REQUESTED, N.BOOTING):
         if ev.host and not node.host:

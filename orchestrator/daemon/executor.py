@@ -38,7 +38,15 @@ from anyio.abc import TaskGroup, TaskStatus
 from nats.aio.client import Client
 
 import wire as ev
-from orchestrator.core.commands import CheckInstance, Command, CreateTrackingRun, Launch, SendToAgent, Terminate
+from orchestrator.core.commands import (
+    UNOWNED_REASONS,
+    CheckInstance,
+    Command,
+    CreateTrackingRun,
+    Launch,
+    SendToAgent,
+    Terminate,
+)
 from orchestrator.core.inputs import (
     CommandFailed,
     CoreEvent,
@@ -65,12 +73,6 @@ class Result:
 
     outbox_key: str
     events: tuple[CoreEvent, ...] = ()
-
-
-UNOWNED_REASONS = frozenset({"unknown_node", "other_launch_token", "second_instance"})
-"""Terminates of an instance the state does not own (decide.py ``_terminate_unowned``): often one that a
-launch re-executed from the outbox returned after another daemon had terminated it already, so the
-provider is asked first, as for an inherited Terminate."""
 
 
 @dataclass
@@ -121,6 +123,8 @@ class Executor:
                 case Launch():
                     events = await self._launch(cmd)
                 case Terminate():
+                    # an instance the state does not own is often one that a launch re-executed from the
+                    # outbox returned after another daemon had terminated it: asked first, as inherited ones
                     check = inherited or cmd.reason in UNOWNED_REASONS
                     events = (await self._already_going(cmd) if check else ()) or await self._terminate(cmd)
                 case CheckInstance():
