@@ -263,13 +263,13 @@ class FileFakeCloud(FakeCloud):
         instances, the launch call count; the snapshot is rewritten when the journal is as long as it."""
         with self._file_lock:  # one writer at a time; what is written is taken under the cloud's lock
             with self._lock:
-                if token is not None and token in self._by_token:
-                    ids = (*ids, *self._by_token[token])
+                launched = self._by_token.get(token) if token is not None else None
+                ids = (*ids, *(launched or ()))
                 entry: dict[str, Any] = {"instances": [self._instances[i] for i in dict.fromkeys(ids)
                                                        if i in self._instances],
                                          "launch_calls": self.launch_calls}
-                if token is not None and token in self._by_token:
-                    entry["tokens"] = {token: list(self._by_token[token])}
+                if token is not None and launched is not None:
+                    entry["tokens"] = {token: list(launched)}
                 line = msgspec.json.encode(entry) + b"\n"
                 compact = self._journal_bytes + len(line) >= max(COMPACT_MIN_BYTES, self._snapshot_bytes)
                 snapshot = _snapshot(self) if compact or not self.state_file.exists() else None
@@ -352,25 +352,23 @@ def _load(path: Path) -> tuple[dict[InstanceId, Instance] | None, dict[str, tupl
         if not raw_journal:
             return None, {}, 0, 0
         data = {}
+    entries = [data]  # the snapshot, then each journal line: the same record, the last word wins
+    for line in raw_journal.split(b"\n") if raw_journal else ():
+        try:
+            entry = json.loads(line) if line else None
+        except ValueError:  # a line cut short by a kill -9 (the last one): the call never returned
+            entry = None
+        if isinstance(entry, dict):
+            entries.append(entry)
     instances: dict[InstanceId, Instance] = {}
-    for raw in data.get("instances", []):
-        inst = msgspec.convert(raw, Instance)
-        instances[inst.instance_id] = inst
-    tokens = {k: tuple(v) for k, v in data.get("tokens", {}).items()}
-    launch_calls: int = data.get("launch_calls", 0)
-    if raw_journal:
-        for line in raw_journal.split(b"\n"):
-            try:
-                entry = json.loads(line) if line else None
-            except ValueError:  # a line cut short by a kill -9 (the last one): the call never returned
-                entry = None
-            if not isinstance(entry, dict):
-                continue
-            for raw in entry.get("instances", []):
-                inst = msgspec.convert(raw, Instance)
-                instances[inst.instance_id] = inst
-            tokens.update({k: tuple(v) for k, v in entry.get("tokens", {}).items()})
-            launch_calls = entry.get("launch_calls", launch_calls)
+    tokens: dict[str, tuple[InstanceId, ...]] = {}
+    launch_calls: int = 0
+    for entry in entries:
+        for raw in entry.get("instances", []):
+            inst = msgspec.convert(raw, Instance)
+            instances[inst.instance_id] = inst
+        tokens.update({k: tuple(v) for k, v in entry.get("tokens", {}).items()})
+        launch_calls = entry.get("launch_calls", launch_calls)
     return instances, tokens, launch_calls, len(raw_journal)
 
 
