@@ -11,6 +11,7 @@ count), the median and the largest.
 
     python benchmarks/tick.py --json                       # this tree: 1x and 10x jobs
     python benchmarks/tick.py --json --base /tmp/base      # and an older tree, same run: ratios
+    python benchmarks/tick.py --json --sweep-jobs 8        # 8 of the running jobs form a sweep
 
 With ``--base DIR`` each configuration runs in its own process (this tree with its own path, the other
 with ``PYTHONPATH=DIR``), alternating, and the report gives the ratios within the run:
@@ -34,7 +35,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _worker(nodes: int, idle_factor: int, warmup_s: int, seconds: int) -> dict[str, Any]:
+def _worker(nodes: int, idle_factor: int, warmup_s: int, seconds: int, sweep_jobs: int = 0) -> dict[str, Any]:
     """Runs inside the process whose sys.path picks the tree under test."""
     import immutables
     import msgspec
@@ -70,8 +71,9 @@ def _worker(nodes: int, idle_factor: int, warmup_s: int, seconds: int) -> dict[s
     t0 = time.process_time()
     for j in range(nodes // per_job):
         jid = JobId(f"job{j:06d}")
+        sweep = {"sweep_id": "bench-sweep", "sweep_budget_usd": 1e9} if j < sweep_jobs else {}
         d = decide(state, JobSubmitted(job_id=jid, spec=msgspec.structs.replace(
-            base, checkpoint=CheckpointPolicy(url=f"s3://b/ckpt/{jid}"))), now)
+            base, checkpoint=CheckpointPolicy(url=f"s3://b/ckpt/{jid}"), **sweep)), now)
         state = d.state
         for c in d.commands:
             if isinstance(c, Launch):
@@ -136,12 +138,13 @@ def _worker(nodes: int, idle_factor: int, warmup_s: int, seconds: int) -> dict[s
     }
 
 
-def _run(tree: Path, nodes: int, idle_factor: int, warmup_s: int, seconds: int) -> dict[str, Any]:
+def _run(tree: Path, nodes: int, idle_factor: int, warmup_s: int, seconds: int, sweep_jobs: int) -> dict[str, Any]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(tree)
     env["PYTHONHASHSEED"] = "0"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--nodes", str(nodes),
-           "--idle-factor", str(idle_factor), "--warmup-s", str(warmup_s), "--seconds", str(seconds)]
+           "--idle-factor", str(idle_factor), "--warmup-s", str(warmup_s), "--seconds", str(seconds),
+           "--sweep-jobs", str(sweep_jobs)]
     out = subprocess.run(cmd, env=env, cwd=str(tree), capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"worker failed for {tree} (x{idle_factor}):\n{out.stderr[-3000:]}")
@@ -156,21 +159,24 @@ def main() -> None:
     ap.add_argument("--warmup-s", type=int, default=150)
     ap.add_argument("--seconds", type=int, default=60)
     ap.add_argument("--base", type=Path, default=None, help="an older tree to measure in the same run")
+    ap.add_argument("--sweep-jobs", type=int, default=0,
+                    help="this many of the running jobs form one sweep (with a total budget): the sweep pass")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.worker:
-        print(json.dumps(_worker(a.nodes, a.idle_factor, a.warmup_s, a.seconds)))
+        print(json.dumps(_worker(a.nodes, a.idle_factor, a.warmup_s, a.seconds, a.sweep_jobs)))
         return
     trees = {"after": ROOT} if a.base is None else {"before": a.base.resolve(), "after": ROOT}
     report: dict[str, Any] = {
         "benchmark": "tick", "nodes": a.nodes, "idle_factor": a.idle_factor, "warmup_s": a.warmup_s,
-        "seconds": a.seconds, "python": platform.python_version(), "machine": platform.machine(),
+        "seconds": a.seconds, "sweep_jobs": a.sweep_jobs, "python": platform.python_version(),
+        "machine": platform.machine(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
     for factor in (1, a.idle_factor):
         for name, tree in trees.items():  # alternating: both trees see the same load
-            report[f"{name}_{factor}x"] = _run(tree, a.nodes, factor, a.warmup_s, a.seconds)
+            report[f"{name}_{factor}x"] = _run(tree, a.nodes, factor, a.warmup_s, a.seconds, a.sweep_jobs)
     for name in trees:
         report[f"{name}_idle_growth"] = round(
             report[f"{name}_{a.idle_factor}x"]["tick_cpu_ms_mean"] / report[f"{name}_1x"]["tick_cpu_ms_mean"], 3)

@@ -18,9 +18,10 @@ to them, so a sweep whose controller is down still stops:
 - **Refuse** (``submit_refusal``): a new job of a sweep that is closed - deadline passed, a job of it
   stopped or stopping for the budget, or its cost at the budget - is refused at submit, with the reason.
 
-A job of a sweep never sleeps in the Tick index (timers.deadline_driven): the sweep pass must see its
-budget and deadline on every Tick, and which Ticks see them must not depend on the index. The pass scans
-the jobs once per Tick (to find every job of the sweeps concerned) only when a job of a sweep is awake.
+A job of a sweep never sleeps in the Tick index (timers.deadline_driven): its own Tick must see the
+sweep's stop on the Tick it comes. The sweep pass itself reads the index of the sweeps' jobs
+(``Timers.sweeps``, ``open_sweeps``): each Tick visits the sweeps that may still have an unfinished job
+and their jobs only, whatever the number of other jobs, finished sweeps included.
 
 Pure: no I/O, no clock (``tx.now``).
 """
@@ -28,7 +29,7 @@ Pure: no I/O, no clock (``tx.now``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -79,16 +80,11 @@ def cap_of(specs: Iterable[JobSpec]) -> SweepCap:
     return SweepCap(min(budgets, default=None), min(deadlines, default=None))
 
 
-def members(jobs: Mapping[str, Job], sweep_ids: set[str]) -> dict[str, list[Job]]:
-    """Every job (any phase) of each sweep in ``sweep_ids``, in job id order: one scan of the jobs."""
-    out: dict[str, list[Job]] = {sid: [] for sid in sweep_ids}
-    for job in jobs.values():
-        sid = job.spec.sweep_id
-        if isinstance(sid, str) and sid in out:
-            out[sid].append(job)
-    for group in out.values():
-        group.sort(key=lambda j: j.job_id)
-    return out
+def members(tx: Tx, sweep_id: str) -> list[Job]:
+    """Every job (any phase) of the sweep, in job id order, from the index of the sweeps' jobs
+    (timers.py): no scan of the other jobs."""
+    jobs = tx.jobs
+    return [jobs[jid] for jid in sorted(tx.timers.sweeps.get(sweep_id, ()))]
 
 
 def sweep_cost_usd(tx: Tx, jobs: Iterable[Job]) -> float:
@@ -123,7 +119,7 @@ def submit_refusal(tx: Tx, spec: JobSpec) -> tuple[str, str] | None:
     sid = sweep_of(spec)
     if sid is None:
         return None
-    jobs = members(tx.jobs, {sid})[sid]
+    jobs = members(tx, sid)
     cap = cap_of([*(j.spec for j in jobs), spec])
     why = closed_reason(tx, jobs, cap)
     if why is None:
@@ -138,20 +134,21 @@ def submit_refusal(tx: Tx, spec: JobSpec) -> tuple[str, str] | None:
 # --- the Tick ---------------------------------------------------------------------------------
 
 
-def on_tick(tx: Tx, order: list[str]) -> None:
-    """Stop the sweeps that reached their budget or deadline; ``order``: the jobs this Tick visits (every
-    awake job: the jobs of a sweep never sleep). Nothing to do, and no scan, without a job of a sweep."""
-    sids: set[str] = set()
-    jobs = tx.jobs
-    for jid in order:  # every awake job: kept cheap (a finished one in it changes nothing below)
-        job = jobs.get(jid)
-        if job is not None and type(sid := job.spec.sweep_id) is str:
-            sids.add(sid)
-    if not sids:
+def on_tick(tx: Tx) -> None:
+    """Stop the sweeps that reached their budget or deadline. Visits only the open sweeps of the index
+    (timers.py: the sweeps that may still have an unfinished job) and their jobs; a sweep found with none
+    left to finish leaves the open ones."""
+    opened = tx.timers.open_sweeps
+    if not opened:
         return
-    groups = members(jobs, sids)
-    for sid in sorted(sids):
-        _enforce(tx, sid, groups[sid])
+    done: list[str] = []
+    for sid in sorted(opened):
+        jobs = members(tx, sid)
+        if all(j.phase in TERMINAL_JOB_PHASES for j in jobs):
+            done.append(sid)
+        else:
+            _enforce(tx, sid, jobs)
+    tx.timers = tx.timers.close_sweeps(done)
 
 
 def _enforce(tx: Tx, sid: str, jobs: list[Job]) -> None:

@@ -58,7 +58,7 @@ def on_tick(tx: Tx) -> None:
     evals = [cfg.max_price_evals_per_tick]
     tx.timers, order = tx.timers.pop_jobs(now)
     extra: list[str] = []  # jobs after the current one woken by what an earlier job's Tick wrote
-    sweeps.on_tick(tx, order)  # a sweep's total budget and deadline, over all its jobs (sweeps.py)
+    sweeps.on_tick(tx)  # a sweep's total budget and deadline, over all its jobs (sweeps.py)
     extra.extend(sorted(tx.sync_timers()))
     i, last = 0, ""
     expiry: list[float | None] = []

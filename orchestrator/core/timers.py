@@ -19,7 +19,9 @@ the base is a record field, so an entry never depends on the configuration):
   heartbeat fast path moves ``last_seen`` forward without touching the index: the old entry stays a
   lower bound, and when it pops the node is re-armed at its real ``last_seen`` - so a node that keeps
   heartbeating costs one pop per heartbeat timeout, not one visit per Tick;
-- ``jobs``: sleeping jobs, at the time their Tick may do something again.
+- ``jobs``: sleeping jobs, at the time their Tick may do something again;
+- ``sweeps``: every job of each sweep (any phase), and the sweeps that may still have an unfinished job
+  (``open_sweeps``): the sweep pass of a Tick (sweeps.py) visits only those, never the other jobs.
 
 Pools are few (they do not grow with jobs or nodes): the Tick still checks every pool for a pending
 price to confirm (confirm.confirm_due), and the index keeps no queue for them.
@@ -60,7 +62,9 @@ POOLS: Final = 2  # asleep until a pool write may make a pool a launch target, o
 
 _Keys = immutables.Map[str, None]
 Queue = immutables.Map[int, _Keys]
+Sweeps = immutables.Map[str, _Keys]
 _NO_KEYS: Final[_Keys] = immutables.Map()
+_NO_SWEEPS: Final[Sweeps] = immutables.Map()
 _EMPTY_Q: Final[Queue] = immutables.Map()
 _EMPTY_SLEEP: Final[immutables.Map[str, int]] = immutables.Map()
 
@@ -157,7 +161,7 @@ class Timers:
     """The index (immutable: every operation returns a new one). Equal to any other index: it is
     derived from the records, so two states with equal records compare equal whatever it holds."""
 
-    __slots__ = ("launch", "notice", "hb", "jobs", "awake", "asleep")
+    __slots__ = ("launch", "notice", "hb", "jobs", "awake", "asleep", "sweeps", "open_sweeps")
 
     def __init__(
         self,
@@ -167,6 +171,8 @@ class Timers:
         jobs: Queue = _EMPTY_Q,
         awake: _Keys = _NO_KEYS,
         asleep: immutables.Map[str, int] = _EMPTY_SLEEP,
+        sweeps: Sweeps = _NO_SWEEPS,
+        open_sweeps: _Keys = _NO_KEYS,
     ) -> None:
         self.launch = launch
         self.notice = notice
@@ -174,6 +180,8 @@ class Timers:
         self.jobs = jobs
         self.awake = awake  # job ids ticked on every Tick
         self.asleep = asleep  # job id -> PRICE | POOLS
+        self.sweeps = sweeps  # sweep id -> the ids of every job of it (any phase: jobs never leave the state)
+        self.open_sweeps = open_sweeps  # sweep ids that may have a job not finished (a superset)
 
     def __eq__(self, other: object) -> bool:
         return other is None or isinstance(other, Timers)
@@ -203,7 +211,7 @@ class Timers:
             if ht is not None:
                 hb.append((ht - _spread(n.node_id) if spread else ht, n.node_id))
         return Timers(_add_many(self.launch, launch), _add_many(self.notice, notice), _add_many(self.hb, hb),
-                      self.jobs, self.awake, self.asleep)
+                      self.jobs, self.awake, self.asleep, self.sweeps, self.open_sweeps)
 
     def rearm_hb(self, groups: dict[int, dict[str, None]]) -> Timers:
         """Nodes a Tick popped and checked, back in the heartbeat queue: slot -> node ids."""
@@ -212,7 +220,8 @@ class Timers:
         m = self.hb.mutate()
         for s, keys in groups.items():
             m[s] = m.get(s, _NO_KEYS).update(keys)
-        return Timers(self.launch, self.notice, m.finish(), self.jobs, self.awake, self.asleep)
+        return Timers(self.launch, self.notice, m.finish(), self.jobs, self.awake, self.asleep, self.sweeps,
+                      self.open_sweeps)
 
     def pop_nodes(self, now: float, launch_timeout_s: float, heartbeat_timeout_s: float,
                   detect: bool) -> tuple[Timers, set[str]]:
@@ -223,7 +232,8 @@ class Timers:
         hb, c = _pop(self.hb, now - heartbeat_timeout_s) if detect else (self.hb, [])
         if not (a or b or c):
             return self, set()
-        return Timers(launch, notice, hb, self.jobs, self.awake, self.asleep), {*a, *b, *c}
+        return Timers(launch, notice, hb, self.jobs, self.awake, self.asleep, self.sweeps,
+                      self.open_sweeps), {*a, *b, *c}
 
     # --- jobs --------------------------------------------------------------------------------------
 
@@ -232,7 +242,8 @@ class Timers:
         q, woken = _pop(self.jobs, now)
         if not woken:
             return self, sorted(self.awake)
-        t, _ = Timers(self.launch, self.notice, self.hb, q, self.awake, self.asleep).update_jobs(
+        t, _ = Timers(self.launch, self.notice, self.hb, q, self.awake, self.asleep, self.sweeps,
+                      self.open_sweeps).update_jobs(
             set(woken), frozenset())
         return t, sorted(t.awake)
 
@@ -241,7 +252,7 @@ class Timers:
         awake = self.awake.delete(jid) if jid in self.awake else self.awake
         asleep = self.asleep.set(jid, kind)
         jobs = self.jobs if until is None else _add(self.jobs, until, jid)
-        return Timers(self.launch, self.notice, self.hb, jobs, awake, asleep)
+        return Timers(self.launch, self.notice, self.hb, jobs, awake, asleep, self.sweeps, self.open_sweeps)
 
     def update_jobs(self, wake: set[str], wake_kinds: frozenset[int]) -> tuple[Timers, set[str]]:
         """Wake ``wake`` (written jobs, jobs of written nodes, sleepers whose time came) and every
@@ -262,7 +273,8 @@ class Timers:
         for jid in woken:
             del asleep[jid]
             awake[jid] = None
-        return Timers(self.launch, self.notice, self.hb, self.jobs, awake.finish(), asleep.finish()), woken
+        return Timers(self.launch, self.notice, self.hb, self.jobs, awake.finish(), asleep.finish(), self.sweeps,
+                      self.open_sweeps), woken
 
     def retire(self, jids: list[str]) -> Timers:
         """Finished jobs leave the index."""
@@ -274,17 +286,51 @@ class Timers:
                 del awake[jid]
             if jid in asleep:
                 del asleep[jid]
-        return Timers(self.launch, self.notice, self.hb, self.jobs, awake.finish(), asleep.finish())
+        return Timers(self.launch, self.notice, self.hb, self.jobs, awake.finish(), asleep.finish(), self.sweeps,
+                      self.open_sweeps)
+
+    # --- sweeps ------------------------------------------------------------------------------------
+
+    def add_sweep_jobs(self, jobs: list[Job]) -> Timers:
+        """Written jobs of sweeps: each under its sweep, and the sweep open while the job is not finished
+        (a sweep stays open from the write of any unfinished job of it until a Tick finds none left)."""
+        sweeps, opened = self.sweeps, self.open_sweeps
+        for job in jobs:
+            sid = job.spec.sweep_id
+            if not isinstance(sid, str):
+                continue
+            ids = sweeps.get(sid, _NO_KEYS)
+            if job.job_id not in ids:
+                sweeps = sweeps.set(sid, ids.set(job.job_id, None))
+            if job.phase not in TERMINAL_JOB_PHASES and sid not in opened:
+                opened = opened.set(sid, None)
+        if sweeps is self.sweeps and opened is self.open_sweeps:
+            return self
+        return Timers(self.launch, self.notice, self.hb, self.jobs, self.awake, self.asleep, sweeps, opened)
+
+    def close_sweeps(self, sids: list[str]) -> Timers:
+        """Sweeps none of whose jobs is left to finish leave the open ones (their members stay)."""
+        if not sids:
+            return self
+        opened = self.open_sweeps.mutate()
+        for sid in sids:
+            if sid in opened:
+                del opened[sid]
+        return Timers(self.launch, self.notice, self.hb, self.jobs, self.awake, self.asleep, self.sweeps,
+                      opened.finish())
 
 
 def build(jobs: immutables.Map[str, Job], nodes: immutables.Map[str, Node]) -> Timers:
     """The index of a state from its records alone: every active job awake, every node in its queues
-    (the first Tick puts the quiet jobs to sleep)."""
+    (the first Tick puts the quiet jobs to sleep), every job of a sweep under its sweep."""
     awake = _NO_KEYS.mutate()
+    swept: list[Job] = []
     for jid, job in jobs.items():
         if job.phase not in TERMINAL_JOB_PHASES:
             awake[jid] = None
-    return Timers(awake=awake.finish()).arm_nodes(list(nodes.values()))
+        if isinstance(job.spec.sweep_id, str):
+            swept.append(job)
+    return Timers(awake=awake.finish()).add_sweep_jobs(swept).arm_nodes(list(nodes.values()))
 
 
 def deadline_driven(job: Job) -> bool:

@@ -205,10 +205,14 @@ class Tx:
         wake: set[str] = set()
         kinds: frozenset[int] = _NO_KINDS
         pools: set[str] = set()
+        swept: list[Job] = []
         for kind, ident, before in writes[start:] if start else writes:
             if kind == "job":
                 if ident not in awake:
                     wake.add(ident)
+                job = self.jobs.get(ident)
+                if job is not None and isinstance(job.spec.sweep_id, str):
+                    swept.append(job)
             elif kind == "node":
                 n = self.nodes.get(ident)
                 if n is not None:
@@ -222,6 +226,8 @@ class Tx:
                 kinds = kinds | pool_change(before if isinstance(before, PoolStats) else None, self.pools.get(ident))
         if nodes:
             t = t.arm_nodes(nodes)
+        if swept:
+            t = t.add_sweep_jobs(swept)
         if wake or kinds:
             t, woken = t.update_jobs(wake, kinds)
             self.timers = t

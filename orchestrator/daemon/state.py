@@ -150,9 +150,9 @@ def job_summary(state: State, job: Job, now: float) -> dict[str, Any]:
 def sweep_summary(state: State, sweep_id: str, now: float) -> dict[str, Any]:
     """The sweep a job belongs to, as orchd holds it to its cap (core/sweeps.py): the cap (the smallest
     budget and earliest deadline its jobs carry), the cost of all its jobs so far, and why it takes no new
-    trial (``closed``: ``sweep_budget`` / ``sweep_deadline``, None while open). One scan of the jobs."""
+    trial (``closed``: ``sweep_budget`` / ``sweep_deadline``, None while open)."""
     tx = Tx(state, "view", now)
-    jobs = sweeps.members(state.jobs, {sweep_id})[sweep_id]
+    jobs = sweeps.members(tx, sweep_id)
     cap = sweeps.cap_of(j.spec for j in jobs)
     return {"id": sweep_id, "budget_usd": cap.budget_usd, "deadline_ts": cap.deadline_ts,
             "cost_usd": round(sweeps.sweep_cost_usd(tx, jobs), 4), "jobs": len(jobs),

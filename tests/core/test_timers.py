@@ -22,6 +22,7 @@ from orchestrator.core import CoreConfig, JobPhase, State, decide, state_from_re
 from orchestrator.core import tick as tick_mod
 from orchestrator.core.commands import CheckInstance, Launch
 from orchestrator.core.inputs import JobSubmitted, LaunchFailed, LeaseChanged, Tick
+from orchestrator.core.model import TERMINAL_JOB_PHASES
 from orchestrator.core.timers import POOLS, PRICE, Timers
 from orchestrator.core.tx import Tx
 from tests.core import test_properties as tp
@@ -51,9 +52,25 @@ class TwinWorld(tp.World):
         assert d.dirty == ref.dirty, ev
         assert state_to_records(d.state) == state_to_records(ref.state), ev
         assert isinstance(d.state.timers, Timers)
+        _check_sweep_index(d.state)
         self.state = d.state
         self.steps += 1
         self.launches += [c for c in d.commands if isinstance(c, Launch)]
+
+
+def _check_sweep_index(s: State) -> None:
+    """The kept index of the sweeps' jobs against the records: every job of each sweep, and every sweep
+    with an unfinished job among the open ones (open ones may be more: they close at a Tick)."""
+    assert s.timers is not None
+    members: dict[str, set[str]] = {}
+    unfinished: set[str] = set()
+    for job in s.jobs.values():
+        if isinstance(sid := job.spec.sweep_id, str):
+            members.setdefault(sid, set()).add(job.job_id)
+            if job.phase not in TERMINAL_JOB_PHASES:
+                unfinished.add(sid)
+    assert {sid: set(ids) for sid, ids in s.timers.sweeps.items()} == members
+    assert unfinished <= set(s.timers.open_sweeps)
 
 
 quiet = st.tuples(st.just("quiet"), st.integers(1, 40), st.booleans())
@@ -94,6 +111,10 @@ calm_spec = st.fixed_dictionaries(
         "deadline": st.one_of(st.none(), st.floats(600.0, 5_000.0)),
         "market": st.sampled_from(list(tp.MarketPolicy)),
         "total_steps": st.integers(500, 5000),
+        # jobs of two sweeps, with caps (sweeps.py reads the index of the sweeps' jobs and open sweeps)
+        "sweep": st.sampled_from([None, None, "sa", "sb"]),
+        "sweep_budget_usd": st.one_of(st.none(), st.floats(0.5, 5.0)),
+        "sweep_deadline": st.one_of(st.none(), st.floats(600.0, 5_000.0)),
     }
 )
 
@@ -107,6 +128,14 @@ def _run(specs: list[dict], waiting: int, confirm: float, actions: list[tuple]) 
         deadline = sp.pop("deadline")
         sp["nodes_max"] = max(sp["nodes"], sp["nodes_min"]) + 1
         deadline_ts = None if deadline is None else w.now + deadline
+        sweep, sweep_budget, sweep_deadline = sp.pop("sweep", None), sp.pop("sweep_budget_usd", None), \
+            sp.pop("sweep_deadline", None)
+        if sweep is not None:
+            sp["sweep_id"] = sweep
+            if sweep_budget is not None:
+                sp["sweep_budget_usd"] = sweep_budget
+            if sweep_deadline is not None:
+                sp["sweep_deadline_ts"] = w.now + sweep_deadline
         ck = CheckpointPolicy(url=f"file:///ck/job.{i}", save_s_estimate=20.0)
         w.feed(JobSubmitted(job_id=f"job.{i}", spec=spec(**sp, deadline_ts=deadline_ts, checkpoint=ck)))
     for i in range(waiting):  # a GPU no pool offers yet: pending until a price for it arrives
