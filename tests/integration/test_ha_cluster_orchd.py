@@ -262,7 +262,9 @@ async def _drill(tmp_path, overlapping: bool) -> None:
                        for n in ("a", "b")]
 
             # -- one leads, the other stands by ------------------------------------------------------
-            leader, standby = await h.wait_for(lambda: roles(daemons), timeout=20)
+            # both create the R3 streams at start; on a loaded host each create may time out a few
+            # times (orchd retries its set-up for up to 60 s), so the first election is given as long
+            leader, standby = await h.wait_for(lambda: roles(daemons), timeout=60)
             st = await _admin(urls, lambda c: c.status())
             term = st.fencing_token
             assert st.pid == leader.proc.pid and term > 0
