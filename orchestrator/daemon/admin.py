@@ -38,6 +38,7 @@ from orchestrator.core.feasibility import deadline_problem, submit_problems
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
 from orchestrator.core.roots import Overlap, find_overlap
 from orchestrator.core.sweeps import refusal_view as sweep_refusal
+from orchestrator.daemon.loop import NotLeader
 from orchestrator.daemon.state import (
     counts,
     job_summary,
@@ -113,6 +114,9 @@ def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitabl
                 reply = await fn(req)
                 log.debug("admin_request", ms=round((time.perf_counter() - t0) * 1000, 2))
             await request.respond(ev.encode(reply))
+        except NotLeader as e:  # taken in, then the lease was lost: the client retries on the new leader
+            count("not_leader")
+            await request.respond_error("503", str(e), data=ev.encode(ev.AdminErrorBody(code=503, message=str(e))))
         except AdminFailure as e:
             count(e.reason or _ERROR_REASONS.get(e.code, f"http_{e.code}"))
             await request.respond_error(str(e.code), _one_line(e.message),

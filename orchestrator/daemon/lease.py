@@ -7,6 +7,8 @@ key disappears by itself.
 * acquire: ``kv.create(key)`` (fails while someone holds it); standbys retry every TTL/3.
 * renew:   ``kv.update(key, last=rev)`` every TTL/3. A CAS failure (someone else holds it) steps down
   at once; transport errors (NATS down, cluster failover) keep the lease only until the local deadline.
+  A renewal is never awaited past the deadline, and a leader whose renewals fail wakes at its deadline:
+  the step-down (``on_change(0)``) comes at the deadline, not when a stuck request finally times out.
 * deadline: ``monotonic() before the write + TTL * (1 - safety)``. The server expires the key no
   earlier than TTL after it stored the write, so our deadline passes before any standby can create
   the key: two leaders never both see ``valid()`` (assuming comparable clock rates; ``safety``
@@ -116,15 +118,19 @@ class LeaderLease:
             return False
         started = self._clock()
         try:
-            self._rev = await self.kv.update(self.key, self._value(), last=self._rev)
+            # never past the deadline: a renewal stuck in a stream leader election must not keep this
+            # daemon deciding (and acking) after a standby may have taken the lease
+            with anyio.fail_after(self.remaining_s()):
+                rev = await self.kv.update(self.key, self._value(), last=self._rev)
         except nats.js.errors.KeyWrongLastSequenceError:
             self._step_down()
             return False
-        except _TRANSIENT:
+        except (*_TRANSIENT, TimeoutError):
             if not self.valid():
                 self._step_down()
                 return False
             return True  # keep leading until the deadline; the next renew may get through
+        self._rev = rev
         self._deadline = started + self.ttl_s * (1 - self.safety)
         return True
 
@@ -155,7 +161,8 @@ class LeaderLease:
                     res = on_change(self.revision)
                     if res is not None:
                         await res
-                await anyio.sleep(self.ttl_s / 3)
+                # a leader wakes at its deadline at the latest: losing the lease is reported then
+                await anyio.sleep(min(self.ttl_s / 3, self.remaining_s()) if self.is_leader else self.ttl_s / 3)
         finally:
             with anyio.move_on_after(2, shield=True):
                 await self.release()

@@ -40,6 +40,8 @@ from providers.base import CloudProvider
 from wire import sdnotify
 
 if TYPE_CHECKING:
+    from nats.aio.msg import Msg
+
     from providers.reaper import Reaper
 
 log = structlog.get_logger("orchd")
@@ -48,6 +50,10 @@ MAX_HEARTBEATS_PER_BATCH = 1000
 SLOW_BATCH_S = 0.25
 URGENT_ROUNDS = 4
 _NOTHING: frozenset[str] = frozenset()
+
+
+class NotLeader(Exception):
+    """An admin request this orchd took in but cannot answer: it lost the leader lease meanwhile."""
 
 
 class Daemon:
@@ -198,14 +204,19 @@ class Daemon:
 
     async def finish(self) -> None:
         """The final batch: what intake already took in is decided and persisted, with every pending
-        liveness record (called once the loop has stopped)."""
-        self.liveness.start_round()
+        liveness record (called once the loop has stopped). A daemon that lost the lease hands it all
+        back instead (``process``)."""
+        if self.may_act():
+            self.liveness.start_round()
         await self.process(self.intake.take())
 
     async def process(self, batch: Batch, *, urgent: bool = False) -> None:
         """Decide a batch, persist it, dispatch its commands, ack it (``pipeline``'s stages). ``urgent``
         batches carry no slice of a liveness flush round (their commands should leave as soon as possible)."""
         store, executor, state = self._running()
+        if not self.may_act():  # deposed: the leader that took over decides this batch
+            await self._hand_back(batch.js, batch.shell)
+            return
         t_begin = time.perf_counter()
         decider = pipeline.Decider(self.core, state, metrics=self.metrics, on_decision=self._log_decision,
                                    on_reject=self._log_rejection)
@@ -230,6 +241,13 @@ class Daemon:
             self._persisting = _NOTHING
         t_persisted = time.perf_counter()
         self.state = decided.state
+        if not self.may_act():
+            # The lease's deadline passed while the batch was written: the new leader may have loaded
+            # the state before these writes landed, so it must get the batch's messages (nak: at once,
+            # not after the ack wait; deciding them again is idempotent) and its admin requests fail.
+            await self._hand_back([("", m) for m in decided.to_ack], [], decided.replies)
+            decided.to_ack.clear()
+            decided.replies.clear()
         for reply in decided.replies:  # admin requests: answered once the whole batch is persisted
             if not reply.done():
                 reply.set_result(None)
@@ -264,9 +282,30 @@ class Daemon:
                         persist_s=round(t_persisted - t_decided, 3), events=decided.decided, records=records,
                         commands=len(decided.commands), audit=len(decided.audit), types=dict(decided.counts))
 
+    async def _hand_back(self, js: list[tuple[str, Msg]], shell: list[ShellItem],
+                         replies: list[asyncio.Future[None]] | None = None) -> None:
+        """What a daemon that lost the lease holds: its JetStream messages are nak'ed (redelivered at once
+        to the leader that took over, instead of after the ack wait), its admin requests fail with
+        ``NotLeader`` (the client retries and reaches the new leader), executor results are dropped
+        (the commands are still in the outbox: the new leader executes them again)."""
+        futures = [*(item.reply for item in shell if item.reply is not None), *(replies or [])]
+        for fut in futures:
+            if not fut.done():
+                fut.set_exception(NotLeader("this orchd lost the leader lease; retry: the new leader answers"))
+        for _kind, msg in js:
+            try:
+                await msg.nak()
+            except Exception as e:  # disconnected: redelivered after the ack wait instead
+                log.debug("nak_failed", error=repr(e))
+        if js or futures:
+            log.warning("handed_back", messages=len(js), requests=len(futures))
+
     async def _write_liveness(self, keys: set[str]) -> None:
-        """One slice of a liveness flush round, written off the decide loop from the latest state."""
+        """One slice of a liveness flush round, written off the decide loop from the latest state (not by
+        a daemon that lost the lease)."""
         store, _executor, _state = self._running()
+        if not self.may_act():
+            return
         core = self.core
 
         def encode(ks: tuple[str, ...]) -> dict[str, bytes]:

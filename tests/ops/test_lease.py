@@ -1,9 +1,10 @@
 """Leader lease on a real nats-server: one leads, the other stands by and takes over within 2x TTL
 after the leader stops renewing, never while the old leader still considers itself valid; stale
-revisions fail their CAS; fencing tokens grow."""
+revisions fail their CAS; fencing tokens grow; a renewal with no answer steps down at the deadline."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import anyio
@@ -12,6 +13,7 @@ import pytest
 from nats.js.errors import KeyWrongLastSequenceError
 
 from orchestrator.daemon.lease import LeaderLease, lease_bucket
+from orchestrator.natsserver import NatsServer
 
 pytestmark = pytest.mark.anyio
 TTL = 1.0
@@ -131,3 +133,43 @@ async def test_bucket_ttl_mismatch_is_refused(nats_url: str) -> None:
     with pytest.raises(ValueError):
         await lease_bucket(nc.jetstream(), ttl_s=2 * TTL, bucket="lease_mismatch")
     await nc.close()
+
+
+async def test_a_stuck_renewal_steps_down_at_the_deadline(tmp_path) -> None:
+    """A renewal that gets no answer (here: the server is frozen with SIGSTOP; in production, a lease
+    stream electing a leader for seconds) must not keep the leader deciding past its deadline: the
+    step-down (``on_change(0)``) comes at the deadline, before the key can expire on the server and a
+    standby take it - not when the request times out (20 s here)."""
+    ttl = 6.0
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        nc = await _connect(server.url)
+        kv = await lease_bucket(nc.jetstream(timeout=20.0), ttl_s=ttl, bucket="lease_stuck")
+        lease = LeaderLease(kv, ttl_s=ttl, holder="a")
+        changes: list[tuple[int, float]] = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lease.run, lambda rev: changes.append((rev, time.monotonic())))
+            with anyio.fail_after(5):
+                while not lease.is_leader:
+                    await anyio.sleep(0.01)
+            await anyio.sleep(ttl / 2)  # renewals go through
+            assert server.proc is not None
+            server.proc.send_signal(signal.SIGSTOP)
+            frozen_at = time.monotonic()
+            deadline = lease._deadline  # noqa: SLF001 - the last renewal's deadline, before the freeze
+            try:
+                with anyio.fail_after(3 * ttl):
+                    while not any(rev == 0 for rev, _ in changes):
+                        await anyio.sleep(0.05)
+            finally:
+                server.proc.send_signal(signal.SIGCONT)
+            tg.cancel_scope.cancel()
+        lost_at = next(t for rev, t in changes if rev == 0)
+        print(f"\nfrozen {frozen_at:.2f}, deadline {deadline:.2f}, stepped down {lost_at:.2f}")
+        # the key expires on the server no earlier than ttl after the last renewal started
+        # (deadline = that start + 0.9 ttl): stepping down before that is what fencing needs
+        assert deadline <= lost_at < deadline + 0.1 * ttl
+        await nc.close()
+    finally:
+        server.stop()
