@@ -3,13 +3,14 @@ the decide loop's stages for a batch (``pipeline.decide_batch``: decode, screen,
 ``LivenessFlusher.settle``; ``MetricsObserver.after_batch``), at N nodes in jobs of 8, every node
 training (the fleet of ``benchmarks/core_decide.py``).
 
-    python benchmarks/heartbeat_path.py --json                 # {"shell_us_per_heartbeat": ..., ...}
+    python benchmarks/heartbeat_path.py --json                 # {"shell_us_per_heartbeat": ..., "admit_us": ...}
     python benchmarks/heartbeat_path.py --nodes 10000 --batch 250 --rounds 40
 
 What it leaves out, and ``benchmarks/control_plane.py`` measures: nats-py's receive path (parse, the
 message objects, the subscription's callback), the liveness records' writes, gauges, ticks. CPU time
-(``time.process_time``) of this process, the median of ``--repeat`` runs: comparable across trees
-(``PYTHONPATH=OTHER_TREE python benchmarks/heartbeat_path.py``) even on a busy machine.
+(``time.process_time``) of this process, the median of ``--repeat`` runs: comparable across trees even
+on a busy machine (the script imports the tree it lies in: copy it into the other tree's benchmarks/
+and run it there).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import functools
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -70,22 +72,41 @@ def run(nodes: int, batch: int, rounds: int) -> dict:
         return _Msg(ev.subject_heartbeat(nid), ev.encode(hb))
 
     cpu = 0.0
+    stages = dict.fromkeys(STAGES, 0.0)
     done = 0
+    clock = time.process_time
     for r in range(rounds):
         seq = r + 1
         for k in range(0, len(ids), batch):
             msgs = [msg(nid) for nid in ids[k:k + batch]]
-            t0 = time.process_time()
+            t1 = clock()
             t = now + seq
             decider = pipeline.Decider(core, state, metrics=metrics, on_decision=lambda e, d: None,
                                        clock=functools.partial(float, t))
             decided = pipeline.decide_batch(Batch([], msgs, []), decider)  # type: ignore[arg-type]
+            t2 = clock()
             liveness.settle(decided.liveness, decided.dirty, final=False)
+            t3 = clock()
             observer.after_batch(state, decided, t)
-            cpu += time.process_time() - t0
+            t4 = clock()
+            again = [msg(nid) for nid in ids[k:k + batch]]  # the same messages, new objects
+            t5 = clock()
+            pipeline.admit_heartbeats(again)  # type: ignore[arg-type]  # the stage alone: not in the total
+            t6 = clock()
+            cpu += t4 - t1
+            for name, dt in zip(STAGES, (t6 - t5, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                stages[name] += dt
             state = decided.state
             done += decided.decided
-    return {"heartbeats": done, "cpu_s": round(cpu, 3), "shell_us_per_heartbeat": round(cpu / done * 1e6, 2)}
+    return {"heartbeats": done, "cpu_s": round(cpu, 3), "shell_us_per_heartbeat": round(cpu / done * 1e6, 2),
+            **{f"{name}_us": round(v / done * 1e6, 2) for name, v in stages.items()}}
+
+
+STAGES = ("admit", "decide_batch", "settle", "after_batch")
+"""The stages timed apart (``*_us``, per heartbeat): ``admit`` (decode and screen, ``admit_heartbeats``) is
+timed in a pass of its own over the same messages, after the batch, and is also part of ``decide_batch``
+(admit, trust gate, core); the total ``shell_us_per_heartbeat`` is ``decide_batch`` + ``settle``
+(``LivenessFlusher.settle``) + ``after_batch`` (``MetricsObserver.after_batch``)."""
 
 
 def main() -> None:
@@ -100,7 +121,8 @@ def main() -> None:
     per = [r["shell_us_per_heartbeat"] for r in runs]
     out = {"nodes": args.nodes, "batch": args.batch, "rounds": args.rounds,
            "shell_us_per_heartbeat": statistics.median(per), "runs_us": per,
-           "tree": str(Path(pipeline.__file__).resolve().parents[2])}
+           **{f"{name}_us": statistics.median(r[f"{name}_us"] for r in runs) for name in STAGES},
+           "load_average": round(os.getloadavg()[0], 2), "tree": str(Path(pipeline.__file__).resolve().parents[2])}
     print(json.dumps(out, indent=None if args.json else 2))
 
 

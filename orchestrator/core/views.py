@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from orchestrator.core.costs import burn_usd_h, cost_now
-from orchestrator.core.model import State
+from orchestrator.core.model import GEN_PHASES, JobPhase, State
 from orchestrator.core.tx import Tx
 
 
@@ -27,8 +27,6 @@ def job_step(state: State, job_id: str) -> int:
     together; every member's step starts again at the committed step when a generation starts, in
     ``lifecycle.start_generation``). Between generations, the committed step (where the next one
     resumes); a job that completed, its last step."""
-    from orchestrator.core.model import GEN_PHASES, JobPhase
-
     job = state.jobs[job_id]
     if job.phase == JobPhase.SUCCEEDED:
         return max(job.step, job.committed_step)

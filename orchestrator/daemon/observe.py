@@ -127,20 +127,26 @@ class MetricsObserver:
                     and job_step(after, job.job_id) > job.committed_step):  # else nothing to lose
                 due = (job.job_id, c.command.generation)
                 self.ckpt_due[due] = min(self.ckpt_due.get(due, math.inf), c.command.deadline_ts)
-        heartbeat, live = ev.Heartbeat, after.nodes
+        heartbeat, live, gpus = ev.Heartbeat, after.nodes, self.gpus
+        touched: set[str] = set()  # the jobs whose step may have moved
         for e in decided.seen:
             if type(e) is heartbeat:
                 if e.gpus and e.node_id in live:
-                    self.gpus[e.node_id] = (now, e.gpus)
-                elif e.node_id in self.gpus:
-                    del self.gpus[e.node_id]
+                    gpus[e.node_id] = (now, e.gpus)
+                elif gpus and e.node_id in gpus:
+                    del gpus[e.node_id]
+                # its node's job (the trust gate refused a heartbeat naming another job; a node that
+                # left with this batch is in ``dirty``, below)
+                if e.job_id is not None:
+                    touched.add(e.job_id)
+                elif (node := live.get(e.node_id)) is not None:
+                    touched.add(node.job_id)
             elif isinstance(e, ev.PreemptionNotice) and e.kind != ev.NoticeKind.REBALANCE:
                 self._interrupted(before, e.node_id, now)
             elif isinstance(e, NodeGone):
                 self._node_gone(before, e, now)
             elif isinstance(e, ev.CheckpointCommitted) and e.emergency and e.job_id in after.jobs:
                 self._emergency_commit(e)
-        touched: set[str] = set()
         for key in decided.dirty:
             if key.startswith("job."):
                 touched.add(key[4:])
@@ -152,10 +158,6 @@ class MetricsObserver:
                     node = gone
                 if node is not None:
                     touched.add(node.job_id)
-        for key in decided.liveness:
-            node = after.nodes.get(key[5:])
-            if node is not None:
-                touched.add(node.job_id)
         for jid in touched:
             job = after.jobs.get(jid)
             if job is not None:

@@ -4,15 +4,17 @@ Every input of a batch goes through the same stages, in this order (``loop.Daemo
 them; heartbeats take the very same functions, batched, with nothing logged per heartbeat):
 
     order      ``split_urgent(batch)``: urgent inputs (JetStream messages, shell inputs) before heartbeats
-    decode     ``decode_js(subject, data)`` / ``decode_heartbeat(subject, data)``: bytes -> wire message
-    screen     ``screen_js(subject, event)`` / ``screen_heartbeat(subject, hb)``: what the schema cannot
-               say (the subject names the publisher, no impossible values; ``ingest.screen``)
-               ``admit_js`` / ``admit_heartbeat`` = decode + screen of one message -> event | ``Rejected``;
-               ``admit_batch`` runs one of them over a batch -> ``Admitted`` (events, their messages,
-               rejections); ``count_rejections`` counts (and for JetStream logs) the rejections
+    decode     (``admit.py``) ``decode_js(subject, data)`` / ``decode_heartbeat(subject, data)``: bytes ->
+               wire message
+    screen     (``admit.py``) ``screen_js`` / ``screen_heartbeat``: what the schema cannot say (the
+               subject names the publisher, no impossible values; ``ingest.screen``); ``admit_js`` /
+               ``admit_heartbeat`` = decode + screen of one message -> event | ``Rejected``,
+               ``admit_batch`` / ``admit_heartbeats`` over a batch -> ``Admitted``
     decide     ``Decider.decide(events, ...)``: the trust gate (``core.authorize``), then ``core.decide``,
                over the events in order, one state threaded through -> ``Decided`` (dirty keys,
                commands, audit, liveness keys, acks)
+               ``Decider.decide_heartbeats(heartbeats)``: the same for a batch of heartbeats, the runs
+               that only refresh liveness folded through the core in one state rebuild
                ``decide_batch(batch, decider)`` runs decode, screen and decide over a whole batch
     persist    ``persist(store, core, decided, after_outbox)``: outbox, then records of the dirty keys,
                audit; ``after_outbox`` runs between the two (the daemon dispatches there)
@@ -40,11 +42,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Generic, TypeAlias, TypeVar
+from typing import Final
 
-import msgspec
 import structlog
 from nats.aio.msg import Msg
 
@@ -52,25 +53,41 @@ import wire as ev
 from orchestrator import bus
 from orchestrator.core import Decision, State, authorize
 from orchestrator.core.commands import Command, SendToAgent
+from orchestrator.core.decide import decide as core_decide
+from orchestrator.core.decide import fold_heartbeats
 from orchestrator.core.inputs import CoreEvent
-from orchestrator.daemon import ingest
+from orchestrator.daemon.admit import (
+    Admitted,
+    JsEvent,
+    Rejected,
+    admit_batch,
+    admit_heartbeat,
+    admit_heartbeats,
+    admit_js,
+    count_rejections,
+    decode_heartbeat,
+    decode_js,
+    observe_lag,
+    screen_heartbeat,
+    screen_js,
+)
 from orchestrator.daemon.executor import Executor, Result
 from orchestrator.daemon.ingest import Batch, ShellItem
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.state import CoreApi
 from orchestrator.daemon.store import Store, outbox_key
 
+__all__ = [  # admit.py's stages (decode, screen) are re-exported: the pipeline is one surface
+    "acknowledge", "admit_batch", "admit_heartbeat", "admit_heartbeats", "admit_js", "Admitted", "CLOCK_EVERY",
+    "count_rejections", "decide_batch", "Decided", "Decider", "decode_heartbeat", "decode_js", "dispatch", "JsEvent",
+    "observe_lag", "persist", "Rejected", "screen_heartbeat", "screen_js", "split_urgent", "unpack_shell",
+]
+
 log = structlog.get_logger("orchd")
 
-JsEvent: TypeAlias = (ev.PriceTick | ev.PreemptionNotice | ev.NodeRegistered | ev.GenerationStarted
-                      | ev.CheckpointCommitted | ev.RanksExited | ev.NodeLeaving)
-"""What the JetStream consumers may deliver (notices, node events, prices)."""
-
 CLOCK_EVERY: Final = 256
-"""``Decider.decide`` reads the clock once per this many events (heartbeats: the hot path), and observes
-the publish-to-decide lag of the heartbeat it reads it for (one in this many)."""
-
-E = TypeVar("E")
+"""``Decider.decide`` (and ``decide_heartbeats``) reads the clock once per this many events (heartbeats:
+the hot path), and observes the publish-to-decide lag of the heartbeat it reads it for (one in this many)."""
 
 
 # --- order -------------------------------------------------------------------------------------------
@@ -82,164 +99,6 @@ def split_urgent(batch: Batch) -> tuple[Batch, Batch]:
     also takes the urgent inputs that arrive meanwhile before each bulk stage: ``Intake.take_urgent``)."""
     return Batch(batch.js, [], batch.shell), Batch([], batch.hb, [])
 
-
-# --- decode and screen -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """A message that never reaches the core: ``kind`` and ``reason`` label
-    ``orchd_messages_rejected_total``; ``detail`` is for the log."""
-
-    kind: str
-    reason: str
-    detail: str
-
-
-def decode_js(subject: str, data: bytes) -> JsEvent:
-    """Stage decode of a JetStream message: the type its subject's kind (``bus.message_kind``) allows -
-    a price tick, a preemption notice or a node event; any other kind: any ``JsEvent``. Raises
-    ``ev.WireError``."""
-    match bus.message_kind(subject):
-        case "price":
-            return ev.decode(data, ev.PriceTick)
-        case "notice":
-            return ev.decode(data, ev.PreemptionNotice)
-        case "node_event":
-            node_event: ev.NodeEvent = ev.decode(data, ev.NodeEvent)
-            return node_event
-    event: JsEvent = ev.decode(data, JsEvent)
-    return event
-
-
-def decode_heartbeat(subject: str, data: bytes) -> ev.Heartbeat:
-    """Stage decode of a heartbeat (core NATS, ``orch.node.<node>.hb``). Raises ``ev.WireError``."""
-    hb: ev.Heartbeat = ev.decode(data, ev.Heartbeat)
-    return hb
-
-
-def screen_js(subject: str, event: JsEvent) -> None:
-    """Stage screen of a decoded JetStream message (``ingest.screen``). Raises ``ev.WireError``."""
-    reason = ingest.screen(subject, event)
-    if reason is not None:
-        raise ev.WireError(reason, f"{type(event).__name__} on {subject}")
-
-
-def screen_heartbeat(subject: str, hb: ev.Heartbeat) -> None:
-    """Stage screen of a decoded heartbeat (``ingest.screen_heartbeat``). Raises ``ev.WireError``."""
-    reason = ingest.screen_heartbeat(subject, hb)
-    if reason is not None:
-        raise ev.WireError(reason, subject)
-
-
-def admit_js(subject: str, data: bytes) -> JsEvent | Rejected:
-    """Decode and screen one JetStream message: the event for the core, or why it is rejected.
-
-    Never raises, whatever the bytes: a ``WireError`` is rejected with its reason, any other exception
-    (a ``RecursionError``, a screen bug...) as ``undecodable`` / ``unscreenable``."""
-    stage = "undecodable"
-    try:
-        event = decode_js(subject, data)
-        stage = "unscreenable"
-        screen_js(subject, event)
-    except ev.WireError as e:
-        return Rejected(bus.message_kind(subject), e.reason, e.detail)
-    except Exception as e:
-        return Rejected(bus.message_kind(subject), stage, f"{type(e).__name__}: {e}"[:200])
-    return event
-
-
-def admit_heartbeat(subject: str, data: bytes) -> ev.Heartbeat | Rejected:
-    """Decode and screen one heartbeat: the event for the core, or why it is rejected. Never raises
-    (as ``admit_js``)."""
-    stage = "undecodable"
-    try:
-        hb = decode_heartbeat(subject, data)
-        stage = "unscreenable"
-        screen_heartbeat(subject, hb)
-    except ev.WireError as e:
-        return Rejected("heartbeat", e.reason, e.detail)
-    except Exception as e:
-        return Rejected("heartbeat", stage, f"{type(e).__name__}: {e}"[:200])
-    return hb
-
-
-_HB_DECODER: Final = msgspec.json.Decoder(ev.Heartbeat)
-
-
-def admit_heartbeats(msgs: Iterable[Msg]) -> Admitted[ev.Heartbeat]:
-    """``admit_batch(msgs, admit_heartbeat)``, cheaper per message; a failed check takes ``admit_heartbeat``."""
-    out: Admitted[ev.Heartbeat] = Admitted()
-    events, rejected = out.events, out.rejected
-    decode, screen = _HB_DECODER.decode, ingest.screen_heartbeat
-    for msg in msgs:
-        subject, data = msg.subject, msg.data
-        if len(data) <= ev.MAX_MESSAGE_BYTES:
-            try:
-                hb = decode(data)
-                if hb.v in ev.SUPPORTED_VERSIONS and screen(subject, hb) is None:
-                    events.append(hb)
-                    continue
-            except Exception:  # the slow path below says why
-                pass
-        r = admit_heartbeat(subject, data)
-        if isinstance(r, Rejected):
-            rejected.append((msg, r))
-        else:  # cannot happen (the same checks passed there): kept so that nothing is ever lost
-            events.append(r)
-    return out
-
-
-@dataclass(slots=True)
-class Admitted(Generic[E]):
-    """The messages of a batch that passed decode and screen, in order, and the rejected ones."""
-
-    events: list[E] = field(default_factory=list)
-    rejected: list[tuple[Msg, Rejected]] = field(default_factory=list)
-    # JetStream only (heartbeats are neither acked nor timed one by one):
-    messages: list[Msg] = field(default_factory=list)  # the message of each event (for its ack)
-    published: list[float | None] = field(default_factory=list)  # the publish time of each event
-
-
-def admit_batch(msgs: Iterable[Msg], admit: Callable[[str, bytes], E | Rejected], *,
-                jetstream: bool = False) -> Admitted[E]:
-    """``admit`` over every message. ``jetstream``: keep each event's message and publish time."""
-    out: Admitted[E] = Admitted()
-    events, rejected = out.events, out.rejected
-    for msg in msgs:
-        r = admit(msg.subject, msg.data)
-        if isinstance(r, Rejected):
-            rejected.append((msg, r))
-            continue
-        events.append(r)
-        if jetstream:
-            out.messages.append(msg)
-            out.published.append(_publish_ts(msg))
-    return out
-
-
-def _publish_ts(msg: Msg) -> float | None:
-    try:
-        return msg.metadata.timestamp.timestamp()
-    except Exception:  # not a JetStream message (no metadata in its reply subject): no lag measured
-        return None
-
-
-def count_rejections(metrics: Metrics, rejected: Sequence[tuple[Msg, Rejected]], *, loud: bool) -> None:
-    """``orchd_messages_rejected_total`` for each rejection; ``loud``: also log each (JetStream; never
-    for heartbeats, whose rejections can come by the thousand)."""
-    for msg, r in rejected:
-        metrics.rejected.labels(r.kind, r.reason).inc()
-        if loud:
-            log.warning("message_rejected", subject=msg.subject, reason=r.reason, detail=r.detail[:200])
-
-
-def observe_lag(metrics: Metrics, published: Iterable[float | None], now: float) -> None:
-    """``orchd_event_lag_seconds`` of JetStream messages (heartbeats: sampled by ``Decider.decide``)."""
-    observe = metrics.event_lag.observe
-    for ts in published:
-        if ts is not None:
-            observe(max(0.0, now - ts))
 
 
 def unpack_shell(items: Sequence[ShellItem]) -> tuple[list[CoreEvent], list[str]]:
@@ -309,43 +168,90 @@ class Decider:
 
         ``published``: the JetStream publish time of each event (notice-to-command latency), or empty.
         The clock is read once per ``clock_every`` events."""
-        out = self.out
-        decide = self.core.decide
-        gate = authorize
         refused: list[int] = []
         self.refused = refused
-        dirty, liveness = out.dirty, out.liveness
-        state = out.state
+        state = self.out.state
         failed: list[int] = []
         now = 0.0
-        heartbeat, notice = ev.Heartbeat, ev.PreemptionNotice
+        heartbeat = ev.Heartbeat
         lag = self.metrics.event_lag.observe
+        one = self._one
         for i, event in enumerate(events):
             if i % clock_every == 0:
                 now = self.clock()
                 if type(event) is heartbeat:
                     lag(max(0.0, now - event.ts))
-            reason = gate(state, event, now)
-            if reason is not None:
-                self._refuse(event, reason)
-                refused.append(i)
-                failed.append(i)
-                continue
-            try:
-                d = decide(state, event, now)
-            except Exception as e:  # a core bug must not stop the daemon: skip the event, loudly
-                self._core_error(event, e)
-                failed.append(i)
-                continue
-            state = d.state
-            if d.dirty:
-                dirty.update(d.dirty)
-            elif type(event) is heartbeat:
-                liveness.add("node." + event.node_id)  # liveness only: persisted at a lower rate
-            if d.commands or d.audit:
-                self._take(event, d, published[i] if published else None)
-            if type(event) is notice:
-                self._count_preemption(state, event)
+            state = one(state, i, event, now, failed, published[i] if published else None)
+        self._close(events, state, failed)
+        return failed
+
+    def decide_heartbeats(self, events: Sequence[ev.Heartbeat], *, clock_every: int = CLOCK_EVERY) -> list[int]:
+        """``decide(events)`` for a batch of heartbeats, with the same results (state, liveness keys,
+        refusals and their counts, clock reads and lag samples): the heartbeats that only refresh
+        liveness and progress are folded through the gate and the core in one state rebuild per run
+        (``core.decide.fold_heartbeats``), one that needs the slow path is decided on its own. Only with
+        the real core: with another ``CoreApi.decide`` (a test's) they are decided one by one."""
+        if self.core.decide is not core_decide:
+            return self.decide(events, clock_every=clock_every)
+        refused: list[int] = []
+        self.refused = refused
+        state = self.out.state
+        failed: list[int] = []
+        liveness = self.out.liveness
+        lag = self.metrics.event_lag.observe
+        for start in range(0, len(events), clock_every):
+            now = self.clock()
+            lag(max(0.0, now - events[start].ts))
+            end = min(start + clock_every, len(events))
+            i = start
+            while i < end:
+                try:
+                    fold = fold_heartbeats(state, events, i, end, now)
+                except Exception:  # a core bug: the rest of the run one by one, each failure as in ``decide``
+                    for j in range(i, end):
+                        state = self._one(state, j, events[j], now, failed, None)
+                    break
+                for j, reason in fold.refused:
+                    self._refuse(events[j], reason)
+                    refused.append(j)
+                    failed.append(j)
+                liveness.update(fold.live)  # liveness only: persisted at a lower rate
+                state, i = fold.state, fold.stop
+                if i < end:  # the slow path
+                    state = self._one(state, i, events[i], now, failed, None)
+                    i += 1
+        self._close(events, state, failed)
+        return failed
+
+    def _one(self, state: State, i: int, event: CoreEvent, now: float, failed: list[int],
+             publish_ts: float | None) -> State:
+        """Gate and decide ``event`` (index ``i``) from ``state``; the state after it."""
+        reason = authorize(state, event, now)
+        if reason is not None:
+            self._refuse(event, reason)
+            self.refused.append(i)
+            failed.append(i)
+            return state
+        try:
+            d = self.core.decide(state, event, now)
+        except Exception as e:  # a core bug must not stop the daemon: skip the event, loudly
+            self._core_error(event, e)
+            failed.append(i)
+            return state
+        out = self.out
+        if d.dirty:
+            out.dirty.update(d.dirty)
+        elif type(event) is ev.Heartbeat:
+            out.liveness.add("node." + event.node_id)  # liveness only: persisted at a lower rate
+        if d.commands or d.audit:
+            self._take(event, d, publish_ts)
+        if type(event) is ev.PreemptionNotice:
+            self._count_preemption(d.state, event)
+        return d.state
+
+    def _close(self, events: Sequence[CoreEvent], state: State, failed: list[int]) -> None:
+        """After ``events`` were decided: the state, the events seen and their counts."""
+        out = self.out
         out.state = state
         skip = set(failed)
         out.seen.extend([e for i, e in enumerate(events) if i not in skip] if skip else events)
@@ -356,7 +262,6 @@ class Decider:
             if n:
                 out.counts[t.__name__] += n
         out.decided += len(events) - len(failed)
-        return failed
 
     def _refuse(self, event: CoreEvent, reason: str) -> None:
         self.metrics.rejected.labels(type(event).__name__, reason).inc()
@@ -402,7 +307,7 @@ def decide_batch(batch: Batch, decider: Decider, *,
     if batch.hb:
         hb = admit_heartbeats(batch.hb)
         count_rejections(metrics, hb.rejected, loud=False)
-        decider.decide(hb.events)
+        decider.decide_heartbeats(hb.events)
     return out
 
 

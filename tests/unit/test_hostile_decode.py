@@ -13,7 +13,7 @@ import time
 import pytest
 
 import wire as ev
-from orchestrator.daemon import pipeline
+from orchestrator.daemon import admit, pipeline
 
 
 def deep(depth: int = 1000) -> bytes:
@@ -59,8 +59,8 @@ def test_any_exception_of_decode_or_screen_is_a_rejection(monkeypatch: pytest.Mo
     def boom(*_a: object) -> object:
         raise RecursionError("maximum recursion depth exceeded")
 
-    monkeypatch.setattr(pipeline, "decode_heartbeat", boom)
-    monkeypatch.setattr(pipeline, "decode_js", boom)
+    monkeypatch.setattr(admit, "decode_heartbeat", boom)  # where admit_* find it
+    monkeypatch.setattr(admit, "decode_js", boom)
     r = pipeline.admit_heartbeat("orch.node.n1.hb", b"{}")
     assert isinstance(r, pipeline.Rejected) and r.reason == "undecodable" and "RecursionError" in r.detail
     r2 = pipeline.admit_js("orch.price.aws.r1", b"{}")
@@ -70,7 +70,7 @@ def test_any_exception_of_decode_or_screen_is_a_rejection(monkeypatch: pytest.Mo
     def bad_screen(*_a: object) -> None:
         raise TypeError("screen bug")
 
-    monkeypatch.setattr(pipeline, "screen_heartbeat", bad_screen)
+    monkeypatch.setattr(admit, "screen_heartbeat", bad_screen)
     hb = ev.encode(ev.Heartbeat(node_id="n1", seq=1, ts=time.time(), state=ev.AgentState.TRAINING))
     r3 = pipeline.admit_heartbeat("orch.node.n1.hb", hb)
     assert isinstance(r3, pipeline.Rejected) and r3.reason == "unscreenable"
