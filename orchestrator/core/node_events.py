@@ -1,7 +1,8 @@
 """Handlers for what happens to nodes: preemption notices, losses, disconnects, drains, failed commands.
 
 Role: the node-side half of ``decide`` (decide.py dispatches here). A terminate notice triggers a
-checkpoint of every member AND a replacement launch in the same decision; a loss is acted on only when
+checkpoint of every member AND a replacement launch in the same decision (the further notices of one
+reclaim of a pool are replaced together, with the last of them); a loss is acted on only when
 confirmed (NodeGone, AgentDisconnected after a heartbeat timeout, the agent leaving unexpectedly).
 """
 
@@ -12,7 +13,7 @@ import msgspec
 from orchestrator.core import lifecycle as lc
 from orchestrator.core import policy
 from orchestrator.core.inputs import AgentDisconnected, CommandFailed, NodeDrainRequested, NodeGone
-from orchestrator.core.model import GEN_PHASES, TERMINAL_JOB_PHASES, Intent, JobPhase, NodePhase, fin
+from orchestrator.core.model import GEN_PHASES, TERMINAL_JOB_PHASES, Intent, Job, JobPhase, Node, NodePhase, fin
 from orchestrator.core.pricing import record_exposure
 from orchestrator.core.tx import Tx
 from wire.messages import Market, NodeLeaving, NoticeKind, PreemptionNotice
@@ -64,9 +65,24 @@ def notice(tx: Tx, ev: PreemptionNotice) -> None:
     if member:
         if job.phase in (J.STARTING, J.RUNNING):
             job = lc.checkpoint_job(tx, job, Intent.PREEMPTION, "preemption_notice", deadline)
+        if _reclaim_goes_on(tx, job, node):
+            tx.record(job.job_id, "wait", "reclaim_notices_pending", node_id=node.node_id, pool=node.pool_name)
+            return
     else:
         job = lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
     lc.replenish(tx, job, exclude=frozenset({node.pool_name}))
+
+
+def _reclaim_goes_on(tx: Tx, job: Job, node: Node) -> bool:
+    """``node``'s notice is a further one of a reclaim of its pool that is still coming in: another member
+    of the generation in that pool was noticed already, and some are still running without a notice.
+    The first notice of a pool is replaced at once (make before break); the further ones of the same
+    reclaim - normally the same second - are replaced together with the last of them, as one request,
+    instead of one request per notice (the next generation needs every node: it would wait for the
+    slowest of n separate launches). If the reclaim stops short, the next Tick or the end of the save
+    launches what is missing."""
+    mates = [m for m in lc.members_alive(tx, job) if m.pool_name == node.pool_name and m.node_id != node.node_id]
+    return any(m.phase == N.NOTICED for m in mates) and any(m.phase == N.RUNNING for m in mates)
 
 
 def node_gone(tx: Tx, ev: NodeGone) -> None:

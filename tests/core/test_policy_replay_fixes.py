@@ -3,7 +3,9 @@ aws-2023-04-22-v100 family, where orchd paid more than greedy_spot): a job that 
 spot is away is not locked onto on-demand by the work its on-demand node has not saved yet, and goes back
 to spot once the slack covers a spot checkpoint interval; a price migration to another zone whose launch
 fails leaves the job in its zone, on its running node, free to try the next pool. On gcp-2023-04-30-c3
-(orchd a hair above greedy_spot): a notice that comes before the launch's confirmation is acted on."""
+(orchd a hair above greedy_spot): a notice that comes before the launch's confirmation is acted on. On
+aws-2022-v100x8 (16-node jobs above uniform_progress): a reclaim of a multi-node job's pool is replaced by
+one launch request with the last of its notices, not one request per notice."""
 
 from __future__ import annotations
 
@@ -171,3 +173,50 @@ def test_a_notice_before_the_launch_is_confirmed_drops_the_node_and_closes_its_p
     assert [t.instance_id for t in cmds(d, Terminate)] == ["i-b"] and b_node not in drv.state.nodes
     d = drv(NodeRegistered(id="r-b", node_id=b_node, host="10.0.0.9", ts=drv.now), dt=30)
     assert not cmds(d, StartGenerationCmd) and b_node not in drv.job().gen_nodes
+
+
+def _four_node_job_on_spot(drv: Driver) -> list[str]:
+    """A 4-node job on spot in zone A; ``progress_line`` off: on-demand in zone A replaces lost spot."""
+    drv(price(A, 10.0, od=30.0))
+    d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=4, nodes_min=4, nodes_max=4, total_steps=40 * 3600,
+                                                 deadline_ts=T0 + 80 * H, step_time_s_estimate=1.0)))
+    (la,) = cmds(d, Launch)
+    assert la.pool == A
+    ids = drv.launched(d)
+    drv.register(ids)
+    _start(drv, ids, 1, 0, 1.0)
+    assert drv.job().phase == JobPhase.RUNNING and len(drv.job().gen_nodes) == 4
+    return ids
+
+
+def _notice(drv: Driver, nid: str) -> list[Launch]:
+    d = drv(PreemptionNotice(id=f"n-{nid}", node_id=nid, cloud="aws", deadline_ts=drv.now + 120, observed_ts=drv.now))
+    return cmds(d, Launch)
+
+
+def test_a_reclaim_of_a_multi_node_job_is_replaced_in_two_requests_not_one_per_notice() -> None:
+    """The zone reclaims all 4 spot nodes: 4 notices in the same second. The first is replaced at once (one
+    on-demand node in the zone), the other three together with the last notice, in one request (before the
+    fix: one request per notice, and the next generation waited for the slowest of four launches)."""
+    drv = Driver(State.empty(CoreConfig(price_confirm_s=0.0, progress_line=False)), now=T0)
+    ids = _four_node_job_on_spot(drv)
+    drv.now += 60
+    (first,) = _notice(drv, ids[0])
+    assert first.pool == A_OD and len(first.node_ids) == 1
+    for nid in ids[1:-1]:
+        assert _notice(drv, nid) == []
+    (rest,) = _notice(drv, ids[-1])
+    assert rest.pool == A_OD and len(rest.node_ids) == 3
+    assert drv.job().phase == JobPhase.CHECKPOINTING
+
+
+def test_a_reclaim_that_stops_short_is_replaced_at_the_next_tick() -> None:
+    """Two nodes of four get a notice, the others none: the second one's replacement waits for no other
+    notice beyond the next Tick (the job is never left short of a launch)."""
+    drv = Driver(State.empty(CoreConfig(price_confirm_s=0.0, progress_line=False)), now=T0)
+    ids = _four_node_job_on_spot(drv)
+    drv.now += 60
+    assert len(_notice(drv, ids[0])) == 1
+    assert _notice(drv, ids[1]) == []
+    d = drv(Tick(), dt=5)
+    assert [(la.pool, len(la.node_ids)) for la in cmds(d, Launch)] == [(A_OD, 1)]
