@@ -29,6 +29,8 @@ from typing import TypeAlias
 
 import anyio
 import msgspec
+import nats.errors
+import nats.js.errors
 import structlog
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -41,6 +43,7 @@ log = structlog.get_logger("orchd.store")
 
 _KV_OP = "KV-Operation"
 _MARKER = "Nats-Marker-Reason"  # nats-server 2.11+: a server-placed removal (TTL, max age)
+LOAD_BARRIER = "load_barrier"  # the key ``_load_bucket`` writes a delete marker to before it reads
 _command_codec_enc = msgspec.json.Encoder()
 _command_codec_dec = msgspec.json.Decoder(Command)
 _AUDIT_ANY = "_"
@@ -197,19 +200,26 @@ async def _load_bucket(js: JetStreamContext, bucket: str, idle_timeout_s: float 
     ``num_pending`` - both can say "nothing more" while values are still on their way (nats.py issues
     842 and 995). On an R3 cluster a new leader loaded 0 records of a bucket that held its job that way.
 
-    Here the end is a fact from the stream leader: the stream's last sequence. A KV stream never loses
-    its last message (the per-subject limit keeps the newest; a delete or purge is itself a marker; our
-    buckets have no max age), so reading a last-per-subject consumer up to that sequence delivers every
-    key. A key rewritten while we read loses its old message before delivery, and its new one comes
-    after the target: so once there, the stream is asked again and the read goes on to its new last
-    sequence, until nothing was written meanwhile. A stall raises ``nats.errors.TimeoutError`` (the
-    daemon retries the load)."""
-    stream = f"KV_{bucket}"
+    Here the end is a fact from the stream: a barrier written first (a delete marker of ``LOAD_BARRIER``,
+    never a record), whose acknowledgement comes from a leader a quorum follows, so every record
+    committed before it has a lower sequence. ``stream_info`` alone is not enough: just after a partition
+    heals, a server that led the stream before the cut can still answer as its leader for a moment, with
+    an older last sequence (a new leader once loaded a job without its nodes that way and refused their
+    heartbeats). A KV stream never loses its last message (the per-subject limit keeps the newest; a
+    delete or purge is itself a marker; our buckets have no max age), so reading a last-per-subject
+    consumer up to the barrier delivers every key; a consumer served by a stale leader never reaches it
+    and the read stalls. A key rewritten while we read loses its old message before delivery, and its
+    new one comes after the target: so once there, the stream is asked again and the read goes on to its
+    new last sequence, until nothing was written meanwhile. A stall raises ``nats.errors.TimeoutError``
+    (the daemon retries the load)."""
+    stream, prefix = f"KV_{bucket}", f"$KV.{bucket}."
+    try:
+        barrier = await js.publish(prefix + LOAD_BARRIER, b"", stream=stream, headers={_KV_OP: "DEL"})
+    except (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError):  # the stream elects a leader
+        raise nats.errors.TimeoutError from None
     state = (await js.stream_info(stream)).state
     out: dict[str, bytes] = {}
-    if not state.messages:
-        return out
-    target, prefix = state.last_seq, f"$KV.{bucket}."
+    target = max(state.last_seq, barrier.seq)
     sub = await js.subscribe(prefix + ">", stream=stream, ordered_consumer=True,
                              deliver_policy=bus.DeliverPolicy.LAST_PER_SUBJECT)
     try:

@@ -18,7 +18,7 @@ import pytest
 
 from orchestrator import bus
 from orchestrator.core.commands import Launch
-from orchestrator.daemon.store import Store, outbox_key
+from orchestrator.daemon.store import LOAD_BARRIER, Store, outbox_key
 from tests.ha_cluster import connect, nats_cluster, wait_jetstream
 from tests.integration import helpers as h
 
@@ -30,7 +30,7 @@ async def test_load_gives_the_live_records_and_the_pending_outbox(nats_server) -
     try:
         topo = await bus.ensure_topology(nc)
         store = Store(topo)
-        assert await store.load() == ({}, {})  # an empty bucket ends at once
+        assert await store.load() == ({}, {})  # an empty bucket: its barrier only
 
         cmd = _launch("c1")
         await store.persist({"job.a": b"1", "job.b": b"2", "node.x": b"3"}, outbox_put={outbox_key(cmd): cmd})
@@ -43,6 +43,12 @@ async def test_load_gives_the_live_records_and_the_pending_outbox(nats_server) -
 
         await store.persist({"job.a": b"", "job.b": b""}, outbox_done=[outbox_key(cmd)])
         assert await store.load() == ({}, {})  # only tombstones left
+        # each load first writes its barrier (a delete marker: never a record) and reads up to it
+        last = (await topo.js.stream_info(f"KV_{bus.KV_STATE}")).state.last_seq
+        await store.load()
+        assert (await topo.js.stream_info(f"KV_{bus.KV_STATE}")).state.last_seq == last + 1
+        with pytest.raises(nats.js.errors.KeyNotFoundError):
+            await topo.state_kv.get(LOAD_BARRIER)
     finally:
         await nc.close()
 
