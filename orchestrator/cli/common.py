@@ -32,7 +32,8 @@ EXIT_NOT_FOUND = 66
 """What was named does not exist (orchd's 404: job, node, dead letter; ``logs`` of an unknown job).
 sysexits' EX_NOINPUT."""
 EXIT_UNREACHABLE = 69
-"""No NATS server, or no orchd answering in time: transient, worth a retry. sysexits' EX_UNAVAILABLE."""
+"""No NATS server, no orchd answering in time, or orchd's 503 (it lost the leader lease or is stopping):
+transient, worth a retry. sysexits' EX_UNAVAILABLE."""
 EXIT_INTERRUPTED = 130
 """Interrupted (Ctrl-C, SIGINT): 128 + 2, as shells report it."""
 
@@ -41,7 +42,7 @@ EXIT_CODES: dict[int, str] = {
     EXIT_DAEMON: "orchd answered with an error",
     EXIT_USAGE: "usage error (arguments, job spec, --config)",
     EXIT_NOT_FOUND: "not found (job, node, dead letter)",
-    EXIT_UNREACHABLE: "NATS or orchd unreachable (transient: retry)",
+    EXIT_UNREACHABLE: "NATS or orchd unreachable, or orchd's 503 (transient: retry)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 

@@ -25,8 +25,8 @@ written by a running orchd (default state dir ./var/orchd; removed on a clean st
 Times in tables are UTC with their date (2026-11-25 20:10:46Z); -o json|yaml gives epoch seconds.
 
 Exit codes (common.EXIT_CODES): 0 ok, 1 orchd answered with an error, 2 usage error (arguments, invalid
-job spec or --config), 66 not found (orchd's 404; logs of an unknown job), 69 NATS or orchd unreachable
-(transient: retry), 130 interrupted (Ctrl-C).
+job spec or --config), 66 not found (orchd's 404; logs of an unknown job), 69 NATS or orchd unreachable,
+or orchd's 503 (it lost the leader lease or is stopping; transient: retry), 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -340,6 +340,9 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = _stdout,
         return EXIT_UNREACHABLE
     except AdminError as e:
         err(f"orchctl: orchd error {e.code}: {e.message}\n")
+        if e.code == 503:  # the leader lost its lease or is stopping: transient, the next one answers
+            err("orchctl: retry: a standby takes over within twice the lease TTL, a restarted orchd in seconds\n")
+            return EXIT_UNREACHABLE
         return EXIT_NOT_FOUND if e.code == 404 else EXIT_DAEMON
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

@@ -10,7 +10,8 @@ asks the node's provider (only the local provider can: ``inject_preemption`` / `
 core learns of it as of any reclaim - the agent reports the notice, the instance ends, the heartbeats
 stop. A node of any other provider is refused (409).
 
-Errors: bad request 400, unknown job/node 404, conflict 409, internal 500 - sent with the micro error headers and an
+Errors: bad request 400, unknown job/node 404, conflict 409, internal 500, not deciding it 503 (the
+lease was lost: ``NotLeader``; shutting down: ``ShuttingDown``) - sent with the micro error headers and an
 ``AdminErrorBody`` payload. No exception text other than ours leaves the daemon.
 
 Concurrency contract: handlers run on the daemon's event loop (one task per subscription, nats-py);
@@ -38,7 +39,7 @@ from orchestrator.core.feasibility import deadline_problem, submit_problems
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
 from orchestrator.core.roots import Overlap, find_overlap
 from orchestrator.core.sweeps import refusal_view as sweep_refusal
-from orchestrator.daemon.loop import NotLeader
+from orchestrator.daemon.loop import NotLeader, ShuttingDown
 from orchestrator.daemon.state import (
     counts,
     job_summary,
@@ -73,25 +74,43 @@ class AdminFailure(Exception):
         self.reason = reason  # the rejection counter's label (default: from the code)
 
 
-async def start_service(nc: Any, d: Any) -> Any:
-    """Register every endpoint of ``ev.ADMIN_ENDPOINTS``; return the micro Service (``stop()`` it)."""
+class AdminService:
+    """The running admin service: the micro Service and the number of requests being handled."""
+
+    def __init__(self, svc: Any) -> None:
+        self.svc = svc
+        self.in_flight = 0
+
+    async def stop(self, wait_s: float = 2.0) -> None:
+        """Stop once the requests being handled are answered (at most ``wait_s``): nats.micro's stop
+        cancels a running handler, and its client would get no answer, though the final batch
+        (``Daemon.finish``, before this) decided its request or handed it back."""
+        with anyio.move_on_after(wait_s):
+            while self.in_flight:
+                await anyio.sleep(0.005)
+        await self.svc.stop()
+
+
+async def start_service(nc: Any, d: Any) -> AdminService:
+    """Register every endpoint of ``ev.ADMIN_ENDPOINTS``; return the service (``stop()`` it after the final batch)."""
     svc = await nats.micro.add_service(nc, name=ev.ADMIN_SERVICE_NAME, version=ev.ADMIN_SERVICE_VERSION,
                                        description="orchd admin API", queue_group="orchd-admin")
+    service = AdminService(svc)
     handlers = Handlers(d)
     root = svc.add_group(name=ev.SUBJECT_ADMIN_PREFIX)
     for (resource, verb), (req_type, _reply_type) in ev.ADMIN_ENDPOINTS.items():
         fn = getattr(handlers, f"{resource}_{verb}")
         group = root.add_group(name=resource)
         await group.add_endpoint(name=f"{resource}-{verb}", subject=verb,
-                                 handler=_wrap(resource, verb, req_type, fn, d.metrics))
-    return svc
+                                 handler=_wrap(resource, verb, req_type, fn, d.metrics, service))
+    return service
 
 
 _ERROR_REASONS = {400: "bad_request", 404: "not_found", 409: "conflict"}
 
 
 def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitable[msgspec.Struct]],
-          metrics: Any = None) -> Any:
+          metrics: Any = None, service: AdminService | None = None) -> Any:
     """Every error answer is counted in ``orchd_messages_rejected{kind="admin", reason}``: the wire
     reason of an undecodable request (bad_json, bad_schema, bad_version, too_large...), else
     bad_request / not_found / conflict / internal_error."""
@@ -101,6 +120,15 @@ def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitabl
             metrics.rejected.labels("admin", reason).inc()
 
     async def handler(request: Request) -> None:
+        if service is not None:
+            service.in_flight += 1
+        try:
+            await answer(request)
+        finally:
+            if service is not None:
+                service.in_flight -= 1
+
+    async def answer(request: Request) -> None:
         t0 = time.perf_counter()
         try:
             try:
@@ -114,8 +142,8 @@ def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitabl
                 reply = await fn(req)
                 log.debug("admin_request", ms=round((time.perf_counter() - t0) * 1000, 2))
             await request.respond(ev.encode(reply))
-        except NotLeader as e:  # taken in, then the lease was lost: the client retries on the new leader
-            count("not_leader")
+        except (NotLeader, ShuttingDown) as e:  # lease lost / final batch taken: the client retries (503)
+            count("not_leader" if isinstance(e, NotLeader) else "shutting_down")
             await request.respond_error("503", str(e), data=ev.encode(ev.AdminErrorBody(code=503, message=str(e))))
         except AdminFailure as e:
             count(e.reason or _ERROR_REASONS.get(e.code, f"http_{e.code}"))
@@ -176,7 +204,11 @@ class Handlers:
         job_id = req.job_id or new_job_id(req.spec, secrets.token_hex(3))
         if job_id in self.d.state.jobs:
             return ev.SubmitJobReply(job_id=job_id, created=False)
-        await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=req.spec))
+        try:
+            await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=req.spec))
+        except NotLeader as e:  # it may have been written all the same: a retry under another id would be a 2nd job
+            raise NotLeader(f"{e}; submit it again as job {job_id} (orchctl submit --id {job_id}): it may have"
+                            " been written, and the same id cannot make a second job") from None
         if job_id not in self.d.state.jobs:
             clash = find_overlap(((j.job_id, j.spec.checkpoint.url) for j in self.d.state.jobs.values()),
                                  req.spec.checkpoint.url)

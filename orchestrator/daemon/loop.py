@@ -50,10 +50,15 @@ MAX_HEARTBEATS_PER_BATCH = 1000
 SLOW_BATCH_S = 0.25
 URGENT_ROUNDS = 4
 _NOTHING: frozenset[str] = frozenset()
+_NOT_LEADER = "this orchd lost the leader lease; retry: the new leader answers"
 
 
 class NotLeader(Exception):
     """An admin request this orchd took in but cannot answer: it lost the leader lease meanwhile."""
+
+
+class ShuttingDown(Exception):
+    """An admin request that came after the final batch was taken: nothing more is decided here."""
 
 
 class Daemon:
@@ -93,6 +98,8 @@ class Daemon:
         self.exit_code = 0
         self._reaper: Reaper | None = None
         self._persisting: Set[str] = _NOTHING  # the dirty keys of the batch being persisted
+        self._closed = False  # the final batch is taken (``finish``): ``submit`` refuses at once
+        self._held: list[Msg] = []  # handed back while the pull loops ran: nak'ed by ``finish``
 
     # --- lifecycle (run.py) ------------------------------------------------------------------------
 
@@ -132,7 +139,12 @@ class Daemon:
         return self._reaper
 
     async def submit(self, event: CoreEvent) -> None:
-        """Feed a shell event (admin intent) and return once its decision is persisted."""
+        """Feed a shell event (admin intent) and return once its decision is persisted. ``NotLeader`` when
+        the lease was lost before, ``ShuttingDown`` when it comes after the final batch was taken (both: 503)."""
+        if self._closed:
+            if not self.may_act():
+                raise NotLeader(_NOT_LEADER)
+            raise ShuttingDown("this orchd is shutting down; retry once it or a standby answers")
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.intake.put_shell(ShellItem(event, fut))
         await fut
@@ -205,10 +217,15 @@ class Daemon:
     async def finish(self) -> None:
         """The final batch: what intake already took in is decided and persisted, with every pending
         liveness record (called once the loop has stopped). A daemon that lost the lease hands it all
-        back instead (``process``)."""
+        back instead (``process``), and naks every message it handed back (``_hand_back``). Admin requests
+        that come later are refused at once (``submit``): the admin service stops after this, once every
+        request it took is answered. Called once the pull loops have stopped."""
         if self.may_act():
             self.liveness.start_round()
-        await self.process(self.intake.take())
+        batch = self.intake.take()
+        self._closed = True  # an admin request that comes from now on is refused, not left unanswered
+        await self.process(batch)
+        await self._nak_held()
 
     async def process(self, batch: Batch, *, urgent: bool = False) -> None:
         """Decide a batch, persist it, dispatch its commands, ack it (``pipeline``'s stages). ``urgent``
@@ -287,18 +304,28 @@ class Daemon:
         """What a daemon that lost the lease holds: its JetStream messages are nak'ed (redelivered at once
         to the leader that took over, instead of after the ack wait), its admin requests fail with
         ``NotLeader`` (the client retries and reaches the new leader), executor results are dropped
-        (the commands are still in the outbox: the new leader executes them again)."""
+        (the commands are still in the outbox: the new leader executes them again).
+
+        The naks wait for ``finish`` (the pull loops stopped): nak'ed while this daemon's pull request
+        is open, a message is redelivered to that very request and lost when the pull stops - the new
+        leader would get it only after the ack wait."""
         futures = [*(item.reply for item in shell if item.reply is not None), *(replies or [])]
         for fut in futures:
             if not fut.done():
-                fut.set_exception(NotLeader("this orchd lost the leader lease; retry: the new leader answers"))
-        for _kind, msg in js:
+                fut.set_exception(NotLeader(_NOT_LEADER))
+        self._held.extend(msg for _kind, msg in js)
+        if self._closed:
+            await self._nak_held()
+        if js or futures:
+            log.warning("handed_back", messages=len(js), requests=len(futures))
+
+    async def _nak_held(self) -> None:
+        held, self._held = self._held, []
+        for msg in held:
             try:
                 await msg.nak()
             except Exception as e:  # disconnected: redelivered after the ack wait instead
                 log.debug("nak_failed", error=repr(e))
-        if js or futures:
-            log.warning("handed_back", messages=len(js), requests=len(futures))
 
     async def _write_liveness(self, keys: set[str]) -> None:
         """One slice of a liveness flush round, written off the decide loop from the latest state (not by

@@ -242,9 +242,9 @@ async def _serve(d: Daemon, executor: Executor, js: JetStreamContext, conns: tup
         _write_discovery(d)  # readiness for orchctl and harnesses: written once the admin API answers
         await _decide_until_stopped(d, nc, task_status)
         with anyio.move_on_after(settings.daemon.shutdown_grace_s, shield=True):
-            await quietly(service.stop())
             await quietly(hb_sub.unsubscribe())
             await d.finish()  # what was already taken in: decided and persisted, liveness records too
+            await quietly(service.stop())  # after: every admin request it took in is answered first
         tg.cancel_scope.cancel()  # in-flight commands stay in the outbox for the next daemon
 
 

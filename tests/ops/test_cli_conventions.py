@@ -196,3 +196,29 @@ def test_every_command_takes_output_format() -> None:
     p = _orchctl("examples", "--list", "-o", "json")
     assert p.returncode == 0, p.stderr
     assert "systemd/orchd.service" in json.loads(p.stdout)["files"]
+
+
+def test_a_503_from_orchd_exits_69_with_a_retry_hint(nats_server) -> None:
+    """orchd answers 503 when it lost the leader lease while holding the request (``not_leader``) or is
+    stopping: transient, so orchctl exits 69 (retry), not 1. A stand-in responder on a real server sends
+    orchd's reply (the micro error headers and an AdminErrorBody)."""
+    import wire as ev
+
+    async def answer_503() -> subprocess.CompletedProcess[str]:
+        nc = await nats.connect(nats_server.url)
+        try:
+            message = "this orchd lost the leader lease; retry: the new leader answers"
+
+            async def respond(msg) -> None:
+                await nc.publish(msg.reply, ev.encode(ev.AdminErrorBody(code=503, message=message)),
+                                 headers={"Nats-Service-Error-Code": "503", "Nats-Service-Error": message})
+
+            await nc.subscribe(ev.admin_subject("status", "get"), cb=respond)
+            await nc.flush()
+            return await anyio.to_thread.run_sync(lambda: _orchctl("--server", nats_server.url, "status"))
+        finally:
+            await nc.close()
+
+    p = anyio.run(answer_503, backend="asyncio")
+    assert p.returncode == 69, (p.returncode, p.stderr)
+    assert "503" in p.stderr and "retry" in p.stderr
