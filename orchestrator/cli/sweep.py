@@ -243,11 +243,13 @@ class _AdminBridge:
             raise OrchdUnavailable(str(e)) from None
 
     def submit(self, spec: JobSpec, job_id: str) -> None:
-        from orchestrator.sweeps.controller import SweepClosed
+        from orchestrator.sweeps.controller import SweepClosed, TrialRefused
 
         try:
             self._call("submit", spec, job_id)
         except AdminError as e:
+            if e.code == 400:  # the spec itself: refused again on every retry
+                raise TrialRefused(e.message) from None
             closed = _CLOSED.search(e.message) if e.code == 409 else None
             if closed is None:
                 raise

@@ -56,11 +56,17 @@ class SweepClosed(Exception):
         self.reason = reason
 
 
+class TrialRefused(Exception):
+    """orchd refused a trial's job spec for good (its 400: e.g. no enabled cloud can run it, a field out of
+    bounds): the trial FAILs with orchd's message; submitting it again would be refused again."""
+
+
 class OrchdApi(Protocol):
     """What the controller needs of orchd's admin API (blocking)."""
 
     def submit(self, spec: JobSpec, job_id: str) -> None:
-        """Raises SweepClosed when orchd refuses it for its sweep's budget or deadline."""
+        """Raises SweepClosed when orchd refuses it for its sweep's budget or deadline, TrialRefused when
+        orchd refuses the spec itself."""
         ...
 
     def job(self, job_id: str) -> dict[str, Any] | None:
@@ -190,6 +196,9 @@ class Controller:
                     sw.set(t, store.STOP, e.reason)
                     sw.tell(t, "fail", res, reason=e.reason)
                     res.closed = e.reason
+                    return
+                except TrialRefused as e:  # not retried: the same spec is refused again
+                    sw.tell(t, "fail", res, reason=f"refused: {e}"[:500])
                     return
                 res.submitted.append(job_id)
             return

@@ -14,7 +14,10 @@ on-demand, with prices from a ``FixedPrices`` table or a ``ReplayPrices`` histor
 time (see prices.py). ``capacity`` limits live instances per pool (None = unlimited).
 
 Idempotency: a launch with a token already used returns the first call's instances.
-Instance ids are ``local-<n>``; terminated instances stay visible to ``describe`` as TERMINATED.
+Instance ids are ``local-<run>-<n>``: ``<run>`` is fixed per provider object (its start time and 2 random bytes), so an
+orchd started again never reuses an id its state still holds for a node of the last run (a Terminate
+of that old node must not reach a new one); terminated instances stay visible to ``describe`` as
+TERMINATED.
 
 When orchd stops, its local nodes stop too (``daemon_stopping``, called by orchd on its way out,
 before its NATS connections close): each node's metadata service and this node table live in orchd's
@@ -117,6 +120,8 @@ class LocalProvider:
         self.config = cfg = config or LocalConfig()
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
+        # this provider object's instance ids (module docstring): its start time, and 2 random bytes
+        self._run = f"{time.time_ns() // 1_000_000:x}{os.urandom(2).hex()}"
         self._nodes: dict[InstanceId, _Node] = {}
         self._by_node: dict[str, InstanceId] = {}
         self._by_token: dict[str, tuple[InstanceId, ...]] = {}
@@ -166,7 +171,8 @@ class LocalProvider:
             room = request.count if cap is None else max(0, min(request.count, cap - live))
             if room == 0:
                 raise CapacityError(f"no capacity in {pool.name}", pool=pool)
-            planned = [(InstanceId(f"local-{next(self._ids):05d}"), request.node_ids[i]) for i in range(room)]
+            planned = [(InstanceId(f"local-{self._run}-{next(self._ids):05d}"), request.node_ids[i])
+                       for i in range(room)]
             self._by_token[request.idempotency_token] = tuple(i for i, _ in planned)
         boot = request.bootstrap
         urls = boot.nats_urls if boot is not None and boot.nats_urls else c.nats_urls

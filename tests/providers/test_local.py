@@ -106,3 +106,18 @@ def test_agent_environment_carries_the_nodes_own_secret_only(tmp_path: Path, mon
         assert own.agent_environment(NodeId("n1"), req)["CREDENTIALS_DIRECTORY"] == "/run/node"
     finally:
         own.close()
+
+
+def test_a_provider_started_again_never_reuses_an_instance_id(tmp_path: Path) -> None:
+    """orchd's state keeps the instance ids of the last run's nodes; a Terminate decided for one of them
+    after a restart must not reach a node the new provider launched (ids once restarted at local-00001)."""
+    ids = []
+    for _run in range(2):
+        lp = _provider(tmp_path)
+        try:
+            pool = lp.pool("local-a")
+            req = LaunchRequest(pool=pool, node_ids=(NodeId("n1"),), cluster_id="c1", idempotency_token="t", job_id="j")
+            ids += [i.instance_id for i in lp.launch(req).instances]
+        finally:
+            lp.close()
+    assert len(ids) == 2 and ids[0] != ids[1], ids
