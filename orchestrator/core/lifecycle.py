@@ -187,13 +187,23 @@ def terminate_all(tx: Tx, job: Job, reason: str) -> Job:
 # --- generations --------------------------------------------------------------------------------
 
 
+def _port_offset(job_id: str) -> int:
+    """A fixed offset per job for its rendezvous port: two jobs whose rank 0 share a host (the local
+    provider's nodes are processes of one machine) start their generations on different ports, where
+    ``base + generation % span`` gave every job's first generation the same one (EADDRINUSE)."""
+    h = 0
+    for b in job_id.encode():
+        h = (h * 131 + b) % 1_000_003
+    return h
+
+
 def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
     cfg = tx.cfg
     gen = job.generation + 1
     nn = len(members)
     gpn = job.spec.gpus_per_node
     master = members[0].host or members[0].node_id
-    port = cfg.master_port_base + gen % cfg.master_port_span
+    port = cfg.master_port_base + (_port_offset(job.job_id) + gen) % cfg.master_port_span
     interval = checkpoint_interval_s(job, tx.pools.get(members[0].pool_name), nn, cfg, tx.now)
     # Before its own first commit a job resumes only from the checkpoint its spec names (start_from),
     # never from anything found under its root; it always writes under its own root.

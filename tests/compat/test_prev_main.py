@@ -156,11 +156,22 @@ def test_todays_core_decides_like_the_old_core_from_the_old_state(expected_state
     want = expected_state["continuation"]
     assert [d["event"] for d in got] == [d["event"] for d in want]
     for g, w in zip(got, want, strict=True):
-        assert g == w, g["event"]
+        # changed on purpose: a generation's rendezvous port has a fixed offset per job (two jobs whose
+        # rank 0 share a host started on one port, lifecycle._port_offset); every other field is equal
+        assert _without(g, "master_port") == _without(w, "master_port"), g["event"]
     # the noticed node is terminated; the survivor starts generation 2 from the emergency checkpoint
     started = [c["command"] for d in got for c in d["commands"] if c["type"] == "send_to_agent"]
     assert [c["type"] for c in started] == ["start_generation"]
     assert started[0]["generation"] == 2 and started[0]["resume_from"].endswith("step_000000231")
+
+
+def _without(value: Any, key: str) -> Any:
+    """``value`` (JSON) with every ``key`` of every mapping in it removed."""
+    if isinstance(value, dict):
+        return {k: _without(v, key) for k, v in value.items() if k != key}
+    if isinstance(value, list):
+        return [_without(v, key) for v in value]
+    return value
 
 
 def test_audit_entries_decode_as_audit_entries() -> None:
