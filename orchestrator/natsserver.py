@@ -10,6 +10,7 @@ idempotent and always reaps the process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,6 +20,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger("orch.natsserver")
+
+
+def _running(pid: int) -> bool:
+    """The process exists and has not exited (a zombie waiting for its parent has)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
 
 
 class NatsServerError(RuntimeError):
@@ -75,7 +89,8 @@ class NatsServer:
         ports_dir = self.store_dir / "ports"
         ports_dir.mkdir(exist_ok=True)
         for old in ports_dir.glob("*.ports"):
-            old.unlink()
+            self._stop_orphan(old)
+            old.unlink(missing_ok=True)
         args = [server_binary(), "-a", self.host, "-p", str(self.port), "-n", self.name,
                 "--ports_file_dir", str(ports_dir), "-l", str(self.log_path)]
         if self.jetstream:
@@ -101,6 +116,31 @@ class NatsServer:
             time.sleep(0.02)
         self.stop()
         raise NatsServerError(f"nats-server not ready after {timeout_s}s: {self._tail()}")
+
+    def _stop_orphan(self, ports_file: Path) -> None:
+        """A server of an earlier start on this store that outlived its orchd (kill -9 of orchd: the server
+        runs in its own session) is stopped before a second one opens the same JetStream directory. It is
+        found by the pid in its ports file's name (``nats-server_<pid>.ports``) and recognised by its
+        command line naming this store; anything else is left alone."""
+        pid_text = ports_file.stem.rpartition("_")[2]
+        if not pid_text.isdigit():
+            return
+        pid = int(pid_text)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone (or no /proc): nothing to stop
+            return
+        if str(self.store_dir / "jetstream").encode() not in cmdline:
+            return  # a reused pid, or another server
+        log.warning("orphan_nats_server_stopped", pid=pid, store=str(self.store_dir))
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(ProcessLookupError):
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
 
     def _ready(self) -> bool:
         try:
