@@ -82,8 +82,9 @@ def _cell(v: Any) -> str:
         return f"{v:.4g}" if abs(v) < 1e9 else format_time(v)
     if isinstance(v, list | tuple):
         return ",".join(map(str, v))
-    if isinstance(v, dict):
-        return json.dumps(v, separators=(",", ":"))[:80]
+    if isinstance(v, dict):  # times inside (a hold's or a wait's "until") carry their date too
+        shown = {k: format_time(x) if isinstance(x, float) and abs(x) >= 1e9 else x for k, x in v.items()}
+        return json.dumps(shown, separators=(",", ":"))[:80]
     return str(v)
 
 

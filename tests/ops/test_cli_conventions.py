@@ -86,6 +86,11 @@ def test_table_times_have_a_date() -> None:
 
     line = ev.LogLine(job_id="j", node_id="n1", generation=1, rank=0, seq=0, line="x", ts=ts)
     assert format_line(line).startswith("2026-09-21 14:13:20Z n1 g1 r0 | x")
+    # a time inside a field (jobs show: a restart hold's or a wait's "until")
+    from orchestrator.cli.main import render_kv
+
+    shown = render_kv({"hold": {"reason": "exited_early", "until": ts, "holds": 1}})
+    assert '"until":"2026-09-21 14:13:20Z"' in shown and '"holds":1' in shown
 
 
 async def _publish_line(url: str, job: str, text: str, ts: float) -> None:
