@@ -19,6 +19,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
 from orchestrator.sweeps.spec import SweepSpec, SweepSpecError, check_sweep_id, parse_sweepspec
@@ -78,6 +79,10 @@ class SweepStore:
         kwargs: dict[str, Any] = {}
         if url.startswith("sqlite"):
             kwargs = {"connect_args": {"timeout": 30}}  # orchctl and the controller share the file
+            folder = Path(url.partition(":///")[2]).parent
+            if url.partition(":///")[2] not in ("", ":memory:") and not folder.is_dir():
+                raise SweepSpecError(f"the SQLite file's directory {folder} does not exist (create it first)",
+                                     f"sweep storage {redact_url(url)}")
         try:
             self.storage = optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
         except Exception as e:  # a bad URL, a missing driver, an unreachable database

@@ -91,3 +91,13 @@ def test_the_shipped_example_is_valid():
     spec, _ = load_sweepspec(Path(__file__).resolve().parents[2] / "config" / "sweeps" / "gpt-lr.toml")
     assert (spec.trials, spec.parallelism, spec.share_usd()) == (16, 4, 25.0)
     assert [p.name for p in spec.space] == ["lr", "warmup_steps", "weight_decay"]
+
+
+def test_a_sqlite_storage_in_a_missing_directory_says_so(tmp_path):
+    """The README's ``sqlite:////var/lib/orch/sweeps.db`` on a host without that directory failed with
+    SQLite's "unable to open database file"; the error now names the directory."""
+    from orchestrator.sweeps.store import SweepStore
+
+    with pytest.raises(SweepSpecError, match=f"directory {tmp_path / 'nope'} does not exist"):
+        SweepStore(f"sqlite:///{tmp_path / 'nope' / 'sweeps.db'}")
+    SweepStore(f"sqlite:///{tmp_path / 'sweeps.db'}")  # an existing directory: created as before
