@@ -234,20 +234,27 @@ async def test_a_tick_taken_in_by_a_paused_leader_reaches_the_new_one_at_takeove
             ready = time.monotonic()
             assert a.exit_code == EXIT_LEASE_LOST and publisher[0].returncode == 0
 
-            def priced() -> bool:
-                return any(p.pool == h.POOL and p.price_usd_h == 1.7 for p in b.state.pools.values())
-
-            await h.wait_for(priced, timeout=30)
-            await _all_acked(nc)  # by the new leader: the held one acked nothing of it
-            took = time.monotonic() - ready
-            dead = await nc.jetstream().stream_info(bus.STREAM_DEAD)
-            print(f"\nthe new leader had the tick {took:.2f} s after it was ready; dead letters {dead.state.messages}")
-            assert took < bus.ack_wait_s(TTL) / 2, took  # handed back (nak), not redelivered after the ack wait
-            assert dead.state.messages == 0
+            await _new_leader_has_the_tick(b, nc, ready)
             b.request_stop()
     finally:
         await nc.close()
         server.cleanup()
+
+
+async def _new_leader_has_the_tick(b, nc, ready: float) -> None:
+    """The new leader ``b`` has the 1.7 tick in its prices, acked, soon after it was ready (handed back:
+    nak'ed at once, not redelivered after the consumer's ack wait), and nothing was dead-lettered."""
+
+    def priced() -> bool:
+        return any(p.pool == h.POOL and p.price_usd_h == 1.7 for p in b.state.pools.values())
+
+    await h.wait_for(priced, timeout=30)
+    await _all_acked(nc)  # by the new leader: the held one acked nothing of it
+    took = time.monotonic() - ready
+    dead = await nc.jetstream().stream_info(bus.STREAM_DEAD)
+    print(f"\nthe new leader had the tick {took:.2f} s after it was ready; dead letters {dead.state.messages}")
+    assert took < bus.ack_wait_s(TTL) / 2, took
+    assert dead.state.messages == 0
 
 
 async def test_a_tick_whose_persist_outlived_the_lease_reaches_the_new_leader_at_takeover(tmp_path) -> None:
@@ -277,18 +284,9 @@ async def test_a_tick_whose_persist_outlived_the_lease_reaches_the_new_leader_at
             ready = time.monotonic()
             assert a.exit_code == EXIT_LEASE_LOST
 
-            def priced() -> bool:
-                return any(p.pool == h.POOL and p.price_usd_h == 1.7 for p in b.state.pools.values())
-
-            await h.wait_for(priced, timeout=30)
-            await _all_acked(nc)  # by the new leader: the held one acked nothing of it
-            took = time.monotonic() - ready
-            dead = await nc.jetstream().stream_info(bus.STREAM_DEAD)
-            print(f"\nthe new leader had the tick {took:.2f} s after it was ready; dead letters {dead.state.messages}")
-            # at takeover: a nak while the held leader's pull was still open went back to that same pull, and
-            # was lost with it: the new leader got it only after the ack wait (10 s after the nak)
-            assert took < bus.ack_wait_s(TTL) / 2, took
-            assert dead.state.messages == 0
+            # a nak while the held leader's pull was still open went back to that same pull, and was lost
+            # with it: the new leader got the tick only after the ack wait (10 s after the nak)
+            await _new_leader_has_the_tick(b, nc, ready)
             b.request_stop()
     finally:
         await nc.close()
