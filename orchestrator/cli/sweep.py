@@ -362,5 +362,8 @@ def service_main(argv: list[str] | None = None) -> int:
     for opt in ("--server", "--config", "--state-dir", "--timeout"):
         g.add_argument(opt)
     known, rest = g.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "-h" in rest or "--help" in rest:  # the help below is `orchctl sweep run`'s: say what else is taken
+        print("orch-sweep also takes orchctl's global options: --server URL, --config FILE, --state-dir DIR, "
+              "--timeout S (where orchd is: see `orchctl --help`)\n")
     front = [x for opt, v in vars(known).items() if v is not None for x in ("--" + opt.replace("_", "-"), v)]
     return int(main([*front, "sweep", "run", *rest]))

@@ -101,3 +101,11 @@ def test_a_sqlite_storage_in_a_missing_directory_says_so(tmp_path):
     with pytest.raises(SweepSpecError, match=f"directory {tmp_path / 'nope'} does not exist"):
         SweepStore(f"sqlite:///{tmp_path / 'nope' / 'sweeps.db'}")
     SweepStore(f"sqlite:///{tmp_path / 'sweeps.db'}")  # an existing directory: created as before
+
+
+def test_orch_sweep_help_names_the_global_options(capsys):
+    from orchestrator.cli.sweep import service_main
+
+    assert service_main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--server URL" in out and "--storage" in out
