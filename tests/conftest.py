@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 from collections.abc import Iterator
 
@@ -17,6 +18,12 @@ import pytest
 from orchestrator.natsserver import NatsServer
 
 IN_CI = os.environ.get("ORCH_CI") == "1"
+
+# A suite started in the background (a shell runs asynchronous commands with SIGINT ignored) would hand the
+# ignore on to every process a test starts, and the Ctrl-C tests would see it ignored: the processes of
+# the suite get SIGINT as a terminal sends it (a handler here is reset to the default in a child).
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def require_tool(name: str) -> str:
