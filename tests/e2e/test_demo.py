@@ -27,7 +27,8 @@ import pytest
 from orchestrator.cli.demo import DemoOptions, run_demo
 from orchestrator.cli.demo_report import load_step_logs, loss_by_step
 
-STEPS = 150  # enough steps after the spike for the new zone's nodes to boot while training goes on
+STEPS = 200  # enough steps after the spike for the new zone's nodes to boot while training goes on (with 150,
+# a loaded CI host once finished the job before the move: the spike had no next generation)
 LOSS_TOL = 1e-4
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(600)]
@@ -69,7 +70,7 @@ async def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
     assert r["generations"] >= 3, r
     # the price spike moved the job to another zone at a checkpoint: nothing lost
     (spike,) = r["price_spikes"]
-    assert spike["lost_steps"] == 0 and spike["next_generation"] > vanished["next_generation"], r
+    assert spike.get("lost_steps") == 0 and spike.get("next_generation", 0) > vanished["next_generation"], r
     zones = [{p.split("/")[0] for p in g["nodes"].values()} for g in r["generation_table"]]
     assert zones[0] == {"local-a"} and len(zones[-1]) == 1 and zones[-1] != {"local-a"}, zones
     assert r["cost_usd"] > 0 and r["on_demand_cost_usd"] > r["cost_usd"], r
