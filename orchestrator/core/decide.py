@@ -16,7 +16,6 @@ heartbeat rule and that fast path for a run of heartbeats at once (one state reb
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Final, NamedTuple, assert_never
 
@@ -49,6 +48,7 @@ from orchestrator.core.model import (
     Intent,
     Job,
     JobPhase,
+    Node,
     NodePhase,
     State,
     fin,
@@ -143,28 +143,13 @@ def decide(state: State, event: CoreEvent, now: float) -> Decision:
 
 
 def _heartbeat_fast(state: State, hb: Heartbeat, now: float) -> Decision | None:
-    """The common case: a known, healthy node reports liveness/progress. None -> take the slow path.
-    ``fold_heartbeats`` has the same rules, inlined: a change here is a change there."""
+    """The common case: a known, healthy node reports liveness/progress. None -> take the slow path."""
     node = state.nodes.get(hb.node_id)
     if node is None:
         return Decision(state, (), (), _EMPTY)
-    # No seq-based drop: an agent that restarted starts again at seq 1 (heartbeats are core NATS,
-    # ordered per connection); progress never goes backwards because step only grows.
-    if node.suspect_since is not None or node.disconnected or node.phase not in _LIVE_PHASES:
+    new = _fast_record(node, state.jobs.get(node.job_id), hb, now)
+    if new is None:
         return None
-    if node.phase == _RUNNING and hb.generation == node.generation and hb.state == _TRAINING:
-        job = state.jobs.get(node.job_id)
-        if job is not None and job.phase == _STARTING and job.generation == node.generation:
-            return None  # first sign of training: the job becomes RUNNING
-    step = hb.step if hb.generation == node.generation and hb.step > node.step else node.step
-    new = _replace(
-        node,
-        last_seen=now,
-        hb_seq=hb.seq,
-        step=step,
-        loss=fin(hb.loss) if hb.loss is not None else node.loss,
-        step_time_s=fin(hb.step_time_s) or node.step_time_s,
-    )
     # last_seen only moves forward here: the node's entry in the index (timers.py) stays a lower bound
     return Decision(State(state.jobs, state.nodes.set(node.node_id, new), state.pools, state.meta, state.timers),
                     (), (), _EMPTY)
@@ -175,6 +160,26 @@ _LIVE_PHASES: Final = (N.RUNNING, N.REGISTERED)
 _RUNNING: Final = N.RUNNING
 _STARTING: Final = J.STARTING
 _TRAINING: Final = AgentState.TRAINING
+
+
+def _fast_record(node: Node, job: Job | None, hb: Heartbeat, now: float) -> Node | None:
+    """The node's record after a heartbeat that changes only liveness and progress (``job``: the node's
+    job), or None when the heartbeat needs the slow path: a suspect, disconnected or not yet running
+    node, or a job's first sign of training (it becomes RUNNING)."""
+    # No seq-based drop: an agent that restarted starts again at seq 1 (heartbeats are core NATS,
+    # ordered per connection); progress never goes backwards because step only grows.
+    if node.suspect_since is not None or node.disconnected or node.phase not in _LIVE_PHASES:
+        return None
+    step = node.step
+    if hb.generation == node.generation:
+        if (node.phase == _RUNNING and hb.state == _TRAINING and job is not None and job.phase == _STARTING
+                and job.generation == node.generation):
+            return None
+        if hb.step > step:
+            step = hb.step
+    return _replace(node, last_seen=now, hb_seq=hb.seq, step=step,
+                    loss=fin(hb.loss) if hb.loss is not None else node.loss,
+                    step_time_s=fin(hb.step_time_s) or node.step_time_s)
 
 
 class HeartbeatFold(NamedTuple):
@@ -189,56 +194,33 @@ class HeartbeatFold(NamedTuple):
 def fold_heartbeats(state: State, hbs: Sequence[Heartbeat], start: int, end: int, now: float) -> HeartbeatFold:
     """``gate.authorize`` then ``decide`` for the heartbeats ``hbs[start:end]``, in order, with the same
     results as one by one, in one state rebuild (the daemon's hot path): each one is refused by the trust
-    gate (its rule for heartbeats) or takes ``_heartbeat_fast`` - a Decision with no command, no audit
-    and an empty ``dirty``; its node's record key goes to ``live`` -, until the first one that needs
-    the slow path (``stop``: not folded; the caller decides it with ``decide`` and folds on from the
-    next one). Both rules are inlined here (one node and one job lookup per heartbeat):
+    gate (``gate.heartbeat_refusal``) or takes the fast path (``_fast_record``) - a Decision with no
+    command, no audit and an empty ``dirty``; its node's record key goes to ``live`` -, until the first
+    one that needs the slow path (``stop``: not folded; the caller decides it with ``decide`` and folds
+    on from the next one). One node and one job lookup per heartbeat, for both rules:
     tests/core/test_heartbeat_fold.py holds the fold equal to ``authorize`` + ``decide`` one by one."""
     if state.timers is None:
         state = State(state.jobs, state.nodes, state.pools, state.meta, build_timers(state.jobs, state.nodes))
     jobs = state.jobs
     nodes = state.nodes.mutate()
-    get, put, job_of, isfinite = nodes.get, nodes.set, jobs.get, math.isfinite
+    get, put, job_of, refusal = nodes.get, nodes.set, jobs.get, gate.heartbeat_refusal
     refused: list[tuple[int, str]] = []
     live: list[str] = []
     i = start
     while i < end:
         hb = hbs[i]
         node = get(hb.node_id)
-        # the trust gate (gate.authorize of a heartbeat)
-        if node is None:
-            refused.append((i, gate.UNKNOWN_NODE))
-            i += 1
-            continue
-        if hb.job_id is not None and hb.job_id != node.job_id:
-            refused.append((i, gate.WRONG_JOB))
-            i += 1
-            continue
-        job = job_of(node.job_id)
-        step = node.step
-        if hb.step > step and job is not None and hb.step > job.spec.total_steps:
-            refused.append((i, gate.BAD_STEP))
-            i += 1
-            continue
-        # _heartbeat_fast
-        if node.suspect_since is not None or node.disconnected or node.phase not in _LIVE_PHASES:
-            break
-        if hb.generation == node.generation:
-            if (node.phase == _RUNNING and hb.state == _TRAINING and job is not None and job.phase == _STARTING
-                    and job.generation == node.generation):
-                break  # first sign of training: the job becomes RUNNING
-            if hb.step > step:
-                step = hb.step
-        loss = hb.loss
-        if loss is None:
-            loss = node.loss
-        elif not isfinite(loss):
-            loss = None
-        st = hb.step_time_s
-        if st is None or not st or not isfinite(st):  # fin(st) or node.step_time_s
-            st = node.step_time_s
-        put(hb.node_id, _replace(node, last_seen=now, hb_seq=hb.seq, step=step, loss=loss, step_time_s=st))
-        live.append("node." + hb.node_id)
+        job = None if node is None else job_of(node.job_id)
+        why = refusal(hb, node, job)
+        if why is not None:
+            refused.append((i, why))
+        else:
+            assert node is not None  # refused otherwise
+            new = _fast_record(node, job, hb, now)
+            if new is None:
+                break
+            put(hb.node_id, new)
+            live.append("node." + hb.node_id)
         i += 1
     after = State(jobs, nodes.finish(), state.pools, state.meta, state.timers) if live else state
     return HeartbeatFold(after, i, refused, live)

@@ -39,7 +39,7 @@ from __future__ import annotations
 from typing import Final
 
 from orchestrator.core.inputs import CoreEvent
-from orchestrator.core.model import Job, State
+from orchestrator.core.model import Job, Node, State
 from orchestrator.core.roots import under_root
 from wire.messages import (
     CheckpointCommitted,
@@ -68,17 +68,9 @@ REASONS: Final = (UNKNOWN_NODE, WRONG_JOB, STALE_GENERATION, BAD_GENERATION, WRO
 
 def authorize(state: State, event: CoreEvent, now: float) -> str | None:
     """Why ``event`` must not reach the core (a short label, see the module docstring), or None."""
-    if type(event) is Heartbeat:  # the hot path (inlined): two map lookups at most
+    if type(event) is Heartbeat:  # the hot path: two map lookups
         node = state.nodes.get(event.node_id)
-        if node is None:
-            return UNKNOWN_NODE
-        if event.job_id is not None and event.job_id != node.job_id:
-            return WRONG_JOB
-        if event.step > node.step:  # progress: bounded by the job's total
-            job = state.jobs.get(node.job_id)
-            if job is not None and event.step > job.spec.total_steps:
-                return BAD_STEP
-        return None
+        return heartbeat_refusal(event, node, None if node is None else state.jobs.get(node.job_id))
     if isinstance(event, CheckpointCommitted | RanksExited | GenerationStarted):
         return _generation_event(state, event)
     if isinstance(event, NodeRegistered):
@@ -86,6 +78,18 @@ def authorize(state: State, event: CoreEvent, now: float) -> str | None:
     if isinstance(event, PreemptionNotice | NodeLeaving | CommandAck):
         return None if event.node_id in state.nodes else UNKNOWN_NODE
     return None  # orchd's own events and price ticks: trusted senders
+
+
+def heartbeat_refusal(hb: Heartbeat, node: Node | None, job: Job | None) -> str | None:
+    """The rule for a heartbeat, given its node's record and that node's job (looked up by the caller:
+    ``authorize``, and ``decide.fold_heartbeats`` which needs them too)."""
+    if node is None:
+        return UNKNOWN_NODE
+    if hb.job_id is not None and hb.job_id != node.job_id:
+        return WRONG_JOB
+    if hb.step > node.step and job is not None and hb.step > job.spec.total_steps:
+        return BAD_STEP  # progress: bounded by the job's total
+    return None
 
 
 def _registered(state: State, ev: NodeRegistered) -> str | None:
