@@ -88,31 +88,28 @@ def admit_js(subject: str, data: bytes) -> JsEvent | Rejected:
 
     Never raises, whatever the bytes: a ``WireError`` is rejected with its reason, any other exception
     (a ``RecursionError``, a screen bug...) as ``undecodable`` / ``unscreenable``."""
-    stage = "undecodable"
-    try:
-        event = decode_js(subject, data)
-        stage = "unscreenable"
-        screen_js(subject, event)
-    except ev.WireError as e:
-        return Rejected(bus.message_kind(subject), e.reason, e.detail)
-    except Exception as e:
-        return Rejected(bus.message_kind(subject), stage, f"{type(e).__name__}: {e}"[:200])
-    return event
+    return _admit_one(subject, data, decode_js, screen_js, None)
 
 
 def admit_heartbeat(subject: str, data: bytes) -> ev.Heartbeat | Rejected:
     """Decode and screen one heartbeat: the event for the core, or why it is rejected. Never raises
     (as ``admit_js``)."""
+    return _admit_one(subject, data, decode_heartbeat, screen_heartbeat, "heartbeat")
+
+
+def _admit_one(subject: str, data: bytes, decode: Callable[[str, bytes], E], screen: Callable[[str, E], None],
+               kind: str | None) -> E | Rejected:
+    """``decode`` then ``screen``; a rejection's kind is ``kind``, else the subject's."""
     stage = "undecodable"
     try:
-        hb = decode_heartbeat(subject, data)
+        event = decode(subject, data)
         stage = "unscreenable"
-        screen_heartbeat(subject, hb)
+        screen(subject, event)
     except ev.WireError as e:
-        return Rejected("heartbeat", e.reason, e.detail)
+        return Rejected(kind or bus.message_kind(subject), e.reason, e.detail)
     except Exception as e:
-        return Rejected("heartbeat", stage, f"{type(e).__name__}: {e}"[:200])
-    return hb
+        return Rejected(kind or bus.message_kind(subject), stage, f"{type(e).__name__}: {e}"[:200])
+    return event
 
 
 _HB_DECODER: Final = msgspec.json.Decoder(ev.Heartbeat)
