@@ -81,6 +81,16 @@ def _request() -> tuple[ShellItem, asyncio.Future[None]]:
     return ShellItem(JobCancelled(job_id=ev.JobId("no-such-job")), fut), fut
 
 
+async def _process_a_batch(nc, lease: Iterator[bool], tag: str) -> tuple[Daemon, object, asyncio.Future[None]]:
+    """The daemon takes in three price ticks and an admin request and processes them as one batch, its
+    lease answering from ``lease``: (daemon, the consumer's subscription, the request's future)."""
+    d, sub = await _world(nc, lease)
+    msgs = await _taken_in(nc.jetstream(), sub, tag)
+    item, fut = _request()
+    await d.process(Batch([("market", m) for m in msgs], [], [item]))
+    return d, sub, fut
+
+
 def _prices(d: Daemon) -> set[str]:
     assert d.state is not None
     return {ps.pool.name for ps in d.state.pools.values() if ps.price_usd_h is not None
@@ -90,10 +100,7 @@ def _prices(d: Daemon) -> set[str]:
 async def test_a_batch_taken_in_after_the_lease_was_lost_is_handed_back(nats_server) -> None:
     nc = await nats.connect(nats_server.url)
     try:
-        d, sub = await _world(nc, iter(lambda: False, None))
-        msgs = await _taken_in(nc.jetstream(), sub, "lost")
-        item, fut = _request()
-        await d.process(Batch([("market", m) for m in msgs], [], [item]))
+        d, sub, fut = await _process_a_batch(nc, iter(lambda: False, None), "lost")
         assert _prices(d) == set()  # not decided
         with pytest.raises(NotLeader):
             await fut
@@ -107,10 +114,7 @@ async def test_a_batch_whose_persist_outlived_the_lease_is_not_acked(nats_server
     nc = await nats.connect(nats_server.url)
     try:
         answers = iter([True])  # valid when the batch starts, past the deadline once it is persisted
-        d, sub = await _world(nc, iter(lambda: next(answers, False), None))
-        msgs = await _taken_in(nc.jetstream(), sub, "late")
-        item, fut = _request()
-        await d.process(Batch([("market", m) for m in msgs], [], [item]))
+        d, sub, fut = await _process_a_batch(nc, iter(lambda: next(answers, False), None), "late")
         assert _prices(d) == {p.name for p in POOLS}  # decided and written...
         with pytest.raises(NotLeader):  # ...but the request is not answered as done
             await fut
@@ -123,10 +127,7 @@ async def test_a_batch_whose_persist_outlived_the_lease_is_not_acked(nats_server
 async def test_a_leader_acks_what_it_persisted(nats_server) -> None:
     nc = await nats.connect(nats_server.url)
     try:
-        d, sub = await _world(nc, iter(lambda: True, None))
-        msgs = await _taken_in(nc.jetstream(), sub, "held")
-        item, fut = _request()
-        await d.process(Batch([("market", m) for m in msgs], [], [item]))
+        d, sub, fut = await _process_a_batch(nc, iter(lambda: True, None), "held")
         assert _prices(d) == {p.name for p in POOLS}
         with anyio.fail_after(5):
             await fut
