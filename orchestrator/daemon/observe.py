@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,6 +83,19 @@ class Slicer:
     def restart(self) -> None:
         """The next slice begins (its first units were counted by ``over``)."""
         self._t0 = time.perf_counter()
+
+
+def _remove_gone(old: set[tuple[str, str]], kept: set[tuple[str, str]],
+                 remove: Callable[[tuple[str, str]], None], sl: Slicer) -> Iterator[None]:
+    """``remove`` the label sets of ``old`` that are not ``kept`` (series no longer reported), a unit of
+    work each, in ``sl``'s slices."""
+    while old:
+        key = old.pop()
+        if sl.over():
+            yield
+            sl.restart()
+        if key not in kept:
+            remove(key)
 
 
 @dataclass(slots=True)
@@ -314,13 +327,7 @@ class MetricsObserver:
                 hb_labels.add(hb)
                 age.labels(*hb).set(max(0.0, now - node.last_seen))
         old, self._hb_labels = self._hb_labels, hb_labels
-        while old:
-            hb = old.pop()
-            if sl.over():
-                yield
-                sl.restart()
-            if hb not in hb_labels:
-                age.remove(*hb)
+        yield from _remove_gone(old, hb_labels, lambda key: age.remove(*key), sl)
 
     def _refresh_gpus(self, state: State, now: float, sl: Slicer) -> Iterator[None]:
         """The latest GPU readings of the live nodes (a unit of work per reading): at 8 GPUs a node,
@@ -343,17 +350,13 @@ class MetricsObserver:
                 if g.temp_c is not None and -MAX_TEMP_C <= g.temp_c <= MAX_TEMP_C:
                     temp.labels(*key).set(g.temp_c)
                     gpu_labels.add(key)
-        old, self._gpu_labels = self._gpu_labels, gpu_labels
-        while old:
-            key = old.pop()
-            if sl.over():
-                yield
-                sl.restart()
-            if key in gpu_labels:
-                continue
+        def remove(key: tuple[str, str]) -> None:
             for gauge in (util, temp):
                 with contextlib.suppress(KeyError):  # set for one of the two only
                     gauge.remove(*key)
+
+        old, self._gpu_labels = self._gpu_labels, gpu_labels
+        yield from _remove_gone(old, gpu_labels, remove, sl)
 
     # --- the consumers' backlog ----------------------------------------------------------------------
 
