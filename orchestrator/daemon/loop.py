@@ -232,7 +232,7 @@ class Daemon:
         batches carry no slice of a liveness flush round (their commands should leave as soon as possible)."""
         store, executor, state = self._running()
         if not self.may_act():  # deposed: the leader that took over decides this batch
-            await self._hand_back(batch.js, batch.shell)
+            self._hand_back([msg for _kind, msg in batch.js], [i.reply for i in batch.shell if i.reply is not None])
             return
         t_begin = time.perf_counter()
         decider = pipeline.Decider(self.core, state, metrics=self.metrics, on_decision=self._log_decision,
@@ -262,7 +262,7 @@ class Daemon:
             # The lease's deadline passed while the batch was written: the new leader may have loaded
             # the state before these writes landed, so it must get the batch's messages (nak: at once,
             # not after the ack wait; deciding them again is idempotent) and its admin requests fail.
-            await self._hand_back([("", m) for m in decided.to_ack], [], decided.replies)
+            self._hand_back(decided.to_ack, decided.replies)
             decided.to_ack.clear()
             decided.replies.clear()
         for reply in decided.replies:  # admin requests: answered once the whole batch is persisted
@@ -299,25 +299,21 @@ class Daemon:
                         persist_s=round(t_persisted - t_decided, 3), events=decided.decided, records=records,
                         commands=len(decided.commands), audit=len(decided.audit), types=dict(decided.counts))
 
-    async def _hand_back(self, js: list[tuple[str, Msg]], shell: list[ShellItem],
-                         replies: list[asyncio.Future[None]] | None = None) -> None:
+    def _hand_back(self, msgs: list[Msg], replies: list[asyncio.Future[None]]) -> None:
         """What a daemon that lost the lease holds: its JetStream messages are nak'ed (redelivered at once
         to the leader that took over, instead of after the ack wait), its admin requests fail with
         ``NotLeader`` (the client retries and reaches the new leader), executor results are dropped
         (the commands are still in the outbox: the new leader executes them again).
 
-        The naks wait for ``finish`` (the pull loops stopped): nak'ed while this daemon's pull request
-        is open, a message is redelivered to that very request and lost when the pull stops - the new
-        leader would get it only after the ack wait."""
-        futures = [*(item.reply for item in shell if item.reply is not None), *(replies or [])]
-        for fut in futures:
+        The naks wait for ``finish`` (``_nak_held``, once the pull loops stopped): nak'ed while this
+        daemon's pull request is open, a message is redelivered to that very request and lost when the
+        pull stops - the new leader would get it only after the ack wait."""
+        for fut in replies:
             if not fut.done():
                 fut.set_exception(NotLeader(_NOT_LEADER))
-        self._held.extend(msg for _kind, msg in js)
-        if self._closed:
-            await self._nak_held()
-        if js or futures:
-            log.warning("handed_back", messages=len(js), requests=len(futures))
+        self._held.extend(msgs)
+        if msgs or replies:
+            log.warning("handed_back", messages=len(msgs), requests=len(replies))
 
     async def _nak_held(self) -> None:
         held, self._held = self._held, []
