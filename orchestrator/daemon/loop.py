@@ -13,6 +13,7 @@ handlers read the immutable value). Producers reach the loop only through ``Daem
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Set
@@ -246,13 +247,15 @@ class Daemon:
         self._persisting = decided.dirty
 
         async def send() -> None:
-            # Commands as soon as they are in the outbox (checkpoint commands before the rest), while the
-            # records are written: the metrics, the acks and the next liveness slice come after.
-            pipeline.dispatch(decided, executor, self.notice_ts)
+            # The other commands as soon as they are in the outbox, while the records are written: the
+            # metrics, the acks and the next liveness slice come after.
+            pipeline.dispatch(decided, executor)
             if decided.commands:
                 await anyio.sleep(0)  # let the executor's tasks send before the records' publishes
 
         try:
+            if pipeline.dispatch_checkpoints(decided, executor, self.notice_ts):
+                await anyio.sleep(0)  # a notice's checkpoint commands leave before the outbox's round trip
             records = await pipeline.persist(store, self.core, decided, after_outbox=send)
         finally:
             self._persisting = _NOTHING
@@ -351,16 +354,20 @@ class Daemon:
         self.recent.append({"seq": self.recent_seq, "ts": ts, **entry})
 
     def _log_decision(self, event: CoreEvent, d: Decision) -> None:
+        """A log line per command (the triggering event's job and node with it, the command's own fields
+        winning), kept for ``orchctl events`` too; the audit entries at debug level."""
         ctx = summarize_event(event)
-        with structlog.contextvars.bound_contextvars(**ctx):
-            for c in d.commands:
-                info = _describe_command(c)
-                log.info("command_decided", **info)
-                self.recent_seq += 1
-                self.recent.append({"seq": self.recent_seq, "ts": time.time(), "event": type(event).__name__,
-                                    **ctx, **info})
+        where = {k: v for k, v in ctx.items() if k != "event"}  # "event" is the log line's own name
+        lg = log.bind()  # one logger for the decision's lines: the module's lazy proxy binds on each call
+        for c in d.commands:
+            info = _describe_command(c)
+            lg.info("command_decided", **{**where, **info})
+            self.recent_seq += 1
+            self.recent.append({"seq": self.recent_seq, "ts": time.time(), "event": type(event).__name__,
+                                **ctx, **info})
+        if d.audit and lg.is_enabled_for(logging.DEBUG):  # the entry's text only when it is written
             for a in d.audit:
-                log.debug("decision_audit", entry=str(a)[:300])
+                lg.debug("decision_audit", **where, entry=str(a)[:300])
 
 
 def _describe_command(c: Command) -> dict[str, object]:

@@ -16,10 +16,14 @@ them; heartbeats take the very same functions, batched, with nothing logged per 
                ``Decider.decide_heartbeats(heartbeats)``: the same for a batch of heartbeats, the runs
                that only refresh liveness folded through the core in one state rebuild
                ``decide_batch(batch, decider)`` runs decode, screen and decide over a whole batch
+    dispatch   ``dispatch_checkpoints(decided, executor, notice_ts)``: hand the checkpoint commands out
+               at once, before the outbox is written (an agent answers a ``cmd_id`` it has seen with
+               the same ack, and a crash before the outbox puts leaves the notice unacked: decided
+               again, the same command)
     persist    ``persist(store, core, decided, after_outbox)``: outbox, then records of the dirty keys,
-               audit; ``after_outbox`` runs between the two (the daemon dispatches there)
-    dispatch   ``dispatch(decided, executor, notice_ts)``: hand commands out (checkpoint commands
-               first) once they are in the outbox; admin requests are answered once persisted
+               audit; ``after_outbox`` runs between the two (the daemon dispatches the rest there)
+    dispatch   ``dispatch(decided, executor)``: hand the other commands out once they are in the
+               outbox (agent commands, then cloud calls); admin requests are answered once persisted
     ack        ``acknowledge(decided)``: ack the decided JetStream messages, ``term`` the rejected ones,
                park (``bus.park_msg``, stream ``ORCH_DEAD``) and ``term`` those given up on: the core
                raised on it, or delivered ``dead_after`` times already
@@ -33,7 +37,7 @@ the failed ones (-> ``term``), it is counted in ``orchd_messages_rejected_total{
 reason}`` and shown (rate-limited) in ``orchctl events``.
 
 Concurrency contract: everything here runs on the decide loop's task; only ``persist``, ``acknowledge``
-(and the caller's ``anyio.sleep(0)`` after ``dispatch``) await. Admission is pure (no state), which
+(and the caller's ``anyio.sleep(0)`` after each dispatch) await. Admission is pure (no state), which
 is why a whole batch can be admitted before the first of its events is decided.
 """
 
@@ -79,7 +83,8 @@ from orchestrator.daemon.store import Store, outbox_key
 
 __all__ = [  # admit.py's stages (decode, screen) are re-exported: the pipeline is one surface
     "acknowledge", "admit_batch", "admit_heartbeat", "admit_heartbeats", "admit_js", "Admitted", "CLOCK_EVERY",
-    "count_rejections", "decide_batch", "Decided", "Decider", "decode_heartbeat", "decode_js", "dispatch", "JsEvent",
+    "count_rejections", "decide_batch", "Decided", "Decider", "decode_heartbeat", "decode_js", "dispatch",
+    "dispatch_checkpoints", "JsEvent",
     "observe_lag", "persist", "Rejected", "screen_heartbeat", "screen_js", "split_urgent", "unpack_shell",
 ]
 
@@ -390,15 +395,31 @@ async def _park(msg: Msg, reason: str) -> bool:
     return True
 
 
-def dispatch(decided: Decided, executor: Executor, notice_ts: dict[str, float]) -> None:
-    """Stage dispatch: hand the new commands to the executor, checkpoint commands first, then the other
-    agent commands, then the cloud calls (the caller yields once after, so their tasks send at once).
-    Called once the commands are in the outbox (``persist``'s ``after_outbox``)."""
+def dispatch_checkpoints(decided: Decided, executor: Executor, notice_ts: dict[str, float]) -> bool:
+    """Stage dispatch, first part: hand the batch's checkpoint commands to the executor in decision
+    order, before the outbox is written (the caller yields once after, so their tasks send at once).
+    They need not wait for the outbox's round trip: a crash before the outbox puts leaves the batch's
+    messages unacked, so the notice is redelivered and decided again from the same state, into the same
+    command (same ``cmd_id``), which the agent answers with the ack it gave the first time. Returns
+    whether any was handed out."""
     notice_ts.update(decided.notice_ts)
-    for key, c in sorted(decided.commands.items(), key=_dispatch_rank):
+    sent = False
+    for key, c in decided.commands.items():
+        if _is_checkpoint(c):
+            executor.submit(key, c)
+            sent = True
+    return sent
+
+
+def dispatch(decided: Decided, executor: Executor) -> None:
+    """Stage dispatch, the rest: hand the other new commands to the executor once they are in the outbox
+    (``persist``'s ``after_outbox``): the other agent commands, then the cloud calls (the caller yields
+    once after, so their tasks send at once)."""
+    rest = [(key, c) for key, c in decided.commands.items() if not _is_checkpoint(c)]
+    rest.sort(key=lambda item: not isinstance(item[1], SendToAgent))  # agent commands, then cloud calls
+    for key, c in rest:
         executor.submit(key, c)
 
 
-def _dispatch_rank(item: tuple[str, Command]) -> int:
-    """0: a checkpoint command, 1: another agent command, 2: a cloud call."""
-    return 2 if not isinstance(c := item[1], SendToAgent) else 0 if isinstance(c.command, ev.CheckpointCmd) else 1
+def _is_checkpoint(c: Command) -> bool:
+    return isinstance(c, SendToAgent) and isinstance(c.command, ev.CheckpointCmd)

@@ -15,6 +15,7 @@ first, and the heartbeat fast path admits exactly what the one-by-one path admit
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +29,11 @@ from nats.js.errors import KeyNotFoundError
 import wire as ev
 from orchestrator import bus
 from orchestrator.core.commands import Command, Launch, SendToAgent, Terminate
+from orchestrator.core.inputs import Tick
+from orchestrator.core.model import Decision, State
 from orchestrator.daemon import pipeline
 from orchestrator.daemon.executor import Executor
+from orchestrator.daemon.ingest import Batch, ShellItem
 from orchestrator.daemon.loop import Daemon
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.state import CoreApi
@@ -159,8 +163,64 @@ def test_dispatch_hands_out_checkpoint_commands_first() -> None:
     for i, c in enumerate([launch, stop, ckpt[0], term, ckpt[1], ckpt[2]]):
         decided.commands[f"k{i}"] = c
     rec = _Recorder()
-    pipeline.dispatch(decided, rec, {})  # type: ignore[arg-type]
-    assert rec.submitted == [*ckpt, stop, launch, term]  # checkpoints in decision order, then the rest
+    assert pipeline.dispatch_checkpoints(decided, rec, {})  # type: ignore[arg-type]
+    assert rec.submitted == ckpt  # in decision order
+    pipeline.dispatch(decided, rec)  # type: ignore[arg-type]
+    assert rec.submitted == [*ckpt, stop, launch, term]  # then the other agent commands, then cloud calls
+    assert not pipeline.dispatch_checkpoints(pipeline.Decided(state=None), rec, {})  # type: ignore[arg-type]
+
+
+class _OrderedStore(Store):
+    """The real store, noting when each pipelined write of a batch begins."""
+
+    def __init__(self, *args: Any, order: list[str], **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.order = order
+
+    async def _write(self, items: list[Any]) -> None:
+        self.order.append("write outbox" if items[0][0].startswith(f"$KV.{bus.KV_OUTBOX}.") else "write records")
+        await super()._write(items)
+
+
+@dataclass
+class _OrderedExecutor:
+    order: list[str]
+
+    def submit(self, key: str, cmd: Command) -> None:
+        kind = type(cmd.command).__name__ if isinstance(cmd, SendToAgent) else type(cmd).__name__
+        self.order.append(f"submit {kind}")
+
+    def may_act(self) -> bool:
+        return True
+
+
+@pytest.mark.anyio
+async def test_a_checkpoint_command_leaves_before_the_outbox_round_trip_and_the_rest_after_it(nats_server) -> None:
+    """``Daemon.process``: a batch's checkpoint commands are handed out before its outbox is written; its
+    other commands once they are in the outbox, and its records after that."""
+    job, node = ev.JobId("j1"), ev.NodeId("n1")
+    commands = (Launch(job_id=job, pool=POOL, node_ids=(ev.NodeId("n9"),), token="t1"),
+                SendToAgent(command=ev.CheckpointCmd(cmd_id="c-1", node_id=node, job_id=job, generation=1,
+                                                     fencing_token=1, issued_ts=1.0, reason="preemption_notice")),
+                SendToAgent(command=ev.StopCmd(cmd_id="c-2", node_id=ev.NodeId("n2"), job_id=job, generation=1,
+                                               fencing_token=1, issued_ts=1.0, reason="test")))
+
+    def decide(state: Any, event: Any, now: float) -> Decision:
+        return Decision(state=state, commands=commands, audit=(), dirty=frozenset({"node.n1"}))
+
+    order: list[str] = []
+    nc = await nats.connect(nats_server.url)
+    try:
+        core = dataclasses.replace(_records_core(), decide=decide,
+                                   state_to_records=lambda state, keys: dict.fromkeys(keys, b"noticed"))
+        d = Daemon(Settings(), {}, core, Metrics())
+        d.store = _OrderedStore(await bus.ensure_topology(nc), writer=nc, order=order)
+        d.executor = _OrderedExecutor(order)  # type: ignore[assignment]
+        d.state = State.empty()  # the observer reads it after the batch
+        await d.process(Batch([], [], [ShellItem(Tick())]), urgent=True)
+    finally:
+        await nc.close()
+    assert order == ["submit CheckpointCmd", "write outbox", "submit StopCmd", "submit Launch", "write records"]
 
 
 def _hb(node: str, **kw: Any) -> ev.Heartbeat:
