@@ -8,6 +8,7 @@ a NATS callback (nats-py runs one subscription's callbacks in one task: the bind
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 from typing import TextIO, cast
@@ -20,11 +21,16 @@ _SECRET_KEYS = frozenset({"password", "token", "credential", "creds", "secret", 
 _NOT_SECRET = frozenset({"fencing_token", "idempotency_token"})  # identifiers, not credentials
 
 
+@functools.lru_cache(maxsize=4096)
+def _secret_key(key: str) -> bool:
+    """Whether a log line's value under ``key`` is redacted (keys are few and repeat: remembered)."""
+    return key not in _NOT_SECRET and any(s in key.lower() for s in _SECRET_KEYS)
+
+
 def _redact(_logger: WrappedLogger, _name: str, event: EventDict) -> EventDict:
     """No secret reaches a log line: values of secret-looking keys are replaced."""
-    for key in list(event):
-        if key not in _NOT_SECRET and any(s in key.lower() for s in _SECRET_KEYS):
-            event[key] = "***"
+    for key in [k for k in event if _secret_key(k)]:
+        event[key] = "***"
     return event
 
 
