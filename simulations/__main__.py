@@ -19,6 +19,7 @@ try:
     from simulations import scenario as scen
     from simulations import traces
     from simulations.cli import format_table, progress_bar, to_json
+    from simulations.engine import Job
     from simulations.policies import ALL_POLICIES
     from simulations.replay import make_jobs, replay
     from simulations.worldparams import WorldParams
@@ -207,7 +208,24 @@ def cmd_explain(a: argparse.Namespace) -> int:
         print(f"... {len(wr.timeline) - a.limit} more")
     top = sorted(wr.actions.items(), key=lambda kv: -kv[1])[:12]
     print("audit actions:", ", ".join(f"{k}={v}" for k, v in top))
+    print(f"orchd: idle {wr.idle_capacity_s / 3600:.2f} h while a zone had room for the job, "
+          f"{wr.idle_backoff_s / 3600:.2f} h of it with every such zone's spot pool in launch backoff")
+    _explain_baselines(sc, job, ov)
     return 0
+
+
+def _explain_baselines(sc: scen.Scenario, job: Job, ov: WorldParams) -> None:
+    """The same job under greedy_spot and uniform_progress, in the same world (the same draws)."""
+    from simulations.orchd_policy import world_job_result
+    from simulations.policies import ONLINE
+    from simulations.world_policy import run_policy_job
+
+    for name in ("greedy_spot", "uniform_progress"):
+        r = run_policy_job(ONLINE[name](), sc, job, ov, record=True)
+        jr = world_job_result(sc, job, r)
+        print(f"{name}: cost_ratio {jr.cost_usd / jr.od_work_cost_usd:.3f}; on-demand node-hours "
+              f"{r.od_node_s / 3600:.2f} of {r.billed_node_s / 3600:.2f}; preemptions {r.preemptions}; "
+              f"idle {r.idle_capacity_s / 3600:.2f} h while a zone had room for the job")
 
 
 def cmd_table(a: argparse.Namespace) -> int:

@@ -78,6 +78,10 @@ class WorldResult:
     actions: dict[str, int] = field(default_factory=dict)  # audit "action:reason" -> count
     timeline: list[tuple[float, str, str]] = field(default_factory=list)  # (t, what, detail)
     progress_log: list[tuple[float, float, str]] = field(default_factory=list)
+    # (record) seconds of trace ticks in which a zone had room for the job and no member trained, and of
+    # those, the ticks in which every such zone's spot pool was in the core's launch backoff (orchd only)
+    idle_capacity_s: float = 0.0
+    idle_backoff_s: float = 0.0
 
 
 class World(CloudModel):
@@ -117,6 +121,8 @@ class World(CloudModel):
         self.done_ts: float | None = None
         self.decisions = 0
         self.progress_log: list[tuple[float, float, str]] = []  # (t, progress_s, idle|spot|od) per tick
+        self.idle_capacity_s = 0.0
+        self.idle_backoff_s = 0.0
 
     # --- progress ------------------------------------------------------------------------------
 
@@ -320,6 +326,8 @@ class World(CloudModel):
             running = [n for n in self.live.values() if n.training]
             kind = "idle" if not running else ("spot" if running[0].pool.market == Market.SPOT else "od")
             self.progress_log.append((self.now - BASE_TS, self.progress(), kind))
+            if not running and self.done_ts is None:
+                self.count_idle(k)
         step = int(self.progress() // self.step_s)
         for n in list(self.live.values()):
             if n.alive and n.registered:
@@ -334,6 +342,19 @@ class World(CloudModel):
                                     step_time_s=self.step_s if training else None))
         self.feed(Tick())
         self.at(BASE_TS + (k + 1) * self.sc.tick_s, "tick", k + 1)
+
+    def count_idle(self, k: int) -> None:
+        """(record) A tick without training: count it when some zone has room for the job, and apart
+        when every such zone's spot pool is in the core's launch backoff."""
+        room = self.usable[:, self.trace_t(k)]
+        if not room.any():
+            return
+        self.idle_capacity_s += self.sc.tick_s
+        zones = self.zone_of_name
+        pools = [ps for ps in self.state.pools.values()
+                 if ps.pool.market == Market.SPOT and ps.pool.zone in zones and room[zones[ps.pool.zone]]]
+        if pools and all(ps.backoff_until > self.now for ps in pools):
+            self.idle_backoff_s += self.sc.tick_s
 
     # --- run -----------------------------------------------------------------------------------
 
@@ -375,4 +396,6 @@ class World(CloudModel):
             actions=self.actions,
             timeline=self.timeline,
             progress_log=self.progress_log,
+            idle_capacity_s=self.idle_capacity_s,
+            idle_backoff_s=self.idle_backoff_s,
         )
