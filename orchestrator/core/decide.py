@@ -53,6 +53,7 @@ from orchestrator.core.model import (
     State,
     fin,
 )
+from orchestrator.core.placement import launch_failed
 from orchestrator.core.timers import build as build_timers
 from orchestrator.core.tx import Tx
 from wire.messages import (
@@ -355,9 +356,7 @@ def _launch_failed(tx: Tx, ev: LaunchFailed) -> None:
     name = failed[0].pool_name
     ps = tx.pools.get(name)
     if ps is not None:
-        cfg = tx.cfg
-        backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures, 20))
-        tx.put_pool(name, _replace(ps, failures=ps.failures + 1, backoff_until=tx.now + backoff))
+        tx.put_pool(name, launch_failed(ps, tx.cfg, tx.now))
     tx.record(failed[0].job_id, "launch_failed", str(ev.reason), pool=name, nodes=[n.node_id for n in failed],
               message=ev.message[:200])
     for n in failed:

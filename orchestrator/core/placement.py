@@ -10,7 +10,9 @@ Rules:
 - a pool whose instance type the providers do not know (``CoreConfig.knows``) is never a launch target,
   and a pool without a confirmed price (docs/core.md, "Price confirmation") has no capacity;
 - pools in launch-failure backoff are skipped (never retry the pool that just failed), and so are spot
-  pools that sent a terminate notice, until that notice's deadline + ``notice_skip_grace_s``;
+  pools that sent a terminate notice, until that notice's deadline + ``notice_skip_grace_s``; the
+  backoff doubles with each failure of one run of failures (``launch_failed``): a failure more than
+  ``backoff_max_s`` after the previous backoff ended starts a new run at ``backoff_base_s``;
 - ``zone`` restricts to one zone (replacements: a generation never spans zones); ``exclude`` removes
   pools (the pool that was just preempted).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import immutables
+import msgspec
 
 from orchestrator.core.model import CoreConfig, Job, PoolStats
 from orchestrator.core.pricing import expected_cost_usd, spare_slack_s, wait_reserve_s
@@ -132,6 +135,16 @@ def ranked(
         out.append((expected_cost_usd(job, ps, nnodes, step, cfg, now), name, ps))
     out.sort(key=lambda t: (t[0], t[1]))
     return out
+
+
+def launch_failed(ps: PoolStats, cfg: CoreConfig, now: float) -> PoolStats:
+    """The pool after a failed (or timed-out) launch: exponential backoff over one run of failures.
+    A pool left untried for longer than the longest backoff after its last one ended (no job needed
+    it) holds no evidence about now: its count starts over, so a single capacity error hours after
+    the last one waits ``backoff_base_s``, not ``backoff_max_s``."""
+    failures = ps.failures if now - ps.backoff_until <= cfg.backoff_max_s else 0
+    backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(failures, 20))
+    return msgspec.structs.replace(ps, failures=failures + 1, backoff_until=now + backoff)
 
 
 def alternatives(rank: list[Ranked], cfg: CoreConfig) -> tuple[Alternative, ...]:

@@ -25,6 +25,7 @@ from orchestrator.core import lifecycle as lc
 from orchestrator.core import sweeps
 from orchestrator.core.confirm import confirm_due
 from orchestrator.core.model import Job, JobPhase, Node, NodePhase
+from orchestrator.core.placement import launch_failed
 from orchestrator.core.policy import ACTIVE, job_tick, steady, suspect
 from orchestrator.core.timers import NOTICE_GRACE_S, POOLS, PRICE, SLOT_S, WATCHED, deadline_driven
 from orchestrator.core.tx import Tx
@@ -198,8 +199,6 @@ def _still_silent(tx: Tx, node: Node, detect: bool) -> bool:
 def _launch_timed_out(tx: Tx, node: Node) -> None:
     ps = tx.pools.get(node.pool_name)
     if ps is not None:
-        cfg = tx.cfg
-        backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures, 20))
-        tx.put_pool(node.pool_name, _replace(ps, failures=ps.failures + 1, backoff_until=tx.now + backoff))
+        tx.put_pool(node.pool_name, launch_failed(ps, tx.cfg, tx.now))
     job = tx.jobs.get(node.job_id)
     lc.remove_node(tx, job, node, reason="launch_timeout", lost=True, terminate=True)

@@ -5,7 +5,9 @@ to spot once the slack covers a spot checkpoint interval; a price migration to a
 fails leaves the job in its zone, on its running node, free to try the next pool. On gcp-2023-04-30-c3
 (orchd a hair above greedy_spot): a notice that comes before the launch's confirmation is acted on. On
 aws-2022-v100x8 (16-node jobs above uniform_progress): a reclaim of a multi-node job's pool is replaced by
-one launch request with the last of its notices, not one request per notice."""
+one launch request with the last of its notices, not one request per notice. On aws-2023-04-22-v100 again
+(orchd idle while a zone was back): a pool's launch backoff counts one run of failures, not every failure
+since its last successful launch."""
 
 from __future__ import annotations
 
@@ -220,3 +222,50 @@ def test_a_reclaim_that_stops_short_is_replaced_at_the_next_tick() -> None:
     assert _notice(drv, ids[1]) == []
     d = drv(Tick(), dt=5)
     assert [(la.pool, len(la.node_ids)) for la in cmds(d, Launch)] == [(A_OD, 1)]
+
+
+def _fail(drv: Driver, launches: list[Launch]) -> None:
+    """Answer every launch (and the launches that answer makes) with a capacity failure."""
+    while launches:
+        la = launches.pop(0)
+        d = drv(LaunchFailed(node_ids=la.node_ids, job_id="j1", pool=la.pool, token=la.token,
+                             reason=FailureReason.CAPACITY))
+        launches.extend(cmds(d, Launch))
+
+
+def test_a_capacity_error_hours_after_a_pools_last_failures_backs_off_from_the_start() -> None:
+    """Both spot zones are out for 2 h (every launch fails: each pool's backoff grows to ``backoff_max_s``),
+    then B has room and the job runs there for 5 h, never trying A. B's notice sends the replacement to A,
+    which fails once (a capacity error). A's failures of 5 h ago are not a run of failures with this one:
+    A backs off ``backoff_base_s`` and is tried again a minute later. Before the fix its count never
+    started over: 30 minutes for one error, while the job waited (traced on aws-2023-04-22-v100, 48/72 h:
+    orchd idle with a zone back, every such zone in a 30-minute backoff)."""
+    cfg = CoreConfig(price_confirm_s=0.0)  # 40 h of slack: spot only
+    drv = Driver(State.empty(cfg), now=T0)
+    drv(price(A, 11.0, od=30.0))
+    drv(price(B, 10.0, od=30.0))
+    d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=40 * 3600,
+                                                 deadline_ts=T0 + 80 * H, step_time_s_estimate=1.0)))
+    _fail(drv, cmds(d, Launch))
+    outage_end = drv.now + 2 * H
+    while drv.now < outage_end:
+        _fail(drv, cmds(drv(Tick(), dt=60), Launch))
+    pools = drv.state.pools
+    assert pools[A.name].failures >= 5 and pools[A.name].backoff_until - pools[A.name].changed_ts == cfg.backoff_max_s
+    while not (launches := cmds(drv(Tick(), dt=60), Launch)) or launches[0].pool != B:
+        _fail(drv, launches)
+    (b_node,) = drv.launched(drv.decisions[-1])
+    drv.register([b_node])
+    _start(drv, [b_node], 1, 0, 1.0)
+    for k in range(1, 61):  # 5 h on B
+        _hb(drv, b_node, 1, k * 300)
+        drv(Tick(), dt=300)
+    assert drv.job().phase == JobPhase.RUNNING and drv.state.pools[A.name].failures >= 5
+    d = drv(PreemptionNotice(id="nb", node_id=b_node, cloud="aws", deadline_ts=drv.now + 120, observed_ts=drv.now))
+    (la,) = cmds(d, Launch)
+    assert la.pool == A
+    drv(LaunchFailed(node_ids=la.node_ids, job_id="j1", pool=A, token=la.token, reason=FailureReason.CAPACITY))
+    a = drv.state.pools[A.name]
+    assert (a.failures, a.backoff_until - drv.now) == (1, cfg.backoff_base_s)
+    d = drv(Tick(), dt=cfg.backoff_base_s + 1)
+    assert [la.pool for la in cmds(d, Launch)] == [A]
