@@ -1,7 +1,10 @@
 """Commands from orchd on ``orch.cmd.<node>`` (request/reply): decode, deduplicate, fence, execute, ack.
 
 Role: commands are idempotent: an already seen ``cmd_id`` gets the very same ``CommandAck`` again and no
-second effect (the last ``remember`` acks are kept); a command whose ``fencing_token`` is lower than the
+second effect (the last ``remember`` acks are kept), if it names the same command (kind, job and
+generation): a ``cmd_id`` that comes back naming another command is executed as a new one and logged
+(``command_id_reused``: an orchd that crashed after sending a command it had not yet stored numbers its
+next command to this node the same); a command whose ``fencing_token`` is lower than the
 highest seen is refused with ``stale_fencing_token`` (a deposed orchd leader cannot act). Other errors
 in the ack: ``bad_command:<reason>``, ``wrong_node``, ``unknown_command``, ``internal:<type>`` and what the
 generation runner answers (``unknown_generation``, ``stale_generation``, ``draining``, ``spawn_failed``).
@@ -47,7 +50,8 @@ class CommandHandler:
         self.request_shutdown = request_shutdown
         self.remember = remember
         self.fencing_token = 0  # the highest seen
-        self._acks: collections.OrderedDict[str, CommandAck] = collections.OrderedDict()
+        self._acks: collections.OrderedDict[str, tuple[tuple[str, str | None, int], CommandAck]] = \
+            collections.OrderedDict()  # cmd_id -> (what the command was, its ack)
 
     async def on_msg(self, msg: Msg) -> None:
         ack = await self.handle(msg.data)
@@ -70,9 +74,13 @@ class CommandHandler:
             return self._ack("", "bad_command:not_a_command")
         if cmd.node_id != self.node_id:
             return self._ack(cmd.cmd_id, "wrong_node")
+        what = (type(cmd).__name__, cmd.job_id, cmd.generation)
         cached = self._acks.get(cmd.cmd_id)
-        if cached is not None:  # a retry of a command already executed: same answer, no second effect
-            return cached
+        if cached is not None:
+            if cached[0] == what:  # a retry of a command already executed: same answer, no second effect
+                return cached[1]
+            log.warning("command_id_reused", cmd_id=cmd.cmd_id, was=cached[0][0], now=what[0],
+                        generation=cmd.generation)
         if cmd.fencing_token < self.fencing_token:
             log.warning("command_stale_fencing_token", cmd_id=cmd.cmd_id, token=cmd.fencing_token,
                         highest=self.fencing_token)
@@ -84,7 +92,7 @@ class CommandHandler:
             log.exception("command_failed", cmd_id=cmd.cmd_id)
             error = f"internal:{type(e).__name__}"
         ack = self._ack(cmd.cmd_id, error)
-        self._acks[cmd.cmd_id] = ack
+        self._acks[cmd.cmd_id] = (what, ack)
         while len(self._acks) > self.remember:
             self._acks.popitem(last=False)
         log.info("command_handled", kind=type(cmd).__name__, cmd_id=cmd.cmd_id, generation=cmd.generation,

@@ -54,3 +54,19 @@ async def test_dedup_and_fencing(tmp_path) -> None:
     assert len(h._acks) == 2  # only the last ``remember`` acks are kept
     again = await h.handle(encode(_ckpt("c-1", 6)))  # forgotten: executed again, a new ack
     assert again is not first and again.error == "unknown_generation"
+
+
+async def test_a_cmd_id_that_comes_back_naming_another_command_is_executed(tmp_path) -> None:
+    """A retry (same cmd_id, same kind, job and generation) gets the first ack and has no second effect.
+    The same cmd_id naming another command - what an orchd that crashed after sending a checkpoint command
+    it had not stored yet decides next for this node - is executed, not answered with the checkpoint's ack."""
+    h, drains = _handler(tmp_path)
+    first = await h.handle(encode(_ckpt("n-1-c5", 5)))
+    assert await h.handle(encode(_ckpt("n-1-c5", 5))) is first
+    drain = DrainCmd(cmd_id="n-1-c5", fencing_token=5, node_id=NODE, issued_ts=time.time(), reason="scale_in")
+    ack = await h.handle(encode(drain))
+    assert ack is not first and ack.ok and drains == ["drain:scale_in"]
+    assert await h.handle(encode(drain)) is ack  # and its own retries are deduplicated again
+    other_gen = CheckpointCmd(cmd_id="n-1-c5", fencing_token=5, node_id=NODE, job_id="j1", generation=2,
+                              issued_ts=time.time(), reason="test")
+    assert (await h.handle(encode(other_gen))) is not ack  # another generation: another command
