@@ -20,15 +20,15 @@ from simulations.chaos import adversarial, fuzz, kill9, natsrestart, netns, part
 
 
 async def run_all(*, seed: int, iterations: int, n_fuzz: int, nats_restarts: int, max_kills: int,
-                  workdir: Path, progress: Any = None) -> dict[str, Any]:
+                  workdir: Path, progress: Any = None, burst_iterations: int = 0) -> dict[str, Any]:
     t0 = time.monotonic()
     kills = []
-    for i in range(iterations):
-        kr = await kill9.run_iteration(i, seed, workdir, max_kills=max_kills)
+    for i, burst in [(i, False) for i in range(iterations)] + [(i, True) for i in range(burst_iterations)]:
+        kr = await kill9.run_iteration(i, seed, workdir, max_kills=max_kills, burst=burst)
         kills.append(kr)
         if progress:
-            progress(f"kill -9 iteration {i}: {kr.kills} kill(s) at {kr.kill_points}, {kr.seconds} s, "
-                     f"problems {kr.problems}")
+            progress(f"kill -9 {'burst ' if burst else ''}iteration {i}: {kr.notices} notice(s), {kr.kills} "
+                     f"kill(s) at {kr.kill_points}, {kr.seconds} s, problems {kr.problems}")
     nats = []
     for k in range(nats_restarts):
         nr = await natsrestart.run(seed + k, workdir)
@@ -42,6 +42,9 @@ async def run_all(*, seed: int, iterations: int, n_fuzz: int, nats_restarts: int
     out: dict[str, Any] = {
         "seed": seed,
         "iterations": iterations,
+        "burst_iterations": burst_iterations,
+        "burst_notices": sum(r.notices for r in kills if r.burst),
+        "burst_kills": sum(r.kills for r in kills if r.burst),
         "faults_injected": sum(r.kills for r in kills) + len(nats),
         "kills": sum(r.kills for r in kills),
         "kill_points": sorted({p for r in kills for p in r.kill_points}),
@@ -68,7 +71,7 @@ async def run_all(*, seed: int, iterations: int, n_fuzz: int, nats_restarts: int
         "rejected_by_reason": fz.rejected_by_reason if fz else {},
         "daemon_crashes": sum(r.daemon_crashes for r in kills) + sum(r.daemon_crashes for r in nats)
         + (fz.daemon_crashes if fz else 0),
-        "problems": [f"kill-{r.iteration}: {p}" for r in kills for p in r.problems]
+        "problems": [f"{'burst' if r.burst else 'kill'}-{r.iteration}: {p}" for r in kills for p in r.problems]
         + [f"nats: {p}" for r in nats for p in r.problems] + ([f"fuzz: {p}" for p in fz.problems] if fz else []),
         "seconds": round(time.monotonic() - t0, 1),
     }
@@ -85,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m simulations.chaos", description=__doc__)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--iterations", type=int, default=20, help="kill -9 iterations (default 20)")
+    p.add_argument("--burst-iterations", type=int, default=5,
+                   help="kill -9 iterations where a zone goes away: every training node noticed within "
+                        f"{kill9.BURST_S} s and orchd killed during it (default 5)")
     p.add_argument("--fuzz", type=int, default=100_000, help="fuzzed messages (default 100000; 0: none)")
     p.add_argument("--nats-restarts", type=int, default=1)
     p.add_argument("--max-kills", type=int, default=3, help="kill -9s per iteration, at most")
@@ -111,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         progress = None if a.json else (lambda line: print(line, file=sys.stderr, flush=True))
         out = anyio.run(lambda: run_all(seed=a.seed, iterations=a.iterations, n_fuzz=a.fuzz,
                                         nats_restarts=a.nats_restarts, max_kills=a.max_kills, workdir=workdir,
-                                        progress=progress), backend="asyncio")
+                                        progress=progress, burst_iterations=a.burst_iterations),
+                     backend="asyncio")
     if a.json:
         print(json.dumps(out, indent=1))
     else:

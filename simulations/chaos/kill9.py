@@ -7,6 +7,12 @@ notice once it is a quarter through (emergency checkpoint + replacement from the
 generation). 1..``max_kills`` kill points are drawn (seeded) from ``KILL_POINTS``; at each, after a
 random 0-0.4 s, orchd gets SIGKILL, stays dead 0-1 s, and is started again on the same state.
 
+A burst iteration (``burst=True``) is a zone going away: 3-4 jobs of 2-3 nodes, and once every job is
+training and the first is a quarter through, every training node gets a notice, spread over
+``BURST_S``; the first kill lands inside the burst (0-``BURST_S`` after its first notice: checkpoint
+commands sent, maybe not yet stored), then up to ``max_kills`` - 1 more at later points of
+``KILL_POINTS``.
+
 Counted on the provider side (the fake cloud's file), never from orchd's state:
   duplicate_launches  instances beyond the first for one node id (each node id is launched once; a retried
                       launch must reuse its idempotency token)
@@ -42,6 +48,10 @@ KILL_POINTS = ("placement", "mid_launch", "registration", "generation_start", "m
 
 TERMINAL = {"succeeded", "failed", "cancelled", "stopped"}
 
+BURST_S = 0.5
+"""A burst iteration's notices are spread over this long (the zone's nodes noticed one after another)."""
+AFTER_BURST = ("checkpoint_commit", "regrow", "completion")
+
 
 @dataclass
 class KillResult:
@@ -51,6 +61,7 @@ class KillResult:
     kill_points: list[str] = field(default_factory=list)
     skipped_points: list[str] = field(default_factory=list)
     notices: int = 0
+    burst: bool = False
     jobs: int = 0
     lost_jobs: int = 0
     unfinished_jobs: int = 0
@@ -79,7 +90,7 @@ def _trigger(name: str, fleet: SimFleet, orchd: Orchd, state: dict) -> bool:
         case "mid_generation":
             now = time.time()
             return any(n.training and n.step(now, f.step_s) >= n.total_steps * 0.3 for n in f.nodes.values())
-        case "emergency_checkpoint":
+        case "emergency_checkpoint" | "notice_burst":
             return bool(f.events_of(ev.PreemptionNotice))
         case "checkpoint_commit":
             return bool(f.events_of(ev.CheckpointCommitted))
@@ -91,12 +102,12 @@ def _trigger(name: str, fleet: SimFleet, orchd: Orchd, state: dict) -> bool:
 
 
 async def run_iteration(i: int, seed: int, root: Path, *, max_kills: int = 3, converge_s: float = 90.0,
-                        step_s: float = 0.03) -> KillResult:
-    tag = f"{seed}-kill-{i}"
+                        step_s: float = 0.03, burst: bool = False) -> KillResult:
+    tag = f"{seed}-{'burst' if burst else 'kill'}-{i}"
     rng = random.Random(tag)
-    res = KillResult(iteration=i, seed=tag)
+    res = KillResult(iteration=i, seed=tag, burst=burst)
     t_begin = time.monotonic()
-    work = root / f"kill-{i}"
+    work = root / f"{'burst' if burst else 'kill'}-{i}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     server = NatsServer(work / "nats").start()
@@ -105,7 +116,7 @@ async def run_iteration(i: int, seed: int, root: Path, *, max_kills: int = 3, co
     try:
         await anyio.to_thread.run_sync(orchd.start)
         nc = await common.connect(server.url, "chaos-agents")
-        drill = _Drill(i, rng, res, orchd, SimFleet(nc, orchd.fake_file, step_s=step_s), max_kills)
+        drill = _Drill(i, rng, res, orchd, SimFleet(nc, orchd.fake_file, step_s=step_s), max_kills, burst)
         client = await common.admin(server.url)
         await drill.run(client, tag, converge_s)
         jobs, nodes = await _final_word(client, drill.specs, res)
@@ -123,14 +134,20 @@ class _Drill:
     here, in this order), then submissions, kills and the notice concurrently until the jobs converge."""
 
     def __init__(self, i: int, rng: random.Random, res: KillResult, orchd: Orchd, fleet: SimFleet,
-                 max_kills: int) -> None:
-        self.rng, self.res, self.orchd, self.fleet = rng, res, orchd, fleet
-        n_jobs = rng.choice((1, 1, 2))
-        self.specs = {f"chaos{i}-j{k}": job_spec(f"chaos{i}-j{k}", nodes=rng.randint(1, 3),
+                 max_kills: int, burst: bool = False) -> None:
+        self.rng, self.res, self.orchd, self.fleet, self.burst = rng, res, orchd, fleet, burst
+        n_jobs = rng.choice((3, 4)) if burst else rng.choice((1, 1, 2))
+        low = 2 if burst else 1
+        self.specs = {f"chaos{i}-j{k}": job_spec(f"chaos{i}-j{k}", nodes=rng.randint(low, 3),
                                                  total_steps=rng.randint(80, 160)) for k in range(n_jobs)}
         res.jobs = n_jobs
-        points = sorted(rng.sample(KILL_POINTS, rng.randint(1, max_kills)), key=KILL_POINTS.index)
-        self.plan = [(p, rng.uniform(0.0, 0.4), rng.uniform(0.0, 1.0)) for p in points]
+        if burst:
+            later = sorted(rng.sample(AFTER_BURST, rng.randint(0, max_kills - 1)), key=AFTER_BURST.index)
+            self.plan = [("notice_burst", rng.uniform(0.0, BURST_S), rng.uniform(0.0, 1.0)),
+                         *((p, rng.uniform(0.0, 0.4), rng.uniform(0.0, 1.0)) for p in later)]
+        else:
+            points = sorted(rng.sample(KILL_POINTS, rng.randint(1, max_kills)), key=KILL_POINTS.index)
+            self.plan = [(p, rng.uniform(0.0, 0.4), rng.uniform(0.0, 1.0)) for p in points]
         self.state = {"submitting": False, "done": False}
         self.first_job = next(iter(self.specs))
 
@@ -139,7 +156,7 @@ class _Drill:
             await tg.start(self.fleet.run)
             await common.publish_prices(self.fleet.js, tag)
             tg.start_soon(self.injector)
-            tg.start_soon(self.noticer)
+            tg.start_soon(self.zone_goes_away if self.burst else self.noticer)
             self.state["submitting"] = True
             await self.submit_all(client)
             await self.converge(client, converge_s)
@@ -176,6 +193,23 @@ class _Drill:
             if victims:
                 fleet.publish_notice(self.rng.choice(sorted(victims, key=lambda n: n.node_id)).node_id)
                 self.res.notices += 1
+                return
+            await anyio.sleep(0.05)
+
+    async def zone_goes_away(self) -> None:
+        """Once every job trains and the first is a quarter through: a notice to every training node,
+        one after another over ``BURST_S``."""
+        fleet = self.fleet
+        while not self.state["done"]:
+            now = time.time()
+            training = sorted((n for n in fleet.nodes.values() if n.training), key=lambda n: (n.job_id, n.node_id))
+            first = [n for n in training if n.job_id == self.first_job]
+            if ({n.job_id for n in training} >= set(self.specs)
+                    and any(n.step(now, fleet.step_s) >= n.total_steps * 0.25 for n in first)):
+                for node in training:
+                    fleet.publish_notice(node.node_id)
+                    self.res.notices += 1
+                    await anyio.sleep(BURST_S / len(training))
                 return
             await anyio.sleep(0.05)
 

@@ -1,6 +1,6 @@
-"""The chaos drills in CI: a small seeded set (3 kill -9 iterations, 1 NATS restart, 5,000 fuzzed
-messages) with real nats-servers and real orchd subprocesses. The full runs are
-``python -m simulations.chaos --json`` (docs/chaos.md)."""
+"""The chaos drills in CI: a small seeded set (3 kill -9 iterations, 1 where a zone goes away and orchd
+is killed during the burst of notices, 1 NATS restart, 5,000 fuzzed messages) with real nats-servers and
+real orchd subprocesses. The full runs are ``python -m simulations.chaos --json`` (docs/chaos.md)."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_small_seeded_set(tmp_path):
     out = anyio.run(lambda: run_all(seed=7, iterations=3, n_fuzz=5000, nats_restarts=1, max_kills=2,
-                                    workdir=tmp_path), backend="asyncio")
+                                    workdir=tmp_path, burst_iterations=1), backend="asyncio")
     assert out["problems"] == [], out["problems"]
-    assert out["kills"] >= 3 and out["faults_injected"] == out["kills"] + 1
+    assert out["kills"] >= 4 and out["faults_injected"] == out["kills"] + 1
+    assert out["burst_notices"] >= 6 and out["burst_kills"] >= 1 and "notice_burst" in out["kill_points"]
     for key in ("lost_jobs", "unfinished_jobs", "duplicate_launches", "leaked_instances", "lost_events",
                 "spurious_recoveries", "daemon_crashes"):
         assert out[key] == 0, (key, out)
