@@ -103,7 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("table", help="the documented results table over ../shared/traces")
     t.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
     t.add_argument("--jobs", type=int, default=4, help="jobs per setting")
-    t.add_argument("--tune-jobs", type=int, default=3, help="jobs per family at the tuning setting")
+    t.add_argument("--tune-jobs", type=int, default=4, help="jobs per family at each tuning setting")
     t.add_argument("--workers", type=int, default=2)
     t.add_argument("--family", action="append", help="only these families (repeatable; default all)")
     t.add_argument("--nodes", type=int, action="append", help="job sizes (default 1, 4, 16)")
@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("tune", help="grid-search orchd's CoreConfig overrides on the tuning family")
     u.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
-    u.add_argument("--jobs", type=int, default=3)
+    u.add_argument("--jobs", type=int, default=4)
     u.add_argument("--workers", type=int, default=2)
 
     d = sub.add_parser("world-defaults", help="print the world's defaults derived from ../shared/traces")

@@ -136,7 +136,7 @@ def _row(task: tuple[Family, Setting, int, tuple[str, ...], dict[str, Any]]) -> 
 
 def run_table(root: Path, *, jobs: int = 4, progress: bool | None = None, families=FAMILIES,
               grid: list[Setting] | None = None, policies=ALL_POLICIES, workers: int = 1,
-              tune_jobs: int = 3, loo: bool = True) -> list[Row]:
+              tune_jobs: int = 4, loo: bool = True) -> list[Row]:
     """Every (family, setting) of ``grid``; settings run in ``workers`` forked processes."""
     import multiprocessing as mp
 
