@@ -59,6 +59,7 @@ from orchestrator.core import Decision, State, authorize
 from orchestrator.core.commands import Command, SendToAgent
 from orchestrator.core.decide import decide as core_decide
 from orchestrator.core.decide import fold_heartbeats
+from orchestrator.core.gate import BAD_GENERATION
 from orchestrator.core.inputs import CoreEvent
 from orchestrator.daemon.admit import (
     Admitted,
@@ -139,6 +140,7 @@ class Decided:
     notice_ts: dict[str, float] = field(default_factory=dict)  # checkpoint cmd_id -> its notice's publish ts
     to_ack: list[Msg] = field(default_factory=list)
     to_term: list[Msg] = field(default_factory=list)  # rejected, or poison for the core: never redelivered
+    to_retry: list[Msg] = field(default_factory=list)  # refused as ahead of the state: redelivered later
     to_park: list[tuple[Msg, str]] = field(default_factory=list)  # (message, reason): dead-lettered, then termed
     replies: list[asyncio.Future[None]] = field(default_factory=list)  # admin requests answered after persist
     seen: list[CoreEvent] = field(default_factory=list)  # the events decided (not refused, not failed): metrics
@@ -165,6 +167,8 @@ class Decider:
         self.clock = clock
         self.out = Decided(state)
         self.refused: list[int] = []  # the indices the gate refused in the last ``decide`` call
+        self.ahead: list[int] = []  # those of them refused as ``bad_generation`` (ahead of the state)
+        self.recounted: frozenset[int] = frozenset()  # indices already counted at an earlier delivery
 
     def decide(self, events: Sequence[CoreEvent], published: Sequence[float | None] = (), *,
                clock_every: int = CLOCK_EVERY) -> list[int]:
@@ -174,7 +178,7 @@ class Decider:
         ``published``: the JetStream publish time of each event (notice-to-command latency), or empty.
         The clock is read once per ``clock_every`` events."""
         refused: list[int] = []
-        self.refused = refused
+        self.refused, self.ahead = refused, []
         state = self.out.state
         failed: list[int] = []
         now = 0.0
@@ -233,7 +237,10 @@ class Decider:
         """Gate and decide ``event`` (index ``i``) from ``state``; the state after it."""
         reason = authorize(state, event, now)
         if reason is not None:
-            self._refuse(event, reason)
+            if reason == BAD_GENERATION:
+                self.ahead.append(i)
+            if reason != BAD_GENERATION or i not in self.recounted:  # a retried message is counted once
+                self._refuse(event, reason)
             self.refused.append(i)
             failed.append(i)
             return state
@@ -336,10 +343,18 @@ def _decide_js(msgs: list[Msg], decider: Decider, dead_after: int) -> None:
     count_rejections(metrics, js.rejected, loud=True)
     out.to_term.extend(msg for msg, _ in js.rejected)
     observe_lag(metrics, js.published, now)
-    failed = set(decider.decide(js.events, js.published, clock_every=1))
+    deliveries = [bus.num_delivered(msg) for msg in js.messages]
+    decider.recounted = frozenset(i for i, n in enumerate(deliveries) if n > 1)
+    try:
+        failed = set(decider.decide(js.events, js.published, clock_every=1))
+    finally:
+        decider.recounted = frozenset()
     refused = set(decider.refused)  # the trust gate's refusals: termed like the rejected ones
+    ahead = set(decider.ahead)  # ... but one ahead of the state may be right once the state catches up
     for i, msg in enumerate(js.messages):
-        if i in refused:
+        if i in ahead and deliveries[i] < dead_after - 1:
+            out.to_retry.append(msg)
+        elif i in refused:
             out.to_term.append(msg)
         elif i in failed:
             out.to_park.append((msg, "core_error"))
@@ -363,9 +378,20 @@ async def persist(store: Store, core: CoreApi, decided: Decided,
     return len(records)
 
 
+RETRY_AHEAD_S = 3.0
+"""A node event refused as ahead of the state (``bad_generation``: a generation newer than its node's
+record) comes back after this many seconds times its deliveries so far (3, 6, 9, 12 s: 30 s in all
+before the delivery that parks it, with the default ``dead_after_deliveries`` of 5). After a crash
+between a batch's outbox and its records, orchd re-executes the outbox's commands from an older state:
+an agent can start the generation they order, and report it, before the redelivered message that
+decided it brings the state there (its ack wait, ``bus.ack_wait_s``, is at least 10 s); termed, that
+report was lost and the job waited for it until its start timeout."""
+
+
 async def acknowledge(decided: Decided) -> None:
     """Stage ack: after persist, ack the decided JetStream messages, ``term`` the rejected ones (so
-    they are never redelivered), park the given-up ones in ``ORCH_DEAD`` and then ``term`` them. A
+    they are never redelivered), park the given-up ones in ``ORCH_DEAD`` and then ``term`` them; ``nak``
+    with a delay those refused as ahead of the state (``RETRY_AHEAD_S``). A
     failed ack is harmless: redelivered, decided again (idempotent); a failed park leaves the message
     unacked: it comes back after the consumers' ack wait (``bus.ack_wait_s``) and is parked then."""
     for msg in decided.to_ack:
@@ -381,6 +407,11 @@ async def acknowledge(decided: Decided) -> None:
             await msg.term()
         except Exception as e:
             log.debug("term_failed", error=repr(e))
+    for msg in decided.to_retry:
+        try:
+            await msg.nak(delay=RETRY_AHEAD_S * bus.num_delivered(msg))
+        except Exception as e:  # not naked: it comes back after the ack wait all the same
+            log.debug("nak_failed", error=repr(e))
 
 
 async def _park(msg: Msg, reason: str) -> bool:

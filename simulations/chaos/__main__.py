@@ -45,6 +45,7 @@ async def run_all(*, seed: int, iterations: int, n_fuzz: int, nats_restarts: int
         "burst_iterations": burst_iterations,
         "burst_notices": sum(r.notices for r in kills if r.burst),
         "burst_kills": sum(r.kills for r in kills if r.burst),
+        "cmd_id_reused": sum(r.cmd_id_reused for r in kills),
         "faults_injected": sum(r.kills for r in kills) + len(nats),
         "kills": sum(r.kills for r in kills),
         "kill_points": sorted({p for r in kills for p in r.kill_points}),

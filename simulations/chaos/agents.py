@@ -57,7 +57,7 @@ class SimNode:
     checkpoint_url: str = ""
     training: bool = False
     alive: bool = True
-    acks: dict[str, bytes] = field(default_factory=dict)
+    acks: dict[str, tuple[tuple[str, str | None, int], bytes]] = field(default_factory=dict)  # as orch-agent's
     garbage_sent: dict[str, int] = field(default_factory=dict)
 
     def step(self, now: float, step_s: float) -> int:
@@ -81,6 +81,7 @@ class SimFleet:
         self.commands: list[tuple[float, Any]] = []  # (arrival, command) of first deliveries
         self.events: list[Any] = []  # every event handed to the publisher
         self.garbage_total = 0
+        self.cmd_id_reused = 0  # a known cmd_id naming another command: executed as new, as orch-agent does
         self._agreed: dict[tuple[str, int], int] = {}  # (job, generation) -> checkpoint step
         self._queue: asyncio.Queue = asyncio.Queue()
         self._published = 0
@@ -196,18 +197,22 @@ class SimFleet:
             data = GARBAGE_REPLIES[choice] if choice < len(GARBAGE_REPLIES) else ev.encode(other)
             await msg.respond(data)
             return
-        cached = node.acks.get(cmd.cmd_id)
-        if cached is None:
+        what = (type(cmd).__name__, cmd.job_id, cmd.generation)
+        known = node.acks.get(cmd.cmd_id)
+        if known is not None and known[0] != what:
+            self.cmd_id_reused += 1
+            known = None
+        if known is None:
             self.commands.append((time.time(), cmd))
             if cmd.fencing_token < node.fencing:
                 error: str | None = "stale_fencing_token"
             else:
                 node.fencing = cmd.fencing_token
                 error = self._execute(node, cmd)
-            cached = node.acks[cmd.cmd_id] = ev.encode(ev.CommandAck(cmd_id=cmd.cmd_id, node_id=cmd.node_id,
-                                                                     ok=error is None, error=error, ts=time.time()))
+            known = node.acks[cmd.cmd_id] = (what, ev.encode(ev.CommandAck(
+                cmd_id=cmd.cmd_id, node_id=cmd.node_id, ok=error is None, error=error, ts=time.time())))
         with contextlib.suppress(Exception):
-            await msg.respond(cached)
+            await msg.respond(known[1])
 
     def _execute(self, node: SimNode, cmd: Any) -> str | None:
         now = time.time()

@@ -72,6 +72,7 @@ class KillResult:
     instances: int = 0
     generations: dict[str, int] = field(default_factory=dict)
     daemon_crashes: int = 0
+    cmd_id_reused: int = 0
     seconds: float = 0.0
     problems: list[str] = field(default_factory=list)
 
@@ -119,6 +120,7 @@ async def run_iteration(i: int, seed: int, root: Path, *, max_kills: int = 3, co
         drill = _Drill(i, rng, res, orchd, SimFleet(nc, orchd.fake_file, step_s=step_s), max_kills, burst)
         client = await common.admin(server.url)
         await drill.run(client, tag, converge_s)
+        res.cmd_id_reused = drill.fleet.cmd_id_reused
         jobs, nodes = await _final_word(client, drill.specs, res)
         await anyio.to_thread.run_sync(orchd.stop)
         _reap(orchd, jobs, nodes, res)
