@@ -378,10 +378,12 @@ async def persist(store: Store, core: CoreApi, decided: Decided,
     return len(records)
 
 
-RETRY_AHEAD_S = 3.0
+RETRY_AHEAD_S = 5.0
 """A node event refused as ahead of the state (``bad_generation``: a generation newer than its node's
-record) comes back after this many seconds times its deliveries so far (3, 6, 9, 12 s: 30 s in all
-before the delivery that parks it, with the default ``dead_after_deliveries`` of 5). After a crash
+record) comes back after this many seconds times its deliveries so far: 5, 10 and 15 s, 30 s in all
+(longer than the consumers' ack wait, ``bus.ack_wait_s``: 10 s, or twice the lease's TTL); its next
+delivery is termed like any refusal (with the default ``dead_after_deliveries`` of 5, the one before
+the delivery that would park it). After a crash
 between a batch's outbox and its records, orchd re-executes the outbox's commands from an older state:
 an agent can start the generation they order, and report it, before the redelivered message that
 decided it brings the state there (its ack wait, ``bus.ack_wait_s``, is at least 10 s); termed, that

@@ -46,7 +46,7 @@ def _refused(metrics: Metrics, reason: str) -> float:
 
 
 async def test_an_event_ahead_of_the_state_comes_back_later_counted_once(nats_server, monkeypatch) -> None:
-    monkeypatch.setattr(pipeline, "RETRY_AHEAD_S", 1.0)  # 1, 2, 3 s instead of 3, 6, 9 s
+    monkeypatch.setattr(pipeline, "RETRY_AHEAD_S", 1.0)  # 1, 2, 3 s instead of 5, 10, 15 s
     state, node = _started_node()
     core, metrics = default_core(Settings()), Metrics()
     nc = await nats.connect(nats_server.url)
