@@ -4,7 +4,7 @@ Role: commands are idempotent: an already seen ``cmd_id`` gets the very same ``C
 second effect (the last ``remember`` acks are kept), if it names the same command (kind, job and
 generation): a ``cmd_id`` that comes back naming another command is executed as a new one and logged
 (``command_id_reused``: an orchd that crashed after sending a command it had not yet stored numbers its
-next command to this node the same); a command whose ``fencing_token`` is lower than the
+next command to this node the same), both acks kept under that id; a command whose ``fencing_token`` is lower than the
 highest seen is refused with ``stale_fencing_token`` (a deposed orchd leader cannot act). Other errors
 in the ack: ``bad_command:<reason>``, ``wrong_node``, ``unknown_command``, ``internal:<type>`` and what the
 generation runner answers (``unknown_generation``, ``stale_generation``, ``draining``, ``spawn_failed``).
@@ -50,8 +50,8 @@ class CommandHandler:
         self.request_shutdown = request_shutdown
         self.remember = remember
         self.fencing_token = 0  # the highest seen
-        self._acks: collections.OrderedDict[str, tuple[tuple[str, str | None, int], CommandAck]] = \
-            collections.OrderedDict()  # cmd_id -> (what the command was, its ack)
+        self._acks: collections.OrderedDict[str, dict[tuple[str, str | None, int], CommandAck]] = \
+            collections.OrderedDict()  # cmd_id -> {what the command was (kind, job, generation): its ack}
 
     async def on_msg(self, msg: Msg) -> None:
         ack = await self.handle(msg.data)
@@ -75,11 +75,14 @@ class CommandHandler:
         if cmd.node_id != self.node_id:
             return self._ack(cmd.cmd_id, "wrong_node")
         what = (type(cmd).__name__, cmd.job_id, cmd.generation)
-        cached = self._acks.get(cmd.cmd_id)
-        if cached is not None:
-            if cached[0] == what:  # a retry of a command already executed: same answer, no second effect
-                return cached[1]
-            log.warning("command_id_reused", cmd_id=cmd.cmd_id, was=cached[0][0], now=what[0],
+        known = self._acks.get(cmd.cmd_id)
+        if known is not None:
+            cached = known.get(what)
+            if cached is not None:  # a retry of a command already executed: same answer, no second effect
+                # its token counts all the same: a new leader re-executing its predecessor's outbox fences it
+                self.fencing_token = max(self.fencing_token, cmd.fencing_token)
+                return cached
+            log.warning("command_id_reused", cmd_id=cmd.cmd_id, was=next(iter(known))[0], now=what[0],
                         generation=cmd.generation)
         if cmd.fencing_token < self.fencing_token:
             log.warning("command_stale_fencing_token", cmd_id=cmd.cmd_id, token=cmd.fencing_token,
@@ -92,7 +95,10 @@ class CommandHandler:
             log.exception("command_failed", cmd_id=cmd.cmd_id)
             error = f"internal:{type(e).__name__}"
         ack = self._ack(cmd.cmd_id, error)
-        self._acks[cmd.cmd_id] = (what, ack)
+        # Kept beside the other commands under this id (not instead): a retry of the first one, still in
+        # flight at an orchd or re-executed from its outbox, must not run it a second time.
+        self._acks.setdefault(cmd.cmd_id, {})[what] = ack
+        self._acks.move_to_end(cmd.cmd_id)
         while len(self._acks) > self.remember:
             self._acks.popitem(last=False)
         log.info("command_handled", kind=type(cmd).__name__, cmd_id=cmd.cmd_id, generation=cmd.generation,

@@ -23,6 +23,7 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
+from orchestrator import bus
 from orchestrator.core import Decision, State
 from orchestrator.core.commands import CheckInstance, Command, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import BusState, CoreEvent, LeaseChanged, Tick
@@ -238,7 +239,9 @@ class Daemon:
         t_begin = time.perf_counter()
         decider = pipeline.Decider(self.core, state, metrics=self.metrics, on_decision=self._log_decision,
                                    on_reject=self._log_rejection)
-        decided = pipeline.decide_batch(batch, decider, dead_after=self.settings.daemon.dead_after_deliveries)
+        ds = self.settings.daemon
+        decided = pipeline.decide_batch(batch, decider, dead_after=ds.dead_after_deliveries,
+                                        retry_s=pipeline.retry_ahead_s(bus.ack_wait_s(ds.lease_ttl_s)))
         final = self._stop.is_set()
         self.liveness.settle(decided.liveness, decided.dirty, final=final)
         t_decided = time.perf_counter()

@@ -19,7 +19,8 @@ them; heartbeats take the very same functions, batched, with nothing logged per 
     dispatch   ``dispatch_checkpoints(decided, executor, notice_ts)``: hand the checkpoint commands out
                at once, before the outbox is written (an agent answers a ``cmd_id`` it has seen with
                the same ack, and a crash before the outbox puts leaves the notice unacked: decided
-               again, the same command)
+               again, the same command); one whose node's generation start the batch decided before
+               it goes with that start
     persist    ``persist(store, core, decided, after_outbox)``: outbox, then records of the dirty keys,
                audit; ``after_outbox`` runs between the two (the daemon dispatches the rest there)
     dispatch   ``dispatch(decided, executor)``: hand the other commands out once they are in the
@@ -140,7 +141,7 @@ class Decided:
     notice_ts: dict[str, float] = field(default_factory=dict)  # checkpoint cmd_id -> its notice's publish ts
     to_ack: list[Msg] = field(default_factory=list)
     to_term: list[Msg] = field(default_factory=list)  # rejected, or poison for the core: never redelivered
-    to_retry: list[Msg] = field(default_factory=list)  # refused as ahead of the state: redelivered later
+    to_retry: list[tuple[Msg, float]] = field(default_factory=list)  # ahead of the state: back after the delay
     to_park: list[tuple[Msg, str]] = field(default_factory=list)  # (message, reason): dead-lettered, then termed
     replies: list[asyncio.Future[None]] = field(default_factory=list)  # admin requests answered after persist
     seen: list[CoreEvent] = field(default_factory=list)  # the events decided (not refused, not failed): metrics
@@ -304,18 +305,19 @@ class Decider:
         log.exception("decide_failed", event_type=type(event).__name__, error=repr(e))
 
 
-def decide_batch(batch: Batch, decider: Decider, *,
-                 dead_after: int = bus.DEAD_AFTER_DELIVERIES) -> Decided:
+def decide_batch(batch: Batch, decider: Decider, *, dead_after: int = bus.DEAD_AFTER_DELIVERIES,
+                 retry_s: float = 5.0) -> Decided:
     """Decode, screen and decide a whole batch: shell inputs, then JetStream messages, then heartbeats.
 
-    ``dead_after``: a JetStream message delivered this many times is parked (``dead_letters``)."""
+    ``dead_after``: a JetStream message delivered this many times is parked (``dead_letters``).
+    ``retry_s``: the base delay of a message refused as ahead of the state (``retry_ahead_s``)."""
     out, metrics = decider.out, decider.metrics
     events, done = unpack_shell(batch.shell)
     out.done_keys.extend(done)
     out.replies.extend(item.reply for item in batch.shell if item.reply is not None)
     decider.decide(events)
     if batch.js:
-        _decide_js([msg for _kind, msg in batch.js], decider, dead_after)
+        _decide_js([msg for _kind, msg in batch.js], decider, dead_after, retry_s)
     if batch.hb:
         hb = admit_heartbeats(batch.hb)
         count_rejections(metrics, hb.rejected, loud=False)
@@ -323,7 +325,7 @@ def decide_batch(batch: Batch, decider: Decider, *,
     return out
 
 
-def _decide_js(msgs: list[Msg], decider: Decider, dead_after: int) -> None:
+def _decide_js(msgs: list[Msg], decider: Decider, dead_after: int, retry_s: float) -> None:
     """The JetStream part of ``decide_batch``: a message delivered ``dead_after`` times already failed
     (orchd died or hung on it, or could not persist it) and is parked unread (``max_deliveries``);
     the rejected ones are termed; one the core raised on is parked (``core_error``: the core is
@@ -353,7 +355,7 @@ def _decide_js(msgs: list[Msg], decider: Decider, dead_after: int) -> None:
     ahead = set(decider.ahead)  # ... but one ahead of the state may be right once the state catches up
     for i, msg in enumerate(js.messages):
         if i in ahead and deliveries[i] < dead_after - 1:
-            out.to_retry.append(msg)
+            out.to_retry.append((msg, retry_s * deliveries[i]))
         elif i in refused:
             out.to_term.append(msg)
         elif i in failed:
@@ -378,22 +380,23 @@ async def persist(store: Store, core: CoreApi, decided: Decided,
     return len(records)
 
 
-RETRY_AHEAD_S = 5.0
-"""A node event refused as ahead of the state (``bad_generation``: a generation newer than its node's
-record) comes back after this many seconds times its deliveries so far: 5, 10 and 15 s, 30 s in all
-(longer than the consumers' ack wait, ``bus.ack_wait_s``: 10 s, or twice the lease's TTL); its next
-delivery is termed like any refusal (with the default ``dead_after_deliveries`` of 5, the one before
-the delivery that would park it). After a crash
-between a batch's outbox and its records, orchd re-executes the outbox's commands from an older state:
-an agent can start the generation they order, and report it, before the redelivered message that
-decided it brings the state there (its ack wait, ``bus.ack_wait_s``, is at least 10 s); termed, that
-report was lost and the job waited for it until its start timeout."""
+def retry_ahead_s(ack_wait_s: float) -> float:
+    """The base delay of a node event refused as ahead of the state (``bad_generation``: a generation
+    newer than its node's record): it comes back after this times its deliveries so far - half the
+    consumers' ack wait (``bus.ack_wait_s``), so 0.5, 1 and 1.5 ack waits, 3 in all, before its next
+    delivery is termed like any refusal (with the default ``dead_after_deliveries`` of 5, the one before
+    the delivery that would park it): 5, 10 and 15 s at the default lease TTL. After a crash between a
+    batch's outbox and its records, orchd re-executes the outbox's commands from an older state: an agent
+    can start the generation they order, and report it, before the message that decided it is
+    redelivered (one ack wait after it reached the daemon that crashed) and brings the state there;
+    termed, that report was lost and the job waited for it until its start timeout."""
+    return ack_wait_s / 2
 
 
 async def acknowledge(decided: Decided) -> None:
     """Stage ack: after persist, ack the decided JetStream messages, ``term`` the rejected ones (so
     they are never redelivered), park the given-up ones in ``ORCH_DEAD`` and then ``term`` them; ``nak``
-    with a delay those refused as ahead of the state (``RETRY_AHEAD_S``). A
+    with a delay those refused as ahead of the state (``retry_ahead_s``). A
     failed ack is harmless: redelivered, decided again (idempotent); a failed park leaves the message
     unacked: it comes back after the consumers' ack wait (``bus.ack_wait_s``) and is parked then."""
     for msg in decided.to_ack:
@@ -409,9 +412,9 @@ async def acknowledge(decided: Decided) -> None:
             await msg.term()
         except Exception as e:
             log.debug("term_failed", error=repr(e))
-    for msg in decided.to_retry:
+    for msg, delay in decided.to_retry:
         try:
-            await msg.nak(delay=RETRY_AHEAD_S * bus.num_delivered(msg))
+            await msg.nak(delay=delay)
         except Exception as e:  # not naked: it comes back after the ack wait all the same
             log.debug("nak_failed", error=repr(e))
 
@@ -434,25 +437,37 @@ def dispatch_checkpoints(decided: Decided, executor: Executor, notice_ts: dict[s
     They need not wait for the outbox's round trip: a crash before the outbox puts leaves the batch's
     messages unacked, so the notice is redelivered and decided again from the same state, into the same
     command (same ``cmd_id``), which the agent answers with the ack it gave the first time. Returns
-    whether any was handed out."""
+    whether any was handed out. A checkpoint of a node whose generation start this batch decided before
+    it waits for that start (``dispatch``): sent first, the agent would refuse it as an unknown
+    generation, then start the generation."""
     notice_ts.update(decided.notice_ts)
-    sent = False
-    for key, c in decided.commands.items():
-        if _is_checkpoint(c):
-            executor.submit(key, c)
-            sent = True
-    return sent
+    early = _early_checkpoints(decided.commands)
+    for key in early:
+        executor.submit(key, decided.commands[key])
+    return bool(early)
 
 
 def dispatch(decided: Decided, executor: Executor) -> None:
     """Stage dispatch, the rest: hand the other new commands to the executor once they are in the outbox
-    (``persist``'s ``after_outbox``): the other agent commands, then the cloud calls (the caller yields
-    once after, so their tasks send at once)."""
-    rest = [(key, c) for key, c in decided.commands.items() if not _is_checkpoint(c)]
+    (``persist``'s ``after_outbox``): the other agent commands (in decision order), then the cloud calls
+    (the caller yields once after, so their tasks send at once)."""
+    early = set(_early_checkpoints(decided.commands))
+    rest = [(key, c) for key, c in decided.commands.items() if key not in early]
     rest.sort(key=lambda item: not isinstance(item[1], SendToAgent))  # agent commands, then cloud calls
     for key, c in rest:
         executor.submit(key, c)
 
 
-def _is_checkpoint(c: Command) -> bool:
-    return isinstance(c, SendToAgent) and isinstance(c.command, ev.CheckpointCmd)
+def _early_checkpoints(commands: dict[str, Command]) -> list[str]:
+    """The keys of the checkpoint commands ``dispatch_checkpoints`` hands out, in decision order: those
+    of nodes with no generation start earlier in the batch."""
+    early: list[str] = []
+    starting: set[str] = set()
+    for key, c in commands.items():
+        if isinstance(c, SendToAgent):
+            cmd = c.command
+            if isinstance(cmd, ev.StartGenerationCmd):
+                starting.add(cmd.node_id)
+            elif isinstance(cmd, ev.CheckpointCmd) and cmd.node_id not in starting:
+                early.append(key)
+    return early

@@ -57,7 +57,7 @@ class SimNode:
     checkpoint_url: str = ""
     training: bool = False
     alive: bool = True
-    acks: dict[str, tuple[tuple[str, str | None, int], bytes]] = field(default_factory=dict)  # as orch-agent's
+    acks: dict[str, dict[tuple[str, str | None, int], bytes]] = field(default_factory=dict)  # as orch-agent's
     garbage_sent: dict[str, int] = field(default_factory=dict)
 
     def step(self, now: float, step_s: float) -> int:
@@ -198,21 +198,22 @@ class SimFleet:
             await msg.respond(data)
             return
         what = (type(cmd).__name__, cmd.job_id, cmd.generation)
-        known = node.acks.get(cmd.cmd_id)
-        if known is not None and known[0] != what:
-            self.cmd_id_reused += 1
-            known = None
-        if known is None:
+        known = node.acks.setdefault(cmd.cmd_id, {})
+        cached = known.get(what)
+        if cached is not None:
+            node.fencing = max(node.fencing, cmd.fencing_token)
+        else:
+            self.cmd_id_reused += bool(known)
             self.commands.append((time.time(), cmd))
             if cmd.fencing_token < node.fencing:
                 error: str | None = "stale_fencing_token"
             else:
                 node.fencing = cmd.fencing_token
                 error = self._execute(node, cmd)
-            known = node.acks[cmd.cmd_id] = (what, ev.encode(ev.CommandAck(
-                cmd_id=cmd.cmd_id, node_id=cmd.node_id, ok=error is None, error=error, ts=time.time())))
+            cached = known[what] = ev.encode(ev.CommandAck(cmd_id=cmd.cmd_id, node_id=cmd.node_id,
+                                                           ok=error is None, error=error, ts=time.time()))
         with contextlib.suppress(Exception):
-            await msg.respond(known[1])
+            await msg.respond(cached)
 
     def _execute(self, node: SimNode, cmd: Any) -> str | None:
         now = time.time()

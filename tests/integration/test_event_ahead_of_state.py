@@ -3,7 +3,7 @@ than its node's record) is not termed at once: after a crash between a batch's o
 orchd re-executes the outbox's commands from an older state, and an agent can start the generation they
 order - and report it - before the redelivered message that decided it brings the state there (found by
 the chaos drill's zone-wide burst with kill -9: the report was termed, the job waited in STARTING until
-its start timeout). It comes back ``RETRY_AHEAD_S`` x its deliveries later, counted once, and is termed
+its start timeout). It comes back ``retry_s`` x its deliveries later, counted once, and is termed
 at the delivery before the one that would park it. One behind the state (``stale_generation``) is termed
 at once. Real nats-server and JetStream consumer, the real core and gate."""
 
@@ -45,8 +45,7 @@ def _refused(metrics: Metrics, reason: str) -> float:
     return metrics.rejected.labels("GenerationStarted", reason)._value.get()
 
 
-async def test_an_event_ahead_of_the_state_comes_back_later_counted_once(nats_server, monkeypatch) -> None:
-    monkeypatch.setattr(pipeline, "RETRY_AHEAD_S", 1.0)  # 1, 2, 3 s instead of 5, 10, 15 s
+async def test_an_event_ahead_of_the_state_comes_back_later_counted_once(nats_server) -> None:
     state, node = _started_node()
     core, metrics = default_core(Settings()), Metrics()
     nc = await nats.connect(nats_server.url)
@@ -60,14 +59,15 @@ async def test_an_event_ahead_of_the_state_comes_back_later_counted_once(nats_se
         async def decide_one() -> tuple[pipeline.Decided, object]:
             (msg,) = await sub.fetch(1, timeout=20)
             decider = pipeline.Decider(core, state, metrics=metrics, on_decision=lambda e, d: None)
-            decided = pipeline.decide_batch(Batch([("events", msg)], [], []), decider, dead_after=DEAD_AFTER)
+            decided = pipeline.decide_batch(Batch([("events", msg)], [], []), decider, dead_after=DEAD_AFTER,
+                                            retry_s=1.0)  # back after 1, 2, 3 s
             await pipeline.acknowledge(decided)
             return decided, msg
 
         for delivery in range(1, DEAD_AFTER - 1):  # 1..3: naked, back later, counted once
             decided, msg = await decide_one()
             assert bus.num_delivered(msg) == delivery
-            assert decided.to_retry == [msg] and not decided.to_term and not decided.to_ack
+            assert decided.to_retry == [(msg, 1.0 * delivery)] and not decided.to_term and not decided.to_ack
             assert _refused(metrics, "bad_generation") == 1
             if delivery == 1:
                 with pytest.raises(nats.errors.TimeoutError):
@@ -84,3 +84,13 @@ async def test_an_event_ahead_of_the_state_comes_back_later_counted_once(nats_se
         assert _refused(metrics, "stale_generation") == 1
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize("ttl", [2.0, 6.0, 20.0, 30.0])
+def test_the_retries_outlast_the_ack_wait_at_any_lease_ttl(ttl: float) -> None:
+    """The report must still be there when the message that decided its generation is redelivered, one
+    ack wait (``bus.ack_wait_s``, which grows with the lease TTL) after it reached the daemon that crashed."""
+    dead_after = Settings().daemon.dead_after_deliveries
+    ack_wait = bus.ack_wait_s(ttl)
+    window = sum(pipeline.retry_ahead_s(ack_wait) * n for n in range(1, dead_after - 1))
+    assert window > ack_wait
