@@ -42,16 +42,45 @@ log = structlog.get_logger("agent")
 _COMMANDS = (CheckpointCmd, StartGenerationCmd, StopCmd, AbandonGenerationCmd, DrainCmd)  # = AgentCommand
 
 
+class AckCache:
+    """The acks of the last ``remember`` cmd_ids, each kept per command it named (kind, job, generation):
+    a retry of a command gets its ack (``get``); another command under a known id (``named``: the kinds
+    seen under it) is not one, and its ack is kept beside the first's (``put``), so a retry of either is
+    answered, never run again. The simulated agents of the chaos drills keep theirs in one too."""
+
+    def __init__(self, remember: int = 1000) -> None:
+        self.remember = remember
+        self._acks: collections.OrderedDict[str, dict[tuple[str, str | None, int], CommandAck]] = \
+            collections.OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._acks)
+
+    @staticmethod
+    def _what(cmd: AgentCommand) -> tuple[str, str | None, int]:
+        return type(cmd).__name__, cmd.job_id, cmd.generation
+
+    def get(self, cmd: AgentCommand) -> CommandAck | None:
+        return self._acks.get(cmd.cmd_id, {}).get(self._what(cmd))
+
+    def named(self, cmd_id: str) -> list[str]:
+        return [kind for kind, _job, _gen in self._acks.get(cmd_id, {})]
+
+    def put(self, cmd: AgentCommand, ack: CommandAck) -> None:
+        self._acks.setdefault(cmd.cmd_id, {})[self._what(cmd)] = ack
+        self._acks.move_to_end(cmd.cmd_id)
+        while len(self._acks) > self.remember:
+            self._acks.popitem(last=False)
+
+
 class CommandHandler:
     def __init__(self, node_id: NodeId, generations: GenerationRunner, request_shutdown: Callable[[str], None], *,
                  remember: int = 1000) -> None:
         self.node_id = node_id
         self.generations = generations
         self.request_shutdown = request_shutdown
-        self.remember = remember
         self.fencing_token = 0  # the highest seen
-        self._acks: collections.OrderedDict[str, dict[tuple[str, str | None, int], CommandAck]] = \
-            collections.OrderedDict()  # cmd_id -> {what the command was (kind, job, generation): its ack}
+        self._acks = AckCache(remember)
 
     async def on_msg(self, msg: Msg) -> None:
         ack = await self.handle(msg.data)
@@ -74,15 +103,13 @@ class CommandHandler:
             return self._ack("", "bad_command:not_a_command")
         if cmd.node_id != self.node_id:
             return self._ack(cmd.cmd_id, "wrong_node")
-        what = (type(cmd).__name__, cmd.job_id, cmd.generation)
-        known = self._acks.get(cmd.cmd_id)
-        if known is not None:
-            cached = known.get(what)
-            if cached is not None:  # a retry of a command already executed: same answer, no second effect
-                # its token counts all the same: a new leader re-executing its predecessor's outbox fences it
-                self.fencing_token = max(self.fencing_token, cmd.fencing_token)
-                return cached
-            log.warning("command_id_reused", cmd_id=cmd.cmd_id, was=next(iter(known))[0], now=what[0],
+        cached = self._acks.get(cmd)
+        if cached is not None:  # a retry of a command already executed: same answer, no second effect
+            # its token counts all the same: a new leader re-executing its predecessor's outbox fences it
+            self.fencing_token = max(self.fencing_token, cmd.fencing_token)
+            return cached
+        if named := self._acks.named(cmd.cmd_id):
+            log.warning("command_id_reused", cmd_id=cmd.cmd_id, was=named[0], now=type(cmd).__name__,
                         generation=cmd.generation)
         if cmd.fencing_token < self.fencing_token:
             log.warning("command_stale_fencing_token", cmd_id=cmd.cmd_id, token=cmd.fencing_token,
@@ -95,12 +122,7 @@ class CommandHandler:
             log.exception("command_failed", cmd_id=cmd.cmd_id)
             error = f"internal:{type(e).__name__}"
         ack = self._ack(cmd.cmd_id, error)
-        # Kept beside the other commands under this id (not instead): a retry of the first one, still in
-        # flight at an orchd or re-executed from its outbox, must not run it a second time.
-        self._acks.setdefault(cmd.cmd_id, {})[what] = ack
-        self._acks.move_to_end(cmd.cmd_id)
-        while len(self._acks) > self.remember:
-            self._acks.popitem(last=False)
+        self._acks.put(cmd, ack)
         log.info("command_handled", kind=type(cmd).__name__, cmd_id=cmd.cmd_id, generation=cmd.generation,
                  ok=ack.ok, error=error)
         return ack

@@ -33,6 +33,7 @@ import anyio
 import msgspec
 
 import wire as ev
+from agent.commands import AckCache
 from simulations.fakecloud import read_fake_file
 from trainer import contract
 
@@ -57,7 +58,7 @@ class SimNode:
     checkpoint_url: str = ""
     training: bool = False
     alive: bool = True
-    acks: dict[str, dict[tuple[str, str | None, int], bytes]] = field(default_factory=dict)  # as orch-agent's
+    acks: AckCache = field(default_factory=AckCache)  # orch-agent's
     garbage_sent: dict[str, int] = field(default_factory=dict)
 
     def step(self, now: float, step_s: float) -> int:
@@ -197,23 +198,22 @@ class SimFleet:
             data = GARBAGE_REPLIES[choice] if choice < len(GARBAGE_REPLIES) else ev.encode(other)
             await msg.respond(data)
             return
-        what = (type(cmd).__name__, cmd.job_id, cmd.generation)
-        known = node.acks.setdefault(cmd.cmd_id, {})
-        cached = known.get(what)
+        cached = node.acks.get(cmd)
         if cached is not None:
             node.fencing = max(node.fencing, cmd.fencing_token)
         else:
-            self.cmd_id_reused += bool(known)
+            self.cmd_id_reused += bool(node.acks.named(cmd.cmd_id))
             self.commands.append((time.time(), cmd))
             if cmd.fencing_token < node.fencing:
                 error: str | None = "stale_fencing_token"
             else:
                 node.fencing = cmd.fencing_token
                 error = self._execute(node, cmd)
-            cached = known[what] = ev.encode(ev.CommandAck(cmd_id=cmd.cmd_id, node_id=cmd.node_id,
-                                                           ok=error is None, error=error, ts=time.time()))
+            cached = ev.CommandAck(cmd_id=cmd.cmd_id, node_id=cmd.node_id, ok=error is None, error=error,
+                                   ts=time.time())
+            node.acks.put(cmd, cached)
         with contextlib.suppress(Exception):
-            await msg.respond(cached)
+            await msg.respond(ev.encode(cached))
 
     def _execute(self, node: SimNode, cmd: Any) -> str | None:
         now = time.time()
