@@ -248,17 +248,18 @@ class Daemon:
         # While this batch is written, a liveness slice must not write its dirty keys from the older
         # state (``_write_liveness``): the batch's newer value would be overwritten.
         self._persisting = decided.dirty
+        early = pipeline.dispatch_checkpoints(decided, executor, self.notice_ts)  # before the outbox's round trip
 
         async def send() -> None:
             # The other commands as soon as they are in the outbox, while the records are written: the
             # metrics, the acks and the next liveness slice come after.
-            pipeline.dispatch(decided, executor)
+            pipeline.dispatch(decided, executor, early)
             if decided.commands:
                 await anyio.sleep(0)  # let the executor's tasks send before the records' publishes
 
         try:
-            if pipeline.dispatch_checkpoints(decided, executor, self.notice_ts):
-                await anyio.sleep(0)  # a notice's checkpoint commands leave before the outbox's round trip
+            if early:
+                await anyio.sleep(0)  # let their tasks send before the outbox's publishes
             records = await pipeline.persist(store, self.core, decided, after_outbox=send)
         finally:
             self._persisting = _NOTHING

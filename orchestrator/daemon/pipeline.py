@@ -23,7 +23,7 @@ them; heartbeats take the very same functions, batched, with nothing logged per 
                it goes with that start
     persist    ``persist(store, core, decided, after_outbox)``: outbox, then records of the dirty keys,
                audit; ``after_outbox`` runs between the two (the daemon dispatches the rest there)
-    dispatch   ``dispatch(decided, executor)``: hand the other commands out once they are in the
+    dispatch   ``dispatch(decided, executor, sent)``: hand the other commands out once they are in the
                outbox (agent commands, then cloud calls); admin requests are answered once persisted
     ack        ``acknowledge(decided)``: ack the decided JetStream messages, ``term`` the rejected ones,
                park (``bus.park_msg``, stream ``ORCH_DEAD``) and ``term`` those given up on: the core
@@ -47,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -431,28 +431,28 @@ async def _park(msg: Msg, reason: str) -> bool:
     return True
 
 
-def dispatch_checkpoints(decided: Decided, executor: Executor, notice_ts: dict[str, float]) -> bool:
+def dispatch_checkpoints(decided: Decided, executor: Executor, notice_ts: dict[str, float]) -> list[str]:
     """Stage dispatch, first part: hand the batch's checkpoint commands to the executor in decision
     order, before the outbox is written (the caller yields once after, so their tasks send at once).
     They need not wait for the outbox's round trip: a crash before the outbox puts leaves the batch's
     messages unacked, so the notice is redelivered and decided again from the same state, into the same
-    command (same ``cmd_id``), which the agent answers with the ack it gave the first time. Returns
-    whether any was handed out. A checkpoint of a node whose generation start this batch decided before
-    it waits for that start (``dispatch``): sent first, the agent would refuse it as an unknown
-    generation, then start the generation."""
+    command (same ``cmd_id``), which the agent answers with the ack it gave the first time. Returns the
+    outbox keys handed out (``dispatch`` skips them). A checkpoint of a node whose generation start this
+    batch decided before it waits for that start (``dispatch``): sent first, the agent would refuse it as
+    an unknown generation, then start the generation."""
     notice_ts.update(decided.notice_ts)
     early = _early_checkpoints(decided.commands)
     for key in early:
         executor.submit(key, decided.commands[key])
-    return bool(early)
+    return early
 
 
-def dispatch(decided: Decided, executor: Executor) -> None:
-    """Stage dispatch, the rest: hand the other new commands to the executor once they are in the outbox
-    (``persist``'s ``after_outbox``): the other agent commands (in decision order), then the cloud calls
-    (the caller yields once after, so their tasks send at once)."""
-    early = set(_early_checkpoints(decided.commands))
-    rest = [(key, c) for key, c in decided.commands.items() if key not in early]
+def dispatch(decided: Decided, executor: Executor, sent: Collection[str]) -> None:
+    """Stage dispatch, the rest: hand the new commands not ``sent`` already (``dispatch_checkpoints``) to
+    the executor once they are in the outbox (``persist``'s ``after_outbox``): the other agent commands
+    (in decision order), then the cloud calls (the caller yields once after, so their tasks send at
+    once)."""
+    rest = [(key, c) for key, c in decided.commands.items() if key not in sent]
     rest.sort(key=lambda item: not isinstance(item[1], SendToAgent))  # agent commands, then cloud calls
     for key, c in rest:
         executor.submit(key, c)

@@ -163,9 +163,9 @@ def test_dispatch_hands_out_checkpoint_commands_first() -> None:
     for i, c in enumerate([launch, stop, ckpt[0], term, ckpt[1], ckpt[2]]):
         decided.commands[f"k{i}"] = c
     rec = _Recorder()
-    assert pipeline.dispatch_checkpoints(decided, rec, {})  # type: ignore[arg-type]
+    assert (early := pipeline.dispatch_checkpoints(decided, rec, {}))  # type: ignore[arg-type]
     assert rec.submitted == ckpt  # in decision order
-    pipeline.dispatch(decided, rec)  # type: ignore[arg-type]
+    pipeline.dispatch(decided, rec, early)  # type: ignore[arg-type]
     assert rec.submitted == [*ckpt, stop, launch, term]  # then the other agent commands, then cloud calls
     assert not pipeline.dispatch_checkpoints(pipeline.Decided(state=None), rec, {})  # type: ignore[arg-type]
 

@@ -56,7 +56,7 @@ def test_a_checkpoint_of_a_generation_started_in_the_same_batch_leaves_after_the
     assert len(gens) == 1  # the checkpoint names the generation the start begins
 
     rec = _Recorder()
-    pipeline.dispatch_checkpoints(decided, rec, {})  # type: ignore[arg-type]
-    pipeline.dispatch(decided, rec)  # type: ignore[arg-type]
+    early = pipeline.dispatch_checkpoints(decided, rec, {})  # type: ignore[arg-type]
+    pipeline.dispatch(decided, rec, early)  # type: ignore[arg-type]
     assert _agent_commands(rec.submitted, last) == in_order  # today: the checkpoint first
     assert sorted(map(id, rec.submitted)) == sorted(map(id, decided.commands.values()))  # each once
