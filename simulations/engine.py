@@ -55,6 +55,7 @@ class JobResult:
     billed_q: int  # quanta billed (running)
     starts: int
     timeline: list[tuple[int, int, int]] | None = None  # (tick, mode, progress_q)
+    od_share: float | None = None  # on-demand node-hours / billed node-hours (world runs; None: the bound)
 
 
 class Modes:

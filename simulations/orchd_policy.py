@@ -48,6 +48,7 @@ def world_job_result(sc: Scenario, job: Job, r: WorldResult) -> JobResult:
         overhead_q=int(round(max(0.0, billed_h - (r.useful_s / 3600.0)) / q)),
         billed_q=int(round(billed_h / q)),
         starts=0,
+        od_share=r.od_node_s / r.billed_node_s if r.billed_node_s > 0 else 0.0,
     )
 
 

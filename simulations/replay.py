@@ -41,6 +41,7 @@ class Summary:
     jobs: int
     per_job_cost_ratio: tuple[float, ...] = field(default=(), repr=False)
     per_job_met: tuple[bool, ...] = field(default=(), repr=False)
+    od_share: float | None = None  # mean share of billed node-hours on on-demand (None: the offline bound)
 
     def as_dict(self) -> dict[str, float | int | None]:
         return {
@@ -49,6 +50,7 @@ class Summary:
             "preemptions": _r(self.preemptions),
             "lost_hours": _r(self.lost_hours),
             "goodput": _r(self.goodput),
+            "od_share": _r(self.od_share),
             "jobs": self.jobs,
         }
 
@@ -78,6 +80,7 @@ def summarize(results: list[JobResult], sc: Scenario) -> Summary:
         jobs=len(results),
         per_job_cost_ratio=tuple(ratios),
         per_job_met=tuple(bool(r.deadline_met) for r in results),
+        od_share=None if any(r.od_share is None for r in results) else float(np.mean([r.od_share for r in results])),
     )
 
 

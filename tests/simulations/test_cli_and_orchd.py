@@ -16,7 +16,7 @@ from simulations.worldparams import WorldParams
 
 from .conftest import tiny_scenario
 
-FIELDS = {"cost_ratio", "deadline_met", "preemptions", "lost_hours", "goodput", "jobs"}
+FIELDS = {"cost_ratio", "deadline_met", "preemptions", "lost_hours", "goodput", "od_share", "jobs"}
 
 
 def test_replay_json_shape(shared, capsys):
@@ -33,7 +33,9 @@ def test_replay_json_shape(shared, capsys):
     for name, f in doc["policies"].items():
         assert set(f) == FIELDS, name
         assert 0.0 <= f["deadline_met"] <= 1.0
+        assert (f["od_share"] is None) == (name == "optimal")
     p = doc["policies"]
+    assert p["on_demand"]["od_share"] == 1.0 and 0.0 <= p["orchd"]["od_share"] <= 1.0
     assert p["optimal"]["cost_ratio"] <= p["greedy_spot"]["cost_ratio"] <= p["on_demand"]["cost_ratio"]
     assert doc["zones"] == ["us-west-2a", "us-west-2b"]
 
