@@ -102,7 +102,8 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("table", help="the documented results table over ../shared/traces")
     t.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
-    t.add_argument("--jobs", type=int, default=4, help="jobs per setting")
+    t.add_argument("--jobs", type=int, default=8, help="jobs per setting (start times spread over the trace; "
+                   "those the tuning does not use are summarised apart too)")
     t.add_argument("--tune-jobs", type=int, default=4, help="jobs per family at each tuning setting")
     t.add_argument("--workers", type=int, default=2)
     t.add_argument("--family", action="append", help="only these families (repeatable; default all)")

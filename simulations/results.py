@@ -104,10 +104,32 @@ class Row:
     results: dict[str, Summary]
     tuned: dict[str, Any] = field(default_factory=dict)
     truncated: tuple[tuple[str, int], ...] = ()
+    # per job: its start time is not one of the tuning's (``tune_jobs`` start times per setting, the ones
+    # the leave-one-family-out tuning scores): the part of the row nothing was tuned on
+    fresh: tuple[bool, ...] = ()
 
     @property
     def extrapolated(self) -> bool:
         return self.setting.nodes > self.probe
+
+    def fresh_only(self) -> Row | None:
+        """The row over its fresh jobs only (None without any): every policy's summary of those jobs."""
+        idx = [i for i, f in enumerate(self.fresh) if f]
+        if not idx:
+            return None
+        res = {p: _subset(s, idx) for p, s in self.results.items()}
+        return Row(self.family, self.setting, self.zones, self.probe, res, self.tuned, self.truncated,
+                   tuple(True for _ in idx))
+
+
+def _subset(s: Summary, idx: list[int]) -> Summary:
+    """``s`` over the jobs ``idx`` (cost and deadlines; the other means are not kept per job)."""
+    costs = tuple(s.per_job_cost_ratio[i] for i in idx)
+    met = tuple(s.per_job_met[i] for i in idx)
+    finite = [c for c in costs if np.isfinite(c)]
+    return Summary(cost_ratio=float(np.mean(finite)) if finite else float("nan"),
+                   deadline_met=float(np.mean(met)), preemptions=None, lost_hours=None, goodput=None,
+                   jobs=len(idx), per_job_cost_ratio=costs, per_job_met=met)
 
 
 def load_family(root: Path, fam: Family) -> tuple[list[traces.AvailabilityTrace], int]:
@@ -125,16 +147,19 @@ def family_scenario(trs: list[traces.AvailabilityTrace], ratio: float) -> scen.S
 _LOADED: dict[str, Any] = {}
 
 
-def _row(task: tuple[Family, Setting, int, tuple[str, ...], dict[str, Any]]) -> Row:
-    fam, st, jobs, policies, tuned = task
+def _row(task: tuple[Family, Setting, int, tuple[str, ...], dict[str, Any], int]) -> Row:
+    fam, st, jobs, policies, tuned, tune_jobs = task
     trs, probe = _LOADED[fam.key]
     sc = family_scenario(trs, st.ratio)
     js = make_jobs(sc, job_hours=st.job_h, deadline_hours=st.deadline_h, nodes=st.nodes, count=jobs)
+    seen = {j.start_tick for j in make_jobs(sc, job_hours=st.job_h, deadline_hours=st.deadline_h, nodes=st.nodes,
+                                            count=tune_jobs)}
     res = replay(sc, js, policies, WorldParams(notice_override_s=st.notice_s), orchd_kw=tuned)
-    return Row(fam.key, st, tuple(z.name for z in sc.zones), probe, res, tuned, sc.truncated)
+    return Row(fam.key, st, tuple(z.name for z in sc.zones), probe, res, tuned, sc.truncated,
+               tuple(j.start_tick not in seen for j in js))
 
 
-def run_table(root: Path, *, jobs: int = 4, progress: bool | None = None, families=FAMILIES,
+def run_table(root: Path, *, jobs: int = 8, progress: bool | None = None, families=FAMILIES,
               grid: list[Setting] | None = None, policies=ALL_POLICIES, workers: int = 1,
               tune_jobs: int = 4, loo: bool = True) -> list[Row]:
     """Every (family, setting) of ``grid``; settings run in ``workers`` forked processes."""
@@ -147,7 +172,7 @@ def run_table(root: Path, *, jobs: int = 4, progress: bool | None = None, famili
     tuned: dict[str, dict[str, Any]] = {f.key: {} for f in families}
     if loo and "orchd" in policies and len(families) > 1:
         tuned = choose(root, list(families), loaded, jobs=tune_jobs, workers=workers)
-    tasks = [(fam, st, jobs, tuple(policies), tuned[fam.key]) for fam in families for st in grid]
+    tasks = [(fam, st, jobs, tuple(policies), tuned[fam.key], tune_jobs) for fam in families for st in grid]
     rows: list[Row] = []
     _LOADED.update(loaded)
     try:
@@ -256,6 +281,10 @@ def format_results(rows: list[Row]) -> str:
             lines.append(f"| {r.family} | {r.setting.label} | " + " | ".join(cells)
                          + f" | {vs_opt} | {vs_b} | {_goal_cell(g)} |")
     lines += ["", summary_lines(rows)]
+    fresh = [f for f in (r.fresh_only() for r in rows) if f is not None]
+    if fresh:
+        lines += ["", f"the same over the start times the tuning does not use ({len(fresh[0].fresh)} of {jobs} jobs "
+                  "per setting):", summary_lines(fresh)]
     return "\n".join(lines)
 
 
@@ -330,7 +359,7 @@ def results_json(rows: list[Row]) -> str:
                     "family": r.family, "setting": r.setting.__dict__, "zones": list(r.zones), "probe_nodes": r.probe,
                     "extrapolated": r.extrapolated, "truncated": [list(x) for x in r.truncated], "tuned": r.tuned,
                     "policies": {k: v.as_dict() for k, v in r.results.items()},
-                    "orchd_goal": orchd_goal(r), "goal_met": goal_met(orchd_goal(r)),
+                    "orchd_goal": orchd_goal(r), "goal_met": goal_met(orchd_goal(r)), "fresh_jobs": list(r.fresh),
                 }
                 for r in rows
             ],

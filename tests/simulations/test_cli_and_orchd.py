@@ -131,9 +131,12 @@ def test_results_table_three_settings_with_leave_one_family_out(shared):
                       policies=("greedy_spot", "optimal", "orchd"))
     assert len(rows) + len(extra) == 3
     assert [r.extrapolated for r in rows + extra] == [False, False, True]
+    # the tuning scores 1 start time per setting here (the first): the second job is the fresh one
+    assert [r.fresh for r in rows] == [(False, True), (False, True)]
     text = format_results(rows + extra)
     assert "### jobs within the traces' probe size" in text and "### k-node jobs on smaller probes" in text
     assert "tuned on the other families" in text and "summary (within probe size): 2 settings" in text
+    assert "the same over the start times the tuning does not use (1 of 2 jobs per setting):" in text
     doc = json.loads(results_json(rows))
     for row in doc["rows"]:
         pol = row["policies"]

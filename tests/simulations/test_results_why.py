@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from simulations.replay import Summary
-from simulations.results import Row, Setting, _goal_cell, format_results, orchd_goal, results_json
+from simulations.results import Row, Setting, _goal_cell, format_results, goal_met, orchd_goal, results_json
 
 
 def _s(per_job: tuple[float, ...], od: float | None, met: float = 1.0) -> Summary:
@@ -59,3 +59,19 @@ def test_a_baseline_that_missed_a_deadline_is_neither_compared_nor_the_best():
     g = orchd_goal(r)
     assert "greedy_spot" not in g["not_above_baselines_that_met_all"] and g["best_baseline"] == "uniform_progress"
     assert "greedy_spot" not in g["jobs_not_above"]
+
+
+def test_the_jobs_at_start_times_the_tuning_does_not_use_are_summarised_apart():
+    # jobs 0 and 2 start where the tuning's jobs start; 1 and 3 do not. orchd is above uniform_progress
+    # on the whole row (job 0), not on the fresh jobs
+    r = _row(orchd=(0.90, 0.50, 0.50, 0.50), greedy=(0.95, 0.60, 0.60, 0.60), unif=(0.70, 0.55, 0.55, 0.55),
+             opt=(0.40, 0.48, 0.40, 0.48))
+    r = Row(r.family, r.setting, r.zones, r.probe, r.results, fresh=(False, True, False, True))
+    f = r.fresh_only()
+    assert f is not None and f.results["orchd"].per_job_cost_ratio == (0.50, 0.50)
+    assert f.results["uniform_progress"].cost_ratio == 0.55 and f.results["optimal"].cost_ratio == 0.48
+    assert goal_met(orchd_goal(f)) and not goal_met(orchd_goal(r))
+    text = format_results([r])
+    head, fresh = text.split("the same over the start times the tuning does not use (2 of 4 jobs per setting):")
+    assert "all goals met in 0" in head and "all goals met in 1" in fresh
+    assert Row(r.family, r.setting, r.zones, r.probe, r.results).fresh_only() is None
