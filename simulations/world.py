@@ -34,6 +34,7 @@ import numpy as np
 from orchestrator.core import Command, CoreConfig, CoreEvent, JobPhase, State, decide
 from orchestrator.core.commands import CheckInstance, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import JobSubmitted, NodeGone, Tick
+from orchestrator.core.placement import retry_at
 from simulations.engine import Job
 from simulations.scenario import Scenario
 from simulations.world_cloud import BASE_TS, GPU, CloudModel, WNode
@@ -345,7 +346,8 @@ class World(CloudModel):
 
     def count_idle(self, k: int) -> None:
         """(record) A tick without training: count it when some zone has room for the job, and apart
-        when every such zone's spot pool is in the core's launch backoff."""
+        when every such zone's spot pool is closed to it by the core's launch backoff (``retry_at``: a
+        waiting job retries a pool ``wait_probe_s`` after its last failure)."""
         room = self.usable[:, self.trace_t(k)]
         if not room.any():
             return
@@ -353,7 +355,8 @@ class World(CloudModel):
         zones = self.zone_of_name
         pools = [ps for ps in self.state.pools.values()
                  if ps.pool.market == Market.SPOT and ps.pool.zone in zones and room[zones[ps.pool.zone]]]
-        if pools and all(ps.backoff_until > self.now for ps in pools):
+        cfg = self.state.config
+        if pools and all(retry_at(ps, cfg, True) > self.now for ps in pools):
             self.idle_backoff_s += self.sc.tick_s
 
     # --- run -----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from orchestrator.core.model import CoreConfig, Job, JobPhase, PoolStats
-from orchestrator.core.placement import matches
+from orchestrator.core.placement import matches, retry_at
 from orchestrator.core.pricing import spare_slack_s, wait_reserve_s
 from wire.messages import JobSpec, MarketPolicy
 
@@ -79,7 +79,7 @@ def wake_up(job: Job, pools: Mapping[str, PoolStats], cfg: CoreConfig, now: floa
     for ps in pools.values():
         if not matches(job, ps):
             continue
-        for t in (ps.backoff_until, ps.noticed_until):
+        for t in (retry_at(ps, cfg, True), ps.noticed_until):
             if t > now:
                 times.append(t)
     if (

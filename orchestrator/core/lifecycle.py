@@ -403,8 +403,10 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     step = progress_step(tx, job)
     given = exclude
     exclude = exclude | frozenset(job.avoid_pools)  # pools being left: never refill them
+    waiting = len(have) < max(spec.nodes_min, 1)  # nothing to train on: probes pools in backoff sooner
     if job.zone and (have or job.generation):  # stay in the zone it runs/ran in (members, checkpoint locality)
-        rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, zone=job.zone, exclude=exclude)
+        rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, zone=job.zone, exclude=exclude,
+                      waiting=waiting)
         if rank:  # (a PENDING job that has a zone - it ran before, or a move failed - is placing now)
             return _placing(tx, launch(tx, job, rank[0][2], deficit, "replacement", alternatives(rank, cfg)))
         if len(have) >= max(spec.nodes_min, 1):
@@ -412,7 +414,7 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
                 tx.record(job.job_id, "wait", "no_capacity_in_zone", zone=job.zone, nodes=len(have))
                 job = tx.update_job(job, reason="no_capacity_in_zone")
             return job
-    rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, exclude=exclude)
+    rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, exclude=exclude, waiting=waiting)
     if rank and job.committed_url and job.zone:  # moving the checkpoint elsewhere costs too
         moved = ((c + transfer_cost_usd(job.zone, ps, cfg), n, ps) for c, n, ps in rank)
         rank = sorted(moved, key=lambda t: (t[0], t[1]))

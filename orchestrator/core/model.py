@@ -112,6 +112,7 @@ DEFAULT_RESTART_BACKOFF_BASE_S: Final = 30.0  # the first restart hold; doubles 
 DEFAULT_RESTART_BACKOFF_MAX_S: Final = 900.0
 DEFAULT_DEADLINE_MARGIN_RESTARTS: Final = 3.0  # the deadline margin, in restarts (restart + boot + save)
 DEFAULT_LINE_SLACK_SHARE: Final = 0.5  # share of the uniform-progress line's slack kept before on-demand
+DEFAULT_WAIT_PROBE_S: Final = 300.0  # a job with nothing to train on retries a failed pool at least this often
 
 
 class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -204,6 +205,15 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     # as the job is behind the line, 0 = only when the slack is down to the margin and the expected
     # restarts. UNSET = DEFAULT_LINE_SLACK_SHARE.
     line_slack_share: float | msgspec.UnsetType = msgspec.UNSET
+    # A job that has nothing to train on (it waits for capacity) may retry a pool in launch backoff this
+    # long after the failure that set the backoff, however long the backoff: waiting costs its slack,
+    # a failed launch costs nothing. Moves of running jobs keep the whole backoff. UNSET =
+    # DEFAULT_WAIT_PROBE_S.
+    wait_probe_s: float | msgspec.UnsetType = msgspec.UNSET
+
+    def probe_s(self) -> float:
+        v = self.wait_probe_s
+        return DEFAULT_WAIT_PROBE_S if isinstance(v, msgspec.UnsetType) else v
 
     def slack_share(self) -> float:
         v = self.line_slack_share

@@ -12,7 +12,9 @@ Rules:
 - pools in launch-failure backoff are skipped (never retry the pool that just failed), and so are spot
   pools that sent a terminate notice, until that notice's deadline + ``notice_skip_grace_s``; the
   backoff doubles with each failure of one run of failures (``launch_failed``): a failure more than
-  ``backoff_max_s`` after the previous backoff ended starts a new run at ``backoff_base_s``;
+  ``backoff_max_s`` after the previous backoff ended starts a new run at ``backoff_base_s``; a job
+  that waits for capacity (nothing to train on) retries a pool at most ``CoreConfig.probe_s()`` after
+  its last failure (``retry_at``), a running job's move waits out the whole backoff;
 - ``zone`` restricts to one zone (replacements: a generation never spans zones); ``exclude`` removes
   pools (the pool that was just preempted).
 """
@@ -119,14 +121,18 @@ def ranked(
     zone: str | None = None,
     exclude: Iterable[str] = (),
     markets: frozenset[Market] | None = None,
+    waiting: bool = False,
 ) -> list[Ranked]:
     """Feasible pools, cheapest expected cost first (ties broken by pool name: deterministic).
-    ``markets`` None: the markets a new launch may use now (``launch_markets_for``)."""
+    ``markets`` None: the markets a new launch may use now (``launch_markets_for``). ``waiting``: for a
+    job with nothing to train on (``retry_at``)."""
     allowed = markets if markets is not None else launch_markets_for(job, step, cfg, now)
     excluded = frozenset(exclude)
     out: list[Ranked] = []
     for name, ps in pools.items():
-        if name in excluded or ps.pool.market not in allowed or ps.backoff_until > now or ps.noticed_until > now:
+        if name in excluded or ps.pool.market not in allowed or ps.noticed_until > now:
+            continue
+        if ps.backoff_until > now and retry_at(ps, cfg, waiting) > now:
             continue
         if zone is not None and zone_of(ps.pool) != zone:
             continue
@@ -145,6 +151,18 @@ def launch_failed(ps: PoolStats, cfg: CoreConfig, now: float) -> PoolStats:
     failures = ps.failures if now - ps.backoff_until <= cfg.backoff_max_s else 0
     backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(failures, 20))
     return msgspec.structs.replace(ps, failures=failures + 1, backoff_until=now + backoff)
+
+
+def retry_at(ps: PoolStats, cfg: CoreConfig, waiting: bool) -> float:
+    """When a new launch may try the pool again: the end of its launch backoff - or, for a job that
+    waits for capacity (``waiting``), ``CoreConfig.probe_s()`` after the failure that set it, if that is
+    sooner. The backoff grows with each failure of a run (``launch_failed``) and keeps running jobs'
+    moves off a pool that keeps failing; a waiting job loses slack for as long as it does not probe, and a
+    failed launch costs it nothing."""
+    if not waiting or ps.failures <= 0:
+        return ps.backoff_until
+    backoff: float = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures - 1, 20))
+    return min(ps.backoff_until, ps.backoff_until - backoff + cfg.probe_s())
 
 
 def alternatives(rank: list[Ranked], cfg: CoreConfig) -> tuple[Alternative, ...]:

@@ -10,7 +10,7 @@ import numpy as np
 
 from simulations.__main__ import main
 from simulations.engine import Job
-from simulations.orchd_policy import run_orchd_job
+from simulations.orchd_policy import core_config, run_orchd_job
 from simulations.worldparams import WorldParams
 
 from .conftest import tiny_scenario
@@ -25,17 +25,24 @@ def test_idle_time_counts_only_ticks_with_room_and_splits_out_the_backoff():
     assert wr.phase == "succeeded" and wr.od_node_s > 0
     assert wr.idle_capacity_s == 0.0 and wr.idle_backoff_s == 0.0
     # spot for 2 ticks, then out until 3.75 h (the pool's launch backoff grows to its 30-minute cap while
-    # the job waits: probes at 3.0 h and 3.5 h fail, the next is at 4.0 h), then back: the job idles
-    # three ticks with room while its only pool is in backoff, then launches
+    # the job waits); with the waiting job's retries every 30 minutes (wait_probe_s 1800: probes at 3.0 h
+    # and 3.5 h fail, the next is at 4.0 h) the job idles three ticks with room while its only pool is
+    # closed to it, then launches
     avail = np.ones((1, 300))
     avail[0, 2:45] = 0
     sc = tiny_scenario(avail, regions_of_zones=[0], od=[1.0])
-    _, wr = run_orchd_job(sc, Job(start_tick=0, work_q=40, deadline_ticks=250), OV, record=True)
+    job = Job(start_tick=0, work_q=40, deadline_ticks=250)
+    _, wr = run_orchd_job(sc, job, OV, config=core_config(wait_probe_s=1800.0), record=True)
     assert wr.phase == "succeeded" and wr.od_node_s == 0
     launches = [t for t, what, _ in wr.timeline if what == "launch"]
     assert launches[-1] == 4.0 * 3600
     assert wr.idle_backoff_s == 3 * sc.tick_s
     assert wr.idle_capacity_s > wr.idle_backoff_s  # and the ticks of the boots and the restart
+    # the core's default: a waiting job retries the pool 5 minutes after each failure, whatever its
+    # backoff, and launches in the tick the zone is back
+    _, wr = run_orchd_job(sc, job, OV, record=True)
+    launches = [t for t, what, _ in wr.timeline if what == "launch"]
+    assert launches[-1] == 45 * sc.tick_s and wr.idle_backoff_s == 0.0
 
 
 def test_explain_prints_the_same_job_under_the_baselines(shared, capsys):
