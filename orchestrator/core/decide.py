@@ -337,8 +337,9 @@ def _node_launched(tx: Tx, ev: NodeLaunched) -> None:
     billing = billing_start(tx, node) if node.phase == N.REQUESTED else {}
     node = tx.node_phase(node, phase, instance_id=ev.instance_id, launched_ts=launched, **billing)
     ps = tx.pools.get(node.pool_name)
-    if ps is not None and ps.failures:
-        tx.put_pool(node.pool_name, _replace(ps, failures=0))
+    if ps is not None and (ps.failures or ps.backoff_until > tx.now):  # the pool had room: its backoff ends
+        tx.put_pool(node.pool_name, _replace(ps, failures=0, backoff_until=min(ps.backoff_until, tx.now),
+                                             probe_until=msgspec.UNSET))
     if job is None or job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED:
         lc.remove_node(tx, job, node, reason="job_not_active", lost=False, terminate=True)
         return

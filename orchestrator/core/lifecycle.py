@@ -30,7 +30,7 @@ from orchestrator.core.model import (
     NodePhase,
     PoolStats,
 )
-from orchestrator.core.placement import Alternative, alternatives, markets_for, ranked, zone_of
+from orchestrator.core.placement import Alternative, alternatives, markets_for, probed, ranked, zone_of
 from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds, transfer_cost_usd
 from orchestrator.core.roots import start_from
 from orchestrator.core.tx import Tx
@@ -132,6 +132,9 @@ def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple
         )
         ids.append(nid)
     tx.emit(Launch(job_id=job.job_id, pool=ps.pool, node_ids=tuple(ids), token=token))
+    probe = probed(tx.pools.get(ps.pool.name, ps), tx.cfg, tx.now)
+    if probe is not None:  # a waiting job's retry of a pool in backoff: the others wait for its outcome
+        tx.put_pool(ps.pool.name, probe)
     tx.record(
         job.job_id, "launch", reason, alts, pool=ps.pool.name, price_usd_h=ps.price_usd_h, node_ids=ids, token=token
     )

@@ -361,6 +361,10 @@ class PoolStats(msgspec.Struct, frozen=True, kw_only=True):
     seen_usd_h: float | msgspec.UnsetType = msgspec.UNSET
     seen_od_usd_h: float | None | msgspec.UnsetType = msgspec.UNSET
     seen_ts: float | msgspec.UnsetType = msgspec.UNSET
+    # A waiting job launched into the pool while it was in launch backoff (a probe, placement.retry_at): no
+    # other waiting job probes it before then, so many waiting jobs send one probe per ``wait_probe_s``,
+    # not one each. UNSET (not encoded) when none.
+    probe_until: float | msgspec.UnsetType = msgspec.UNSET
 
 
 class Meta(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,7 +14,9 @@ Rules:
   backoff doubles with each failure of one run of failures (``launch_failed``): a failure more than
   ``backoff_max_s`` after the previous backoff ended starts a new run at ``backoff_base_s``; a job
   that waits for capacity (nothing to train on) retries a pool at most ``CoreConfig.probe_s()`` after
-  its last failure (``retry_at``), a running job's move waits out the whole backoff;
+  its last failure (``retry_at``) - one such probe per pool at a time, whatever the number of waiting
+  jobs (``probed``) - and a running job's move waits out the whole backoff; a successful launch ends
+  the pool's backoff;
 - ``zone`` restricts to one zone (replacements: a generation never spans zones); ``exclude`` removes
   pools (the pool that was just preempted).
 """
@@ -162,7 +164,18 @@ def retry_at(ps: PoolStats, cfg: CoreConfig, waiting: bool) -> float:
     if not waiting or ps.failures <= 0:
         return ps.backoff_until
     backoff: float = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures - 1, 20))
-    return min(ps.backoff_until, ps.backoff_until - backoff + cfg.probe_s())
+    probe = ps.backoff_until - backoff + cfg.probe_s()
+    if not isinstance(ps.probe_until, msgspec.UnsetType):  # another waiting job's probe is out
+        probe = max(probe, ps.probe_until)
+    return min(ps.backoff_until, probe)
+
+
+def probed(ps: PoolStats, cfg: CoreConfig, now: float) -> PoolStats | None:
+    """The pool after a waiting job's launch into it while it is in backoff (a probe: no other waiting job
+    probes it for ``probe_s``); None when it is not in backoff."""
+    if ps.backoff_until <= now:
+        return None
+    return msgspec.structs.replace(ps, probe_until=now + cfg.probe_s())
 
 
 def alternatives(rank: list[Ranked], cfg: CoreConfig) -> tuple[Alternative, ...]:

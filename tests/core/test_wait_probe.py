@@ -11,7 +11,7 @@ from __future__ import annotations
 from orchestrator.core import CoreConfig, JobPhase, State
 from orchestrator.core.commands import Launch
 from orchestrator.core.feasibility import wake_up
-from orchestrator.core.inputs import JobSubmitted, LaunchFailed, Tick
+from orchestrator.core.inputs import JobSubmitted, LaunchFailed, NodeLaunched, Tick
 from orchestrator.core.placement import retry_at
 from tests.core.harness import (
     AgentState,
@@ -24,7 +24,7 @@ from tests.core.harness import (
     spec,
 )
 from wire import Market
-from wire.messages import FailureReason
+from wire.messages import CheckpointPolicy, FailureReason
 
 A = pool("p4d.24xlarge", "us-east-1a")
 A_OD = pool("p4d.24xlarge", "us-east-1a", market=Market.ON_DEMAND)
@@ -124,3 +124,45 @@ def test_a_running_job_does_not_move_into_a_pool_before_its_backoff_ends() -> No
         moves = [la for la in cmds(drv(Tick(), dt=60), Launch) if la.pool == B]
         assert drv.job().phase == JobPhase.RUNNING and nid in drv.job().nodes
     assert drv.now >= until_b > failed_b + cfg.probe_s()
+
+
+def _fail_all(drv: Driver, launches: list[Launch]) -> None:
+    while launches:
+        la = launches.pop(0)
+        launches.extend(cmds(drv(LaunchFailed(node_ids=la.node_ids, job_id=la.job_id, pool=la.pool, token=la.token,
+                                              reason=FailureReason.CAPACITY)), Launch))
+
+
+def test_many_waiting_jobs_send_one_probe_and_follow_its_success() -> None:
+    """Three jobs wait for the one spot pool, whose backoff has grown to its cap. Its retry
+    (``probe_s`` after the last failure) is one launch of one job, not one per waiting job; while it is
+    out the others do not launch there, and once it succeeds (``NodeLaunched``: the backoff ends) they
+    launch at the next Tick."""
+    cfg = CoreConfig(price_confirm_s=0.0)
+    drv = Driver(State.empty(cfg), now=T0)
+    drv(price(A, 10.0, od=30.0))
+    launches: list[Launch] = []
+    for j in ("j1", "j2", "j3"):
+        ckpt = CheckpointPolicy(url=f"file:///ckpt/{j}", save_s_estimate=20.0)
+        launches += cmds(drv(JobSubmitted(job_id=j, spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=40 * 3600,
+                                                               deadline_ts=T0 + 80 * H, step_time_s_estimate=1.0,
+                                                               checkpoint=ckpt))), Launch)
+    assert sorted(la.job_id for la in launches) == ["j1", "j2", "j3"]
+    _fail_all(drv, launches)
+    while drv.state.pools[A.name].backoff_until - drv.state.pools[A.name].changed_ts != cfg.backoff_max_s:
+        _fail_all(drv, cmds(drv(Tick(), dt=60), Launch))
+    last_failure = drv.state.pools[A.name].changed_ts
+    probes: list[Launch] = []
+    while not probes:
+        probes = cmds(drv(Tick(), dt=30), Launch)
+    assert len(probes) == 1 and drv.now < drv.state.pools[A.name].backoff_until
+    assert last_failure + cfg.probe_s() <= drv.now
+    (probe,) = probes
+    for _ in range(8):  # the probe is out for 4 minutes: nobody else tries the pool
+        assert cmds(drv(Tick(), dt=30), Launch) == []
+    (nid,) = probe.node_ids
+    drv(NodeLaunched(node_id=nid, job_id=probe.job_id, instance_id="i-probe", pool=A, token=probe.token))
+    assert drv.state.pools[A.name].backoff_until <= drv.now and drv.state.pools[A.name].failures == 0
+    followers = cmds(drv(Tick(), dt=5), Launch)
+    assert sorted(la.job_id for la in followers) == sorted({"j1", "j2", "j3"} - {probe.job_id})
+    assert all(la.pool == A for la in followers)
