@@ -37,7 +37,7 @@ def _fail(drv: Driver, launches: list[Launch]) -> None:
     """Answer every launch (and the launches that answer makes) with a capacity failure."""
     while launches:
         la = launches.pop(0)
-        d = drv(LaunchFailed(node_ids=la.node_ids, job_id="j1", pool=la.pool, token=la.token,
+        d = drv(LaunchFailed(node_ids=la.node_ids, job_id=la.job_id, pool=la.pool, token=la.token,
                              reason=FailureReason.CAPACITY))
         launches.extend(cmds(d, Launch))
 
@@ -126,13 +126,6 @@ def test_a_running_job_does_not_move_into_a_pool_before_its_backoff_ends() -> No
     assert drv.now >= until_b > failed_b + cfg.probe_s()
 
 
-def _fail_all(drv: Driver, launches: list[Launch]) -> None:
-    while launches:
-        la = launches.pop(0)
-        launches.extend(cmds(drv(LaunchFailed(node_ids=la.node_ids, job_id=la.job_id, pool=la.pool, token=la.token,
-                                              reason=FailureReason.CAPACITY)), Launch))
-
-
 def test_many_waiting_jobs_send_one_probe_and_follow_its_success() -> None:
     """Three jobs wait for the one spot pool, whose backoff has grown to its cap. Its retry
     (``probe_s`` after the last failure) is one launch of one job, not one per waiting job; while it is
@@ -148,9 +141,9 @@ def test_many_waiting_jobs_send_one_probe_and_follow_its_success() -> None:
                                                                deadline_ts=T0 + 80 * H, step_time_s_estimate=1.0,
                                                                checkpoint=ckpt))), Launch)
     assert sorted(la.job_id for la in launches) == ["j1", "j2", "j3"]
-    _fail_all(drv, launches)
+    _fail(drv, launches)
     while drv.state.pools[A.name].backoff_until - drv.state.pools[A.name].changed_ts != cfg.backoff_max_s:
-        _fail_all(drv, cmds(drv(Tick(), dt=60), Launch))
+        _fail(drv, cmds(drv(Tick(), dt=60), Launch))
     last_failure = drv.state.pools[A.name].changed_ts
     probes: list[Launch] = []
     while not probes:
