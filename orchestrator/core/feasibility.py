@@ -79,7 +79,8 @@ def wake_up(job: Job, pools: Mapping[str, PoolStats], cfg: CoreConfig, now: floa
     for ps in pools.values():
         if not matches(job, ps):
             continue
-        for t in (retry_at(ps, cfg, True), ps.noticed_until):
+        # a waiting job's retry, and the end of the backoff (a job training on nodes_min waits it out)
+        for t in (retry_at(ps, cfg, True), ps.backoff_until, ps.noticed_until):
             if t > now:
                 times.append(t)
     if (

@@ -208,7 +208,8 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A job that has nothing to train on (it waits for capacity) may retry a pool in launch backoff this
     # long after the failure that set the backoff, however long the backoff: waiting costs its slack,
     # a failed launch costs nothing. Moves of running jobs keep the whole backoff. UNSET =
-    # DEFAULT_WAIT_PROBE_S.
+    # DEFAULT_WAIT_PROBE_S; 0, < 0 or nan: no probes (a waiting job waits out the backoff too - else it
+    # would answer each LaunchFailed with a Launch into the pool that just failed).
     wait_probe_s: float | msgspec.UnsetType = msgspec.UNSET
 
     def probe_s(self) -> float:

@@ -161,10 +161,11 @@ def retry_at(ps: PoolStats, cfg: CoreConfig, waiting: bool) -> float:
     sooner. The backoff grows with each failure of a run (``launch_failed``) and keeps running jobs'
     moves off a pool that keeps failing; a waiting job loses slack for as long as it does not probe, and a
     failed launch costs it nothing."""
-    if not waiting or ps.failures <= 0:
+    probe_s = cfg.probe_s()
+    if not waiting or ps.failures <= 0 or not probe_s > 0:  # 0, < 0, nan: no probes (never the pool that just failed)
         return ps.backoff_until
     backoff: float = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures - 1, 20))
-    probe = ps.backoff_until - backoff + cfg.probe_s()
+    probe = ps.backoff_until - backoff + probe_s
     if not isinstance(ps.probe_until, msgspec.UnsetType):  # another waiting job's probe is out
         probe = max(probe, ps.probe_until)
     return min(ps.backoff_until, probe)

@@ -101,10 +101,13 @@ def _maybe_sleep(tx: Tx, job: Job, expiry: list[float | None]) -> None:
         if steady(job) and job.spec.budget_usd is None:
             tx.timers = tx.timers.sleep(job.job_id, PRICE, job.price_eval_ts + tx.cfg.price_eval_interval_s)
     elif job.phase in (J.PENDING, J.PAUSED) and not job.nodes:
-        if not expiry:  # the next launch backoff or notice skip to expire (once per Tick)
+        if not expiry:  # the next launch backoff (or waiting job's retry) or notice skip to expire (once per Tick)
             now = tx.now
             cfg = tx.cfg
-            times = [t for ps in tx.pools.values() for t in (retry_at(ps, cfg, True), ps.noticed_until) if t > now]
+            # both ends: a pending job may retry at ``retry_at``, a paused one (``_resume`` does not wait)
+            # only at the end of the backoff - which must stay a wake-up time after the retry time passed
+            times = [t for ps in tx.pools.values()
+                     for t in (retry_at(ps, cfg, True), ps.backoff_until, ps.noticed_until) if t > now]
             expiry.append(min(times) if times else None)
         tx.timers = tx.timers.sleep(job.job_id, POOLS, expiry[0])
 
