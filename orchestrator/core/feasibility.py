@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from orchestrator.core.model import CoreConfig, Job, JobPhase, PoolStats
-from orchestrator.core.placement import matches, retry_at
+from orchestrator.core.placement import matches, reopens
 from orchestrator.core.pricing import spare_slack_s, wait_reserve_s
 from wire.messages import JobSpec, MarketPolicy
 
@@ -79,10 +79,7 @@ def wake_up(job: Job, pools: Mapping[str, PoolStats], cfg: CoreConfig, now: floa
     for ps in pools.values():
         if not matches(job, ps):
             continue
-        # a waiting job's retry, and the end of the backoff (a job training on nodes_min waits it out)
-        for t in (retry_at(ps, cfg, True), ps.backoff_until, ps.noticed_until):
-            if t > now:
-                times.append(t)
+        times.extend(t for t in reopens(ps, cfg) if t > now)
     if (
         job.spec.market == MarketPolicy.SPOT_WITH_FALLBACK and cfg.progress_line and not job.force_on_demand
         and job.spec.deadline_ts is not None

@@ -151,8 +151,12 @@ def launch_failed(ps: PoolStats, cfg: CoreConfig, now: float) -> PoolStats:
     it) holds no evidence about now: its count starts over, so a single capacity error hours after
     the last one waits ``backoff_base_s``, not ``backoff_max_s``."""
     failures = ps.failures if now - ps.backoff_until <= cfg.backoff_max_s else 0
-    backoff = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(failures, 20))
-    return msgspec.structs.replace(ps, failures=failures + 1, backoff_until=now + backoff)
+    return msgspec.structs.replace(ps, failures=failures + 1, backoff_until=now + _backoff_s(cfg, failures))
+
+
+def _backoff_s(cfg: CoreConfig, before: int) -> float:
+    """The backoff a failure sets after ``before`` failures of its run."""
+    return float(min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(before, 20)))
 
 
 def retry_at(ps: PoolStats, cfg: CoreConfig, waiting: bool) -> float:
@@ -164,11 +168,18 @@ def retry_at(ps: PoolStats, cfg: CoreConfig, waiting: bool) -> float:
     probe_s = cfg.probe_s()
     if not waiting or ps.failures <= 0 or not probe_s > 0:  # 0, < 0, nan: no probes (never the pool that just failed)
         return ps.backoff_until
-    backoff: float = min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** min(ps.failures - 1, 20))
-    probe = ps.backoff_until - backoff + probe_s
+    probe = ps.backoff_until - _backoff_s(cfg, ps.failures - 1) + probe_s  # the last failure + probe_s
     if not isinstance(ps.probe_until, msgspec.UnsetType):  # another waiting job's probe is out
         probe = max(probe, ps.probe_until)
     return min(ps.backoff_until, probe)
+
+
+def reopens(ps: PoolStats, cfg: CoreConfig) -> tuple[float, float, float]:
+    """The times the pool may become a launch target again without an event: a waiting job's retry
+    (``retry_at``), the end of its backoff (for every other job: a paused one, one training on
+    ``nodes_min``, a move) and the end of its notice skip. Wake-ups take all three (an early one is
+    harmless, a missing one strands a sleeping job)."""
+    return retry_at(ps, cfg, True), ps.backoff_until, ps.noticed_until
 
 
 def probed(ps: PoolStats, cfg: CoreConfig, now: float) -> PoolStats | None:

@@ -25,7 +25,7 @@ from orchestrator.core import lifecycle as lc
 from orchestrator.core import sweeps
 from orchestrator.core.confirm import confirm_due
 from orchestrator.core.model import Job, JobPhase, Node, NodePhase
-from orchestrator.core.placement import launch_failed, retry_at
+from orchestrator.core.placement import launch_failed, reopens
 from orchestrator.core.policy import ACTIVE, job_tick, steady, suspect
 from orchestrator.core.timers import NOTICE_GRACE_S, POOLS, PRICE, SLOT_S, WATCHED, deadline_driven
 from orchestrator.core.tx import Tx
@@ -102,12 +102,8 @@ def _maybe_sleep(tx: Tx, job: Job, expiry: list[float | None]) -> None:
             tx.timers = tx.timers.sleep(job.job_id, PRICE, job.price_eval_ts + tx.cfg.price_eval_interval_s)
     elif job.phase in (J.PENDING, J.PAUSED) and not job.nodes:
         if not expiry:  # the next launch backoff (or waiting job's retry) or notice skip to expire (once per Tick)
-            now = tx.now
-            cfg = tx.cfg
-            # both ends: a pending job may retry at ``retry_at``, a paused one (``_resume`` does not wait)
-            # only at the end of the backoff - which must stay a wake-up time after the retry time passed
-            times = [t for ps in tx.pools.values()
-                     for t in (retry_at(ps, cfg, True), ps.backoff_until, ps.noticed_until) if t > now]
+            now, cfg = tx.now, tx.cfg
+            times = [t for ps in tx.pools.values() for t in reopens(ps, cfg) if t > now]
             expiry.append(min(times) if times else None)
         tx.timers = tx.timers.sleep(job.job_id, POOLS, expiry[0])
 

@@ -6,12 +6,13 @@ from typing import Any
 
 from orchestrator.core import Decision, State, decide, state_from_records, state_to_records
 from orchestrator.core.commands import CheckInstance, Launch, SendToAgent, Terminate
-from orchestrator.core.inputs import NodeLaunched
+from orchestrator.core.inputs import LaunchFailed, NodeLaunched
 from wire import (
     AgentState,
     CheckpointCmd,
     CheckpointCommitted,
     CheckpointPolicy,
+    FailureReason,
     GenerationStarted,
     Heartbeat,
     JobSpec,
@@ -89,6 +90,19 @@ class Driver:
 
     def job(self, job_id: str = "j1"):
         return self.state.jobs[job_id]
+
+    def fail_launches(self, launches: list[Launch]) -> None:
+        """Answer every launch (and the launches that answer makes) with a capacity failure."""
+        while launches:
+            la = launches.pop(0)
+            d = self(LaunchFailed(node_ids=la.node_ids, job_id=la.job_id, pool=la.pool, token=la.token,
+                                  reason=FailureReason.CAPACITY))
+            launches.extend(cmds(d, Launch))
+
+    def heartbeat(self, nid: str, gen: int, step: int, step_time: float = 1.0, job: str = "j1") -> Decision:
+        """A training heartbeat of ``nid`` at ``step`` (sequence: the clock's second)."""
+        return self(Heartbeat(node_id=nid, seq=int(self.now), ts=self.now, state=AgentState.TRAINING, job_id=job,
+                              generation=gen, step=step, step_time_s=step_time))
 
 
 def cmds(d: Decision, kind: type) -> list[Any]:

@@ -47,11 +47,6 @@ def _start(drv: Driver, ids: list[str], gen: int, step: int, step_time: float) -
                       generation=gen, step=step + 1, step_time_s=step_time))
 
 
-def _hb(drv: Driver, nid: str, gen: int, step: int, step_time: float = 1.0) -> None:
-    drv(Heartbeat(node_id=nid, seq=int(drv.now), ts=drv.now, state=AgentState.TRAINING, job_id="j1",
-                  generation=gen, step=step, step_time_s=step_time))
-
-
 def _on_demand_job(drv: Driver, *, total_steps: int, deadline_s: float) -> str:
     """A 1-node job on on-demand in zone A (its spot is priced at on-demand: no capacity)."""
     drv(price(A, 35.0, od=30.0))
@@ -79,7 +74,7 @@ def test_unsaved_work_on_on_demand_does_not_force_on_demand_for_good() -> None:
     start = drv.now
     for k in range(1, 25):  # 2 h in 5-minute steps, 1 step per second, nothing committed
         drv.now = start + k * 300.0
-        _hb(drv, od, 1, k * 300)
+        drv.heartbeat(od, 1, k * 300)
         d = drv(Tick())
         assert not any(a.action == "on_demand_fallback" for a in d.audit), k
     assert not drv.job().force_on_demand
@@ -109,7 +104,7 @@ def test_a_forced_job_on_on_demand_goes_back_to_spot_with_a_spot_interval_of_sla
     assert [s.node_id for s in cmds(d, StartGenerationCmd)] == [od]
     _start(drv, [od], 2, 1, 2.0)
     assert (drv.job().ckpt_interval_s or 0.0) >= 2 * H and drv.job().force_on_demand
-    _hb(drv, od, 2, 10, step_time=1.0)
+    drv.heartbeat(od, 2, 10, step_time=1.0)
     d = drv(Tick(), dt=5)
     assert any(a.action == "spot_again" for a in d.audit), [a.action for a in d.audit]
     assert not drv.job().force_on_demand
@@ -125,7 +120,7 @@ def test_a_failed_move_to_another_zone_keeps_the_job_in_its_zone() -> None:
     drv = Driver(State.empty(cfg), now=T0)
     od = _on_demand_job(drv, total_steps=40 * 3600, deadline_s=80 * H)
     drv(price(B, 10.0, od=30.0, ts=drv.now), dt=5)
-    _hb(drv, od, 1, 100)
+    drv.heartbeat(od, 1, 100)
     d = drv(Tick(), dt=cfg.price_eval_interval_s)
     assert any(a.action == "migrate" for a in d.audit), [a.action for a in d.audit]
     (la,) = cmds(d, Launch)
@@ -135,12 +130,11 @@ def test_a_failed_move_to_another_zone_keeps_the_job_in_its_zone() -> None:
     job = drv.job()
     assert job.zone == zone_of(A_OD) and job.avoid_pools == () and job.migrate_ts is None
     for i in range(5):
-        _hb(drv, od, 1, 200 + i)
+        drv.heartbeat(od, 1, 200 + i)
         d = drv(Tick(), dt=5)
         assert od not in [t.node_id for t in cmds(d, Terminate)]
         assert B_OD not in [c.pool for c in cmds(d, Launch)]
     assert od in drv.state.nodes and drv.job().phase == JobPhase.RUNNING
-
 
 
 def test_a_notice_before_the_launch_is_confirmed_drops_the_node_and_closes_its_pool() -> None:
@@ -224,15 +218,6 @@ def test_a_reclaim_that_stops_short_is_replaced_at_the_next_tick() -> None:
     assert [(la.pool, len(la.node_ids)) for la in cmds(d, Launch)] == [(A_OD, 1)]
 
 
-def _fail(drv: Driver, launches: list[Launch]) -> None:
-    """Answer every launch (and the launches that answer makes) with a capacity failure."""
-    while launches:
-        la = launches.pop(0)
-        d = drv(LaunchFailed(node_ids=la.node_ids, job_id="j1", pool=la.pool, token=la.token,
-                             reason=FailureReason.CAPACITY))
-        launches.extend(cmds(d, Launch))
-
-
 def test_a_capacity_error_hours_after_a_pools_last_failures_backs_off_from_the_start() -> None:
     """Both spot zones are out for 2 h (every launch fails: each pool's backoff grows to ``backoff_max_s``),
     then B has room and the job runs there for 5 h, never trying A. B's notice sends the replacement to A,
@@ -246,19 +231,19 @@ def test_a_capacity_error_hours_after_a_pools_last_failures_backs_off_from_the_s
     drv(price(B, 10.0, od=30.0))
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=40 * 3600,
                                                  deadline_ts=T0 + 80 * H, step_time_s_estimate=1.0)))
-    _fail(drv, cmds(d, Launch))
+    drv.fail_launches(cmds(d, Launch))
     outage_end = drv.now + 2 * H
     while drv.now < outage_end:
-        _fail(drv, cmds(drv(Tick(), dt=60), Launch))
+        drv.fail_launches(cmds(drv(Tick(), dt=60), Launch))
     pools = drv.state.pools
     assert pools[A.name].failures >= 5 and pools[A.name].backoff_until - pools[A.name].changed_ts == cfg.backoff_max_s
     while not (launches := cmds(drv(Tick(), dt=60), Launch)) or launches[0].pool != B:
-        _fail(drv, launches)
+        drv.fail_launches(launches)
     (b_node,) = drv.launched(drv.decisions[-1])
     drv.register([b_node])
     _start(drv, [b_node], 1, 0, 1.0)
     for k in range(1, 61):  # 5 h on B
-        _hb(drv, b_node, 1, k * 300)
+        drv.heartbeat(b_node, 1, k * 300)
         drv(Tick(), dt=300)
     assert drv.job().phase == JobPhase.RUNNING and drv.state.pools[A.name].failures >= 5
     d = drv(PreemptionNotice(id="nb", node_id=b_node, cloud="aws", deadline_ts=drv.now + 120, observed_ts=drv.now))

@@ -14,10 +14,8 @@ from orchestrator.core.feasibility import wake_up
 from orchestrator.core.inputs import JobSubmitted, LaunchFailed, NodeLaunched, Tick
 from orchestrator.core.placement import retry_at
 from tests.core.harness import (
-    AgentState,
     Driver,
     GenerationStarted,
-    Heartbeat,
     cmds,
     pool,
     price,
@@ -31,15 +29,6 @@ A_OD = pool("p4d.24xlarge", "us-east-1a", market=Market.ON_DEMAND)
 B = pool("p4d.24xlarge", "us-east-1b")
 T0 = 1000.0
 H = 3600.0
-
-
-def _fail(drv: Driver, launches: list[Launch]) -> None:
-    """Answer every launch (and the launches that answer makes) with a capacity failure."""
-    while launches:
-        la = launches.pop(0)
-        d = drv(LaunchFailed(node_ids=la.node_ids, job_id=la.job_id, pool=la.pool, token=la.token,
-                             reason=FailureReason.CAPACITY))
-        launches.extend(cmds(d, Launch))
 
 
 def _failed_at(drv: Driver, name: str) -> float:
@@ -60,13 +49,13 @@ def test_a_waiting_job_retries_a_pool_in_a_long_backoff_after_probe_s() -> None:
     drv(price(B, 10.0, od=30.0))
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=40 * 3600,
                                                  deadline_ts=T0 + 80 * H, step_time_s_estimate=1.0)))
-    _fail(drv, cmds(d, Launch))
+    drv.fail_launches(cmds(d, Launch))
     outage_end = drv.now + 2 * H
     while drv.now < outage_end:
-        _fail(drv, cmds(drv(Tick(), dt=60), Launch))
+        drv.fail_launches(cmds(drv(Tick(), dt=60), Launch))
     # from here on every launch the job makes is answered by the test (not failed automatically)
     while drv.state.pools[A.name].backoff_until - drv.state.pools[A.name].changed_ts != cfg.backoff_max_s:
-        _fail(drv, cmds(drv(Tick(), dt=60), Launch))
+        drv.fail_launches(cmds(drv(Tick(), dt=60), Launch))
     failed_a, until_a = _failed_at(drv, A.name), drv.state.pools[A.name].backoff_until
     job = drv.job()
     assert job.phase == JobPhase.PENDING and not job.nodes
@@ -87,11 +76,6 @@ def test_a_waiting_job_retries_a_pool_in_a_long_backoff_after_probe_s() -> None:
     assert failed_a + cfg.probe_s() <= drv.now < until_a  # before the backoff ended: a waiting job probes
 
 
-def _hb(drv: Driver, nid: str, gen: int, step: int) -> None:
-    drv(Heartbeat(node_id=nid, seq=int(drv.now), ts=drv.now, state=AgentState.TRAINING, job_id="j1",
-                  generation=gen, step=step, step_time_s=1.0))
-
-
 def test_a_running_job_does_not_move_into_a_pool_before_its_backoff_ends() -> None:
     """A job runs on on-demand in zone A (A's spot has no capacity); B's spot is cheaper, and every
     move there fails until B's backoff is at its cap. The job has a node to train on, so its next move
@@ -106,21 +90,21 @@ def test_a_running_job_does_not_move_into_a_pool_before_its_backoff_ends() -> No
     (nid,) = drv.launched(d)
     drv.register([nid])
     drv(GenerationStarted(id="g1", node_id=nid, job_id="j1", generation=1, first_step=1, ts=drv.now))
-    _hb(drv, nid, 1, 1)
+    drv.heartbeat(nid, 1, 1)
     assert drv.job().phase == JobPhase.RUNNING
     drv(price(B, 10.0, od=30.0))
     step = 1
     while not (drv.state.pools.get(B.name) and drv.state.pools[B.name].failures >= 6
                and drv.state.pools[B.name].backoff_until - drv.state.pools[B.name].changed_ts == cfg.backoff_max_s):
         step += 60
-        _hb(drv, nid, 1, step)
-        _fail(drv, cmds(drv(Tick(), dt=60), Launch))
+        drv.heartbeat(nid, 1, step)
+        drv.fail_launches(cmds(drv(Tick(), dt=60), Launch))
         assert drv.now < T0 + 6 * H
     failed_b, until_b = _failed_at(drv, B.name), drv.state.pools[B.name].backoff_until
     moves: list[Launch] = []
     while not moves:
         step += 60
-        _hb(drv, nid, 1, step)
+        drv.heartbeat(nid, 1, step)
         moves = [la for la in cmds(drv(Tick(), dt=60), Launch) if la.pool == B]
         assert drv.job().phase == JobPhase.RUNNING and nid in drv.job().nodes
     assert drv.now >= until_b > failed_b + cfg.probe_s()
@@ -141,9 +125,9 @@ def test_many_waiting_jobs_send_one_probe_and_follow_its_success() -> None:
                                                                deadline_ts=T0 + 80 * H, step_time_s_estimate=1.0,
                                                                checkpoint=ckpt))), Launch)
     assert sorted(la.job_id for la in launches) == ["j1", "j2", "j3"]
-    _fail(drv, launches)
+    drv.fail_launches(launches)
     while drv.state.pools[A.name].backoff_until - drv.state.pools[A.name].changed_ts != cfg.backoff_max_s:
-        _fail(drv, cmds(drv(Tick(), dt=60), Launch))
+        drv.fail_launches(cmds(drv(Tick(), dt=60), Launch))
     last_failure = drv.state.pools[A.name].changed_ts
     probes: list[Launch] = []
     while not probes:

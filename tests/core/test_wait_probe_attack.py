@@ -13,11 +13,9 @@ from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, LaunchFailed, NodeLaunched, Tick
 from orchestrator.core.timers import POOLS
 from tests.core.harness import (
-    AgentState,
     CheckpointCommitted,
     Driver,
     GenerationStarted,
-    Heartbeat,
     RanksExited,
     cmds,
     pool,
@@ -88,11 +86,6 @@ def test_a_paused_job_wakes_when_a_backoff_ends_after_the_probe_time_passed() ->
     assert drv.now <= t_f + 620
 
 
-def _hb(drv: Driver, nid: str, gen: int, step: int, job: str = "j1") -> None:
-    drv(Heartbeat(node_id=nid, seq=int(drv.now), ts=drv.now, state=AgentState.TRAINING, job_id=job,
-                  generation=gen, step=step, step_time_s=1.0))
-
-
 def test_wake_up_keeps_the_end_of_a_backoff_once_the_probe_time_passed() -> None:
     """``feasibility.wake_up`` (orchctl jobs show: ``waiting.until``) for a job that is not waiting for
     capacity - a RESIZING job that trains on ``nodes_min`` nodes waits out the whole backoff - must still
@@ -141,15 +134,9 @@ def _capped(cfg: CoreConfig, n: int = 3) -> tuple[Twin, list[str]]:
         launches += cmds(drv(JobSubmitted(job_id=j, spec=spec(nodes=1, nodes_max=1, market=MarketPolicy.SPOT,
                                                                checkpoint=ck))), Launch)
 
-    def fail(ls: list[Launch]) -> None:
-        while ls:
-            la = ls.pop(0)
-            ls += cmds(drv(LaunchFailed(node_ids=la.node_ids, job_id=la.job_id, pool=la.pool, token=la.token,
-                                        reason=FailureReason.CAPACITY)), Launch)
-
-    fail(launches)
+    drv.fail_launches(launches)
     while drv.state.pools[A.name].backoff_until - drv.state.pools[A.name].changed_ts != cfg.backoff_max_s:
-        fail(cmds(drv(Tick(), dt=60), Launch))
+        drv.fail_launches(cmds(drv(Tick(), dt=60), Launch))
     return drv, jobs
 
 
@@ -300,7 +287,6 @@ def _random_run(seed: int) -> None:
         assert j.nodes, (seed, j.job_id, j.phase, j.reason,
                          {k: (p.backoff_until - drv.now, p.failures, p.probe_until)
                           for k, p in drv.state.pools.items()})
-
 
 
 def test_random_runs_with_probes_keep_the_index_complete_and_every_job_places() -> None:
