@@ -181,7 +181,8 @@ class GcpProvider:
         if creds is None and self.config.anonymous:
             from google.auth.credentials import AnonymousCredentials
 
-            creds = AnonymousCredentials()
+            anonymous: Callable[[], object] = AnonymousCredentials  # untyped in google-auth
+            creds = anonymous()
         if creds is not None:
             kw["credentials"] = creds
         if endpoint:

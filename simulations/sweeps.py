@@ -28,7 +28,7 @@ from orchestrator.cli.sweep import serve
 from orchestrator.natsserver import NatsServer
 from orchestrator.sweeps.spec import parse_sweepspec, trial_job_id
 from orchestrator.sweeps.store import SweepStore
-from providers.base import InstanceId
+from wire import InstanceId
 from simulations.chaos import common
 from simulations.chaos.agents import SimFleet, SimNode
 from simulations.chaos.harness import Orchd, count_cloud

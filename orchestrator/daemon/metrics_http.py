@@ -44,17 +44,20 @@ def _label_value(v: str) -> str:
     return v.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
 
 
+_float_to_go: Callable[[float], str] = floatToGoString  # untyped in prometheus_client
+
+
 def _go_float(v: float) -> str:
     """``floatToGoString`` (how Go prints a float) without its checks on the common cases."""
     s = repr(v)
     if v > 0:
         dot = s.find(".")
         if dot > 6:  # Go switches to an exponent sooner than Python (the form differs between versions)
-            return floatToGoString(v)
+            return _float_to_go(v)
         return "+Inf" if s == "inf" else s
     if v == v and v != -math.inf:  # 0 and the negatives: as Python prints them
         return s
-    return floatToGoString(v)  # NaN, -Inf
+    return _float_to_go(v)  # NaN, -Inf
 
 
 class _Only(Collector):

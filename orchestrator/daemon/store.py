@@ -60,7 +60,8 @@ def encode_command(cmd: Command) -> bytes:
 
 
 def decode_command(data: bytes) -> Command:
-    return _command_codec_dec.decode(data)
+    cmd: Command = _command_codec_dec.decode(data)
+    return cmd
 
 
 def outbox_key(cmd: Command) -> str:
