@@ -32,10 +32,10 @@ import core_decide  # benchmarks/core_decide.py, beside this script
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 
 import wire as ev
+from orchestrator.daemon.gauges import refresh_gauge_slices, refresh_gauges
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.metrics_http import Renderer
 from orchestrator.daemon.observe import MetricsObserver
-from orchestrator.daemon.state import refresh_gauge_slices, refresh_gauges
 
 
 def main() -> None:

@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import core_decide  # benchmarks/core_decide.py, beside this script
 
 import wire as ev
-from orchestrator.daemon import pipeline
-from orchestrator.daemon.ingest import Batch
+from orchestrator.daemon import admit, pipeline
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.liveness import LivenessFlusher
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.observe import MetricsObserver
-from orchestrator.daemon.state import default_core
+from orchestrator.daemon.records import Batch
 from orchestrator.settings import Settings
 
 
@@ -91,7 +91,7 @@ def run(nodes: int, batch: int, rounds: int) -> dict:
             t4 = clock()
             again = [msg(nid) for nid in ids[k:k + batch]]  # the same messages, new objects
             t5 = clock()
-            pipeline.admit_heartbeats(again)  # type: ignore[arg-type]  # the stage alone: not in the total
+            admit.admit_heartbeats(again)  # type: ignore[arg-type]  # the stage alone: not in the total
             t6 = clock()
             cpu += t4 - t1
             for name, dt in zip(STAGES, (t6 - t5, t2 - t1, t3 - t2, t4 - t3), strict=True):

@@ -35,10 +35,10 @@ import core_decide  # benchmarks/core_decide.py, beside this script
 import wire as ev
 from orchestrator.core import decide
 from orchestrator.daemon import pipeline
-from orchestrator.daemon.ingest import Batch
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.loop import Daemon
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.state import default_core
+from orchestrator.daemon.records import Batch
 from orchestrator.settings import Settings
 from wire.logs import configure
 
@@ -81,7 +81,7 @@ def run(nodes: int, notices: int, batch: int) -> dict:
     t0 = clock()
     s = state
     for k in range(0, len(msgs), batch):
-        decider = pipeline.Decider(core, s, metrics=daemon.metrics, on_decision=daemon._log_decision,
+        decider = pipeline.Decider(core, s, metrics=daemon.metrics, on_decision=daemon.events.decision,
                                    clock=lambda: now + 1)
         s = pipeline.decide_batch(Batch([("events", m) for m in msgs[k:k + batch]], [], []),  # type: ignore[misc]
                                   decider).state

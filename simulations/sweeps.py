@@ -28,11 +28,11 @@ from orchestrator.cli.sweep import serve
 from orchestrator.natsserver import NatsServer
 from orchestrator.sweeps.spec import parse_sweepspec, trial_job_id
 from orchestrator.sweeps.store import SweepStore
-from wire import InstanceId
 from simulations.chaos import common
 from simulations.chaos.agents import SimFleet, SimNode
 from simulations.chaos.harness import Orchd, count_cloud
 from simulations.fakecloud import FileFakeCloud
+from wire import InstanceId
 
 SWEEP_ID = "drill"
 TERMINAL = ("succeeded", "failed", "cancelled", "stopped")

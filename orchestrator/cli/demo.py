@@ -103,7 +103,7 @@ def demo_settings(state_dir: Path) -> Any:
 def demo_core(settings: Any) -> Any:
     """The real decision core with timings scaled to a CPU demo (seconds instead of minutes)."""
     from orchestrator import core
-    from orchestrator.daemon.state import CoreApi
+    from orchestrator.daemon.coreapi import CoreApi
 
     config = core.CoreConfig(heartbeat_timeout_s=settings.daemon.heartbeat_timeout_s, tick_s=settings.daemon.tick_s,
                              boot_s_estimate=5.0, restart_overhead_s=10.0, terminate_s=5.0, launch_timeout_s=60.0,

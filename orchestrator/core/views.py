@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from orchestrator.core import sweeps
 from orchestrator.core.costs import burn_usd_h, cost_now
 from orchestrator.core.model import GEN_PHASES, JobPhase, State
 from orchestrator.core.tx import Tx
@@ -35,3 +38,24 @@ def job_step(state: State, job_id: str) -> int:
     reported = [n.step for nid in job.gen_nodes
                 if (n := state.nodes.get(nid)) is not None and n.generation == job.generation]
     return max(job.committed_step, min(reported, default=job.committed_step))
+
+
+@dataclass(frozen=True, slots=True)
+class SweepView:
+    """A sweep as the core holds it to its cap (core/sweeps.py): the cap (the smallest budget and earliest
+    deadline its jobs carry), the cost of all its jobs so far, how many jobs, and why it takes no new trial
+    (``closed``: ``sweep_budget`` / ``sweep_deadline``, None while open)."""
+
+    budget_usd: float | None
+    deadline_ts: float | None
+    cost_usd: float
+    jobs: int
+    closed: str | None
+
+
+def sweep_view(state: State, sweep_id: str, now: float) -> SweepView:
+    tx = Tx(state, "view", now)
+    jobs = sweeps.members(tx, sweep_id)
+    cap = sweeps.cap_of(j.spec for j in jobs)
+    return SweepView(cap.budget_usd, cap.deadline_ts, sweeps.sweep_cost_usd(tx, jobs), len(jobs),
+                     sweeps.closed_reason(tx, jobs, cap))

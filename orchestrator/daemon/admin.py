@@ -30,17 +30,22 @@ import anyio
 import msgspec
 import nats.micro
 import structlog
+from nats.aio.client import Client
 from nats.js.errors import NotFoundError
 from nats.micro.request import Request
+from nats.micro.service import Service
 
 import wire as ev
 from orchestrator import bus
 from orchestrator.core.feasibility import deadline_problem, submit_problems
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
+from orchestrator.core.model import TERMINAL_JOB_PHASES, Job, Node, State
 from orchestrator.core.roots import Overlap, find_overlap
 from orchestrator.core.sweeps import refusal_view as sweep_refusal
-from orchestrator.daemon.loop import NotLeader, ShuttingDown
-from orchestrator.daemon.state import (
+from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.records import NotLeader, ShuttingDown
+from orchestrator.daemon.store import Store
+from orchestrator.daemon.summaries import (
     counts,
     job_summary,
     known_nodes,
@@ -51,6 +56,7 @@ from orchestrator.daemon.state import (
     sweep_summary,
 )
 from orchestrator.daemon.tracking import submit_problems as tracking_submit_problems
+from orchestrator.daemon.view import DaemonView
 from orchestrator.jobspec import spec_problems
 from wire.admin import (
     DeadLetter,
@@ -77,7 +83,7 @@ class AdminFailure(Exception):
 class AdminService:
     """The running admin service: the micro Service and the number of requests being handled."""
 
-    def __init__(self, svc: Any) -> None:
+    def __init__(self, svc: Service) -> None:
         self.svc = svc
         self.in_flight = 0
 
@@ -91,7 +97,7 @@ class AdminService:
         await self.svc.stop()
 
 
-async def start_service(nc: Any, d: Any) -> AdminService:
+async def start_service(nc: Client, d: DaemonView) -> AdminService:
     """Register every endpoint of ``ev.ADMIN_ENDPOINTS``; return the service (``stop()`` it after the final batch)."""
     svc = await nats.micro.add_service(nc, name=ev.ADMIN_SERVICE_NAME, version=ev.ADMIN_SERVICE_VERSION,
                                        description="orchd admin API", queue_group="orchd-admin")
@@ -110,7 +116,8 @@ _ERROR_REASONS = {400: "bad_request", 404: "not_found", 409: "conflict"}
 
 
 def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitable[msgspec.Struct]],
-          metrics: Any = None, service: AdminService | None = None) -> Any:
+          metrics: Metrics | None = None, service: AdminService | None = None
+          ) -> Callable[[Request], Awaitable[None]]:
     """Every error answer is counted in ``orchd_messages_rejected{kind="admin", reason}``: the wire
     reason of an undecodable request (bad_json, bad_schema, bad_version, too_large...), else
     bad_request / not_found / conflict / internal_error."""
@@ -163,7 +170,7 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())[:1000]
 
 
-def _overlap_message(job_id: str, clash: Overlap, other: Any) -> str:
+def _overlap_message(job_id: str, clash: Overlap, other: Job) -> str:
     where = {"equal": "is the checkpoint root of", "inside": "lies inside the checkpoint root of",
              "contains": "contains the checkpoint root of"}[clash.relation]
     phase = getattr(other.phase, "value", other.phase)
@@ -174,18 +181,32 @@ def _overlap_message(job_id: str, clash: Overlap, other: Any) -> str:
 
 
 class Handlers:
-    def __init__(self, d: Any) -> None:
+    """One method per endpoint (``<resource>_<verb>``), over what a ``DaemonView`` shows."""
+
+    def __init__(self, d: DaemonView) -> None:
         self.d = d
 
-    def _job(self, job_id: str) -> Any:
-        job = self.d.state.jobs.get(job_id)
+    def _state(self) -> State:
+        state = self.d.state
+        if state is None:  # admin starts after the state is loaded: cannot happen, kept typed
+            raise NotLeader("this orchd has not loaded its state yet; retry")
+        return state
+
+    def _store(self) -> Store:
+        store = self.d.store
+        if store is None:  # as ``_state``
+            raise NotLeader("this orchd is not connected to its store yet; retry")
+        return store
+
+    def _job(self, job_id: str) -> Job:
+        job = self._state().jobs.get(job_id)
         if job is None:
             raise AdminFailure(404, f"no job {job_id!r}")
         return job
 
     async def status_get(self, req: ev.EmptyRequest) -> ev.StatusReply:
         d = self.d
-        c = counts(d.state)
+        c = counts(self._state())
         return ev.StatusReply(
             version=VERSION, pid=os.getpid(), started_ts=d.started_ts, uptime_s=round(time.time() - d.started_ts, 1),
             nats_url=d.nats_url, nats_connected=d.connected, metrics_url=d.metrics_url,
@@ -198,35 +219,33 @@ class Handlers:
         problems = spec_problems(req.spec) + tracking_submit_problems(req.spec)
         if problems:
             raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems), "invalid_spec")
-        problems = submit_problems(req.spec, self.d.state.meta.config, time.time(), clouds=self.d.providers)
+        problems = submit_problems(req.spec, self._state().meta.config, time.time(), clouds=self.d.providers)
         if problems:  # no enabled cloud / catalog entry can run it, or its deadline is out of reach
             raise AdminFailure(400, "job cannot run:\n" + "\n".join(f"  - {p}" for p in problems), "infeasible")
         job_id = req.job_id or new_job_id(req.spec, secrets.token_hex(3))
-        if job_id in self.d.state.jobs:
+        if job_id in self._state().jobs:
             return ev.SubmitJobReply(job_id=job_id, created=False)
         try:
             await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=req.spec))
         except NotLeader as e:  # it may have been written all the same: a retry under another id would be a 2nd job
             raise NotLeader(f"{e}; submit it again as job {job_id} (orchctl submit --id {job_id}): it may have"
                             " been written, and the same id cannot make a second job") from None
-        if job_id not in self.d.state.jobs:
-            clash = find_overlap(((j.job_id, j.spec.checkpoint.url) for j in self.d.state.jobs.values()),
+        if job_id not in self._state().jobs:
+            clash = find_overlap(((j.job_id, j.spec.checkpoint.url) for j in self._state().jobs.values()),
                                  req.spec.checkpoint.url)
             if clash is not None:  # the core's reason (audit submit_refused), said again from the same rule
-                raise AdminFailure(409, _overlap_message(job_id, clash, self.d.state.jobs[clash.job_id]),
+                raise AdminFailure(409, _overlap_message(job_id, clash, self._state().jobs[clash.job_id]),
                                    "checkpoint_root_overlap")
-            closed = sweep_refusal(self.d.state, req.spec, time.time())
+            closed = sweep_refusal(self._state(), req.spec, time.time())
             if closed is not None:  # the core's reason (audit submit_refused), said again from the same rule
                 raise AdminFailure(409, f"job {job_id!r} refused: {closed[1]}", "sweep_closed")
             raise AdminFailure(409, f"the core did not accept job {job_id!r} (see orchctl explain {job_id})")
-        late = deadline_problem(req.spec, self.d.state.meta.config, time.time()) if req.spec.best_effort else None
+        late = deadline_problem(req.spec, self._state().meta.config, time.time()) if req.spec.best_effort else None
         log.info("job_submitted", job=job_id, name=req.spec.name, **({"best_effort": late} if late else {}))
         return ev.SubmitJobReply(job_id=job_id, created=True)
 
     async def jobs_list(self, req: ev.ListJobsRequest) -> ev.JobsReply:
-        from orchestrator.core.model import TERMINAL_JOB_PHASES
-
-        state, now = self.d.state, time.time()
+        state, now = self._state(), time.time()
         jobs = [job_summary(state, j, now) for j in state.jobs.values()
                 if req.include_finished or j.phase not in TERMINAL_JOB_PHASES]
         jobs.sort(key=lambda j: j["job_id"])
@@ -234,46 +253,46 @@ class Handlers:
 
     async def jobs_show(self, req: ev.JobRequest) -> ev.JobReply:
         job = self._job(req.job_id)
-        nodes = self.d.state.nodes
+        nodes = self._state().nodes
         now = time.time()
-        summary = job_summary(self.d.state, job, now)
+        summary = job_summary(self._state(), job, now)
         if isinstance(job.spec.sweep_id, str):  # its sweep's cap and cost, as orchd enforces them
-            summary["sweep"] = sweep_summary(self.d.state, job.spec.sweep_id, now)
+            summary["sweep"] = sweep_summary(self._state(), job.spec.sweep_id, now)
         return ev.JobReply(summary=summary, job=record_dict(job),
                            nodes=[node_summary(nodes[n], now) for n in job.nodes if n in nodes])
 
     async def jobs_cancel(self, req: ev.JobRequest) -> ev.OkReply:
         self._job(req.job_id)
         await self.d.submit(JobCancelled(job_id=ev.JobId(req.job_id), reason=req.reason))
-        job = self.d.state.jobs.get(req.job_id)
+        job = self._state().jobs.get(req.job_id)
         phase = getattr(getattr(job, "phase", None), "value", "deleted")
         return ev.OkReply(message=f"cancel of {req.job_id} decided; phase now {phase}")
 
     async def jobs_explain(self, req: ev.JobRequest) -> ev.ExplainReply:
-        raw = await self.d.store.read_audit(req.job_id, limit=max(1, min(req.limit, 5000)))
-        if not raw and req.job_id not in self.d.state.jobs:
+        raw = await self._store().read_audit(req.job_id, limit=max(1, min(req.limit, 5000)))
+        if not raw and req.job_id not in self._state().jobs:
             raise AdminFailure(404, f"no job {req.job_id!r} and no audit for it")
         return ev.ExplainReply(job_id=req.job_id, entries=[msgspec.json.decode(r) for r in raw])
 
     async def nodes_list(self, req: ev.ListNodesRequest) -> ev.NodesReply:
         now = time.time()
-        nodes = [node_summary(n, now) for n in self.d.state.nodes.values()
+        nodes = [node_summary(n, now) for n in self._state().nodes.values()
                  if req.job_id is None or n.job_id == req.job_id]
         nodes.sort(key=lambda n: n["node_id"])
         return ev.NodesReply(nodes=nodes)
 
     async def nodes_drain(self, req: ev.DrainNodeRequest) -> ev.OkReply:
-        if req.node_id not in self.d.state.nodes:
+        if req.node_id not in self._state().nodes:
             raise AdminFailure(404, f"no node {req.node_id!r}")
         await self.d.submit(NodeDrainRequested(node_id=ev.NodeId(req.node_id), reason=req.reason))
-        node = self.d.state.nodes.get(req.node_id)
+        node = self._state().nodes.get(req.node_id)
         phase = getattr(getattr(node, "phase", None), "value", "gone")
         return ev.OkReply(message=f"drain of {req.node_id} decided; phase now {phase}")
 
-    def _injectable(self, node_id: str, verb: str, hook: str) -> tuple[Any, Callable[..., Any]]:
+    def _injectable(self, node_id: str, verb: str, hook: str) -> tuple[Node, Callable[..., Any]]:
         """The node and its provider's fault-injection hook; 404 for an unknown node, 409 for a node
         that is not the local provider's (a cloud's reclaim or host failure cannot be caused from here)."""
-        node = self.d.state.nodes.get(node_id)
+        node = self._state().nodes.get(node_id)
         if node is None:
             raise AdminFailure(404, f"no node {node_id!r}")
         cloud = node.pool.cloud
@@ -308,26 +327,25 @@ class Handlers:
         return ev.OkReply(message=f"{req.node_id} killed (every process, no notice)")
 
     async def prices_list(self, req: ev.EmptyRequest) -> ev.PricesReply:
-        pools = [pool_summary(p) for p in self.d.state.pools.values()]
+        pools = [pool_summary(p) for p in self._state().pools.values()]
         pools.sort(key=lambda p: p["pool"])
         return ev.PricesReply(pools=pools)
 
     async def events_tail(self, req: ev.TailEventsRequest) -> ev.EventsReply:
-        recent = [e for e in self.d.recent if e["seq"] > req.after_seq]
-        recent = recent[-max(1, min(req.limit, 2000)):]
-        return ev.EventsReply(events=recent, last_seq=self.d.recent_seq)
+        events = self.d.events
+        return ev.EventsReply(events=events.tail(req.after_seq, min(req.limit, 2000)), last_seq=events.seq)
 
     async def reap_run(self, req: ev.ReapRequest) -> ev.ReapReply:
         if not self.d.providers:
             return ev.ReapReply(report={"dry_run": req.dry_run, "message": "no providers configured"})
         reaper = self.d.reaper_for()
-        known = known_nodes(self.d.state)
+        known = known_nodes(self._state())
         report = await anyio.to_thread.run_sync(
             lambda: reaper.reconcile(known, state_ok=self.d.may_act(), dry_run=req.dry_run))
         return ev.ReapReply(report=report.to_dict())
 
     async def dead_list(self, req: DeadListRequest) -> DeadListReply:
-        parked = await bus.dead_list(self.d.store.js, limit=max(1, min(req.limit, 1000)))
+        parked = await bus.dead_list(self._store().js, limit=max(1, min(req.limit, 1000)))
         return DeadListReply(messages=[
             DeadLetter(seq=p.seq, ts=p.ts, subject=p.subject, reason=p.reason, deliveries=p.deliveries,
                        size=len(p.data), preview=p.data[:200].decode("utf-8", "replace")) for p in parked])
@@ -336,7 +354,7 @@ class Handlers:
         if not 1 <= req.seq < 2**63:  # a stream sequence; nats-server refuses anything else
             raise AdminFailure(400, f"seq must be within 1 .. 2**63-1, got {req.seq}")
         try:
-            dead = await bus.replay(self.d.store.js, req.seq)
+            dead = await bus.replay(self._store().js, req.seq)
         except NotFoundError:
             raise AdminFailure(404, f"no dead letter {req.seq} in {bus.STREAM_DEAD}") from None
         except ValueError as e:

@@ -2,8 +2,9 @@
 
 Role: the only place where orchd calls clouds or agents. Each command runs in its own task inside the
 executor's task group; blocking provider calls run in worker threads (``anyio.to_thread.run_sync``)
-under a per-cloud ``CapacityLimiter``. Every result is handed back through ``feed(Result)`` so that the
-decide loop decides it and, in the same persisted batch, deletes the command's outbox entry.
+under a per-cloud ``CapacityLimiter``. Every result is handed back through ``feed(Result)`` (the
+intake's channel, ``Intake.put_result``) so that the decide loop decides it and, in the same persisted
+batch, deletes the command's outbox entry.
 
     Launch         provider.launch (idempotency token = the core's token) -> NodeLaunched per instance,
                    LaunchFailed(reason) for the nodes that got none. TransientError: retry with backoff,
@@ -27,6 +28,7 @@ cancels in-flight commands, which stay in the outbox and are re-executed by the 
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar, TypeVarTuple
@@ -56,7 +58,9 @@ from orchestrator.core.inputs import (
     TrackingRunCreated,
 )
 from orchestrator.daemon import tracking
+from orchestrator.daemon.eventlog import agent_command_kind
 from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.records import Result
 from orchestrator.security.credentials import Credentials
 from orchestrator.settings import Settings
 from providers.base import CloudProvider, InstanceState, LaunchRequest, NodeBootstrap, ProviderError
@@ -67,14 +71,6 @@ T = TypeVar("T")
 Args = TypeVarTuple("Args")
 
 
-@dataclass(frozen=True, slots=True)
-class Result:
-    """What a finished command gives back: events for the core and the outbox key to clear."""
-
-    outbox_key: str
-    events: tuple[CoreEvent, ...] = ()
-
-
 @dataclass
 class Executor:
     settings: Settings
@@ -83,7 +79,6 @@ class Executor:
     feed: Callable[[Result], None]
     metrics: Metrics
     nats_urls: tuple[str, ...] = ()
-    on_agent_sent: Callable[[SendToAgent], None] | None = None
     may_act: Callable[[], bool] = lambda: True
     """False while this daemon does not hold a valid leader lease (HA): commands are then left in the
     outbox for the leader, never executed (clouds know nothing of fencing tokens)."""
@@ -93,6 +88,7 @@ class Executor:
     _tg: TaskGroup | None = None
     _limiters: dict[str, anyio.CapacityLimiter] = field(default_factory=dict)
     in_flight: set[str] = field(default_factory=set)
+    _notice_ts: dict[str, float] = field(default_factory=dict)  # checkpoint cmd_id -> its notice's publish ts
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
@@ -100,13 +96,16 @@ class Executor:
             task_status.started()
             await anyio.sleep_forever()
 
-    def submit(self, key: str, cmd: Command, *, inherited: bool = False) -> None:
+    def submit(self, key: str, cmd: Command, *, inherited: bool = False, notice_ts: float | None = None) -> None:
         """Execute ``cmd`` once (``key``: its outbox key). ``inherited``: an outbox entry a previous
         leader decided and may have executed already: a Terminate then asks the provider first and calls
         terminate only for an instance that is not already going (no second terminate from a second
-        daemon)."""
+        daemon). ``notice_ts``: the publish time of the notice a checkpoint command answers (its first
+        send observes ``orchd_notice_to_command_seconds``)."""
         if key in self.in_flight:
             return
+        if notice_ts is not None and isinstance(cmd, SendToAgent):
+            self._notice_ts[cmd.command.cmd_id] = notice_ts
         assert self._tg is not None, "executor not running"
         self.in_flight.add(key)
         self._tg.start_soon(self._execute, key, cmd, inherited)
@@ -116,6 +115,8 @@ class Executor:
     async def _execute(self, key: str, cmd: Command, inherited: bool = False) -> None:
         if not self.may_act():
             self.in_flight.discard(key)
+            if isinstance(cmd, SendToAgent):
+                self._notice_ts.pop(cmd.command.cmd_id, None)
             log.warning("command_not_executed_no_lease", key=key)
             return  # stays in the outbox
         try:
@@ -130,7 +131,10 @@ class Executor:
                 case CheckInstance():
                     events = await self._check(cmd)
                 case SendToAgent():
-                    events = await self._send(cmd)
+                    try:
+                        events = await self._send(cmd)
+                    finally:
+                        self._notice_ts.pop(cmd.command.cmd_id, None)
                 case CreateTrackingRun():
                     events = await self._tracking_run(cmd)
                 case _:
@@ -264,6 +268,12 @@ class Executor:
             await anyio.sleep(delay)
             delay = min(delay * 2, max(xs.retry_max_s, xs.retry_base_s))
 
+    def _sent(self, cmd_id: str) -> None:
+        """A command's first send: the notice-to-command latency, when it answers a notice."""
+        ts = self._notice_ts.pop(cmd_id, None)
+        if ts is not None:
+            self.metrics.notice_to_command.observe(max(0.0, time.time() - ts))
+
     async def _send(self, cmd: SendToAgent) -> tuple[CoreEvent, ...]:
         c = cmd.command
         subject = ev.subject_command(c.node_id)
@@ -275,8 +285,8 @@ class Executor:
         while tries <= ds.command_retries:
             while not self.nc.is_connected:  # an outage of our own connection is not the agent's fault
                 await anyio.sleep(0.1)
-            if first and self.on_agent_sent is not None:
-                self.on_agent_sent(cmd)
+            if first:
+                self._sent(c.cmd_id)
             first = False
             tries += 1
             try:
@@ -314,11 +324,6 @@ def _failure_events(cmd: Command, reason: ev.FailureReason, message: str) -> tup
             return (CommandFailed(node_id=c.node_id, cmd_id=c.cmd_id, kind=agent_command_kind(c)),)
         case _:
             return ()
-
-
-def agent_command_kind(c: ev.AgentCommand) -> str:
-    """The wire tag of an agent command (``checkpoint``, ``start_generation``...): CommandFailed's kind."""
-    return str(type(c).__struct_config__.tag)
 
 
 async def _revoke_departed(credentials: Credentials, events: tuple[CoreEvent, ...]) -> None:

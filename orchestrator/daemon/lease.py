@@ -34,8 +34,8 @@ from collections.abc import Awaitable, Callable
 import anyio
 import nats.errors
 import nats.js.errors
-from nats.js.api import KeyValueConfig
 from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
 from nats.js.kv import KeyValue
 
 LEASE_BUCKET = "orch_lease"
@@ -47,7 +47,8 @@ LEASE_KEY = "leader"
 _TRANSIENT = (nats.errors.Error, OSError)
 
 
-async def lease_bucket(js: JetStreamContext, *, ttl_s: float, replicas: int = 1, bucket: str = LEASE_BUCKET) -> KeyValue:
+async def lease_bucket(js: JetStreamContext, *, ttl_s: float, replicas: int = 1,
+                       bucket: str = LEASE_BUCKET) -> KeyValue:
     """The lease bucket (created when missing; its ttl must equal the lease TTL)."""
     try:
         kv = await js.key_value(bucket)

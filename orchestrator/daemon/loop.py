@@ -13,9 +13,7 @@ handlers read the immutable value). Producers reach the loop only through ``Daem
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Set
 from typing import TYPE_CHECKING
 
@@ -24,17 +22,19 @@ import structlog
 from anyio.abc import TaskGroup
 
 from orchestrator import bus
-from orchestrator.core import Decision, State
-from orchestrator.core.commands import CheckInstance, Command, Launch, SendToAgent, Terminate
+from orchestrator.core import State
 from orchestrator.core.inputs import BusState, CoreEvent, LeaseChanged, Tick
 from orchestrator.daemon import pipeline
-from orchestrator.daemon.executor import Executor, Result, agent_command_kind
-from orchestrator.daemon.ingest import Batch, Intake, ShellItem
+from orchestrator.daemon.coreapi import CoreApi
+from orchestrator.daemon.eventlog import EventLog
+from orchestrator.daemon.executor import Executor
+from orchestrator.daemon.gauges import refresh_gauge_slices
+from orchestrator.daemon.ingest import Intake
 from orchestrator.daemon.liveness import LivenessFlusher
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.observe import MetricsObserver
 from orchestrator.daemon.ratelimit import SenderLimiter
-from orchestrator.daemon.state import CoreApi, RejectionLog, refresh_gauge_slices, summarize_event
+from orchestrator.daemon.records import Batch, Decided, NotLeader, ShellItem, ShuttingDown
 from orchestrator.daemon.store import Store
 from orchestrator.daemon.tracking import TrackingReporter
 from orchestrator.settings import Settings
@@ -53,22 +53,16 @@ SLOW_BATCH_S = 0.25
 URGENT_ROUNDS = 4
 _NOTHING: frozenset[str] = frozenset()
 _NOT_LEADER = "this orchd lost the leader lease; retry: the new leader answers"
-
-
-class NotLeader(Exception):
-    """An admin request this orchd took in but cannot answer: it lost the leader lease meanwhile."""
-
-
-class ShuttingDown(Exception):
-    """An admin request that came after the final batch was taken: nothing more is decided here."""
+__all__ = ["Daemon", "NotLeader", "ShuttingDown"]
 
 
 class Daemon:
     """The running daemon's handle: state and stats for the admin service, tests and the demo.
 
-    Public surface for ``run.run_daemon``: ``stop_requested`` / ``wait_for_stop``, the callbacks
-    ``on_bus_state`` / ``on_result`` / ``on_agent_sent``, ``restore`` (the loaded state),
-    ``attach_background`` (where liveness flushes run), ``decide_loop`` and ``finish`` (the final batch)."""
+    Public surface for ``run.run_daemon``: ``stop_requested`` / ``wait_for_stop``, the bus callback
+    ``on_bus_state``, ``restore`` (the loaded state), ``attach_background`` (where liveness flushes run),
+    ``decide_loop`` and ``finish`` (the final batch). The executor reports on the intake's channel
+    (``Intake.put_result``). The admin service sees it as a ``view.DaemonView``."""
 
     def __init__(self, settings: Settings, providers: Mapping[str, CloudProvider], core: CoreApi, metrics: Metrics,
                  *, stop: anyio.Event | None = None) -> None:
@@ -89,10 +83,7 @@ class Daemon:
         self.fencing_token = 0
         self.events_decided = 0
         self.batches = 0
-        self.recent: deque[dict[str, object]] = deque(maxlen=2000)  # decided commands, for `orchctl events`
-        self.recent_seq = 0
-        self.rejections = RejectionLog()  # the trust gate's refusals in `recent`, rate-limited
-        self.notice_ts: dict[str, float] = {}  # cmd_id -> notice publish ts (latency metric)
+        self.events = EventLog()  # decided commands and the gate's refusals, for `orchctl events`
         self.liveness = LivenessFlusher(self._write_liveness, settings.daemon.liveness_flush_max)
         self.observer = MetricsObserver(metrics)  # the metrics the state does not hold (observe.py)
         self.tracking = TrackingReporter(self.observer)  # orchd's figures to tracked jobs' MLflow runs
@@ -157,14 +148,6 @@ class Daemon:
         self.connected = connected
         self.metrics.nats_connected.set(1 if connected else 0)
         self.intake.put_shell(ShellItem(BusState(connected=connected)))
-
-    def on_result(self, result: Result) -> None:
-        self.intake.put_shell(ShellItem(result))
-
-    def on_agent_sent(self, cmd: SendToAgent) -> None:
-        ts = self.notice_ts.pop(cmd.command.cmd_id, None)
-        if ts is not None:
-            self.metrics.notice_to_command.observe(max(0.0, time.time() - ts))
 
     # --- the decide loop ---------------------------------------------------------------------------
 
@@ -237,28 +220,29 @@ class Daemon:
             self._hand_back([msg for _kind, msg in batch.js], [i.reply for i in batch.shell if i.reply is not None])
             return
         t_begin = time.perf_counter()
-        decider = pipeline.Decider(self.core, state, metrics=self.metrics, on_decision=self._log_decision,
-                                   on_reject=self._log_rejection)
+        decider = pipeline.Decider(self.core, state, metrics=self.metrics, on_decision=self.events.decision,
+                                   on_reject=self.events.rejection)
         ds = self.settings.daemon
+        # decided, and its checkpoint commands handed to the executor before the outbox's round trip
         decided = pipeline.decide_batch(batch, decider, dead_after=ds.dead_after_deliveries,
-                                        retry_s=pipeline.retry_ahead_s(bus.ack_wait_s(ds.lease_ttl_s)))
+                                        retry_s=pipeline.retry_ahead_s(bus.ack_wait_s(ds.lease_ttl_s)),
+                                        executor=executor)
         final = self._stop.is_set()
         self.liveness.settle(decided.liveness, decided.dirty, final=final)
         t_decided = time.perf_counter()
         # While this batch is written, a liveness slice must not write its dirty keys from the older
         # state (``_write_liveness``): the batch's newer value would be overwritten.
         self._persisting = decided.dirty
-        early = pipeline.dispatch_checkpoints(decided, executor, self.notice_ts)  # before the outbox's round trip
 
         async def send() -> None:
             # The other commands as soon as they are in the outbox, while the records are written: the
             # metrics, the acks and the next liveness slice come after.
-            pipeline.dispatch(decided, executor, early)
+            pipeline.dispatch(decided, executor)
             if decided.commands:
                 await anyio.sleep(0)  # let the executor's tasks send before the records' publishes
 
         try:
-            if early:
+            if decided.sent:
                 await anyio.sleep(0)  # let their tasks send before the outbox's publishes
             records = await pipeline.persist(store, self.core, decided, after_outbox=send)
         finally:
@@ -295,7 +279,7 @@ class Daemon:
             raise RuntimeError("the daemon is not started: no store, executor or state yet")
         return self.store, self.executor, self.state
 
-    def _observe_batch(self, decided: pipeline.Decided, records: int, t_begin: float, t_decided: float,
+    def _observe_batch(self, decided: Decided, records: int, t_begin: float, t_decided: float,
                        t_persisted: float) -> None:
         m = self.metrics
         m.batch_seconds.labels("decide").observe(t_decided - t_begin)
@@ -345,51 +329,6 @@ class Daemon:
             return core.state_to_records(state, [k for k in ks if k not in persisting] if persisting else ks)
 
         await store.write_records_background(keys, encode)
-
-    def _log_rejection(self, event: CoreEvent, reason: str) -> None:
-        """A refusal of the trust gate: logged and shown in ``orchctl events``, at most once per
-        (sender node, reason) per 10 s (``RejectionLog``; the entry counts the ones folded into it)."""
-        ts = time.time()
-        entry = self.rejections.entry(event, reason, ts)
-        if entry is None:
-            return
-        log.warning("event_refused", **{("event_type" if k == "event" else k): v for k, v in entry.items()})
-        self.recent_seq += 1
-        self.recent.append({"seq": self.recent_seq, "ts": ts, **entry})
-
-    def _log_decision(self, event: CoreEvent, d: Decision) -> None:
-        """A log line per command (the triggering event's job and node with it, the command's own fields
-        winning), kept for ``orchctl events`` too; the audit entries at debug level."""
-        ctx = summarize_event(event)
-        where = {k: v for k, v in ctx.items() if k != "event"}  # "event" is the log line's own name
-        lg = log.bind()  # one logger for the decision's lines: the module's lazy proxy binds on each call
-        for c in d.commands:
-            info = _describe_command(c)
-            lg.info("command_decided", **{**where, **info})
-            self.recent_seq += 1
-            self.recent.append({"seq": self.recent_seq, "ts": time.time(), "event": type(event).__name__,
-                                **ctx, **info})
-        if d.audit and lg.is_enabled_for(logging.DEBUG):  # the entry's text only when it is written
-            for a in d.audit:
-                lg.debug("decision_audit", **where, entry=str(a)[:300])
-
-
-def _describe_command(c: Command) -> dict[str, object]:
-    """The fields of a command for the log and ``orchctl events``."""
-    info: dict[str, object] = {"command": type(c).__name__}
-    match c:
-        case SendToAgent(command=inner):
-            info.update(kind=agent_command_kind(inner), node=inner.node_id, cmd_id=inner.cmd_id, job=inner.job_id,
-                        generation=inner.generation)
-        case Launch():
-            info.update(job=c.job_id, token=c.token, pool=c.pool.name, nodes=list(c.node_ids))
-        case Terminate():
-            info.update(node=c.node_id, reason=c.reason)
-            if c.pool is not None:
-                info["pool"] = c.pool.name
-        case CheckInstance():
-            info.update(node=c.node_id, pool=c.pool.name)
-    return info
 
 
 async def _first(*waiters: Callable[[], Awaitable[object]]) -> None:

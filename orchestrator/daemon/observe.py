@@ -43,11 +43,10 @@ from orchestrator.core.commands import SendToAgent, Terminate
 from orchestrator.core.inputs import NodeGone
 from orchestrator.core.model import GEN_PHASES, NodePhase
 from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.records import Decided
 
 if TYPE_CHECKING:
     from nats.js import JetStreamContext
-
-    from orchestrator.daemon.pipeline import Decided
 
 log = structlog.get_logger("orchd")
 

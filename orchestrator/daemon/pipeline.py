@@ -7,23 +7,25 @@ them; heartbeats take the very same functions, batched, with nothing logged per 
     decode     (``admit.py``) ``decode_js(subject, data)`` / ``decode_heartbeat(subject, data)``: bytes ->
                wire message
     screen     (``admit.py``) ``screen_js`` / ``screen_heartbeat``: what the schema cannot say (the
-               subject names the publisher, no impossible values; ``ingest.screen``); ``admit_js`` /
+               subject names the publisher, no impossible values: ``admit.screen``); ``admit_js`` /
                ``admit_heartbeat`` = decode + screen of one message -> event | ``Rejected``,
                ``admit_batch`` / ``admit_heartbeats`` over a batch -> ``Admitted``
     decide     ``Decider.decide(events, ...)``: the trust gate (``core.authorize``), then ``core.decide``,
-               over the events in order, one state threaded through -> ``Decided`` (dirty keys,
-               commands, audit, liveness keys, acks)
+               over the events in order, one state threaded through, into ``Decided`` (dirty keys,
+               commands, audit, liveness keys, acks; ``records.py``), returning an ``Outcome`` (which
+               events were refused or failed)
                ``Decider.decide_heartbeats(heartbeats)``: the same for a batch of heartbeats, the runs
                that only refresh liveness folded through the core in one state rebuild
                ``decide_batch(batch, decider)`` runs decode, screen and decide over a whole batch
-    dispatch   ``dispatch_checkpoints(decided, executor, notice_ts)``: hand the checkpoint commands out
+    dispatch   ``dispatch_checkpoints(decided, executor)`` (``decide_batch`` calls it when given the
+               executor; keys in ``Decided.sent``): hand the checkpoint commands out
                at once, before the outbox is written (an agent answers a ``cmd_id`` it has seen with
                the same ack, and a crash before the outbox puts leaves the notice unacked: decided
                again, the same command); one whose node's generation start the batch decided before
                it goes with that start
     persist    ``persist(store, core, decided, after_outbox)``: outbox, then records of the dirty keys,
                audit; ``after_outbox`` runs between the two (the daemon dispatches the rest there)
-    dispatch   ``dispatch(decided, executor, sent)``: hand the other commands out once they are in the
+    dispatch   ``dispatch(decided, executor)``: hand the other commands out once they are in the
                outbox (agent commands, then cloud calls); admin requests are answered once persisted
     ack        ``acknowledge(decided)``: ack the decided JetStream messages, ``term`` the rejected ones,
                park (``bus.park_msg``, stream ``ORCH_DEAD``) and ``term`` those given up on: the core
@@ -33,8 +35,8 @@ The trust gate (``orchestrator/core/gate.py``: ``authorize(state, event, now) ->
 authorizes each event against its sender's identity and the state; ``Decider.decide`` calls it right
 before ``core.decide`` for each event (it needs the state as of that event, so it cannot run with the
 batched, state-free ``screen``). The sender's identity is the node the event names: ``screen`` has
-already tied it to the subject. A refusal goes the way of a failed event: the index is returned with
-the failed ones (-> ``term``), it is counted in ``orchd_messages_rejected_total{kind=<event type>,
+already tied it to the subject. A refusal goes the way of a failed event: its index is in the
+``Outcome`` with the failed ones (-> ``term``), it is counted in ``orchd_messages_rejected_total{kind=<event type>,
 reason}`` and shown (rate-limited) in ``orchctl events``.
 
 Concurrency contract: everything here runs on the decide loop's task; only ``persist``, ``acknowledge``
@@ -44,7 +46,6 @@ is why a whole batch can be admitted before the first of its events is decided.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Sequence
@@ -65,30 +66,17 @@ from orchestrator.core.inputs import CoreEvent
 from orchestrator.daemon.admit import (
     Admitted,
     JsEvent,
-    Rejected,
     admit_batch,
-    admit_heartbeat,
     admit_heartbeats,
     admit_js,
     count_rejections,
-    decode_heartbeat,
-    decode_js,
     observe_lag,
-    screen_heartbeat,
-    screen_js,
 )
-from orchestrator.daemon.executor import Executor, Result
-from orchestrator.daemon.ingest import Batch, ShellItem
+from orchestrator.daemon.coreapi import CoreApi
+from orchestrator.daemon.executor import Executor
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.state import CoreApi
-from orchestrator.daemon.store import Store, outbox_key
-
-__all__ = [  # admit.py's stages (decode, screen) are re-exported: the pipeline is one surface
-    "acknowledge", "admit_batch", "admit_heartbeat", "admit_heartbeats", "admit_js", "Admitted", "CLOCK_EVERY",
-    "count_rejections", "decide_batch", "Decided", "Decider", "decode_heartbeat", "decode_js", "dispatch",
-    "dispatch_checkpoints", "JsEvent",
-    "observe_lag", "persist", "Rejected", "screen_heartbeat", "screen_js", "split_urgent", "unpack_shell",
-]
+from orchestrator.daemon.records import Batch, Decided, Result, ShellItem, outbox_key
+from orchestrator.daemon.store import Store
 
 log = structlog.get_logger("orchd")
 
@@ -125,26 +113,15 @@ def unpack_shell(items: Sequence[ShellItem]) -> tuple[list[CoreEvent], list[str]
 # --- decide ------------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class Decided:
-    """What deciding a batch produced: the input of persist, ack and dispatch."""
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What ``Decider.decide`` says of the events it was given, by index: ``failed`` (refused by the trust
+    gate or failed in the core), of them ``refused`` (the gate's refusals) and of those ``ahead`` (refused
+    as ``bad_generation``: ahead of the state, may be right once it catches up)."""
 
-    state: State
-    dirty: set[str] = field(default_factory=set)  # record keys to write with this batch
-    liveness: set[str] = field(default_factory=set)  # node keys changed by heartbeats only (flushed later)
-    commands: dict[str, Command] = field(default_factory=dict)  # outbox key -> command
-    done_keys: list[str] = field(default_factory=list)  # outbox entries whose results were decided
-    audit: list[tuple[str | None, bytes]] = field(default_factory=list)  # (job id, encoded entry)
-    counts: Counter[str] = field(default_factory=Counter)  # decided events by type name
-    holds: Counter[str] = field(default_factory=Counter)  # restart holds decided, by reason (a metric)
-    decided: int = 0
-    notice_ts: dict[str, float] = field(default_factory=dict)  # checkpoint cmd_id -> its notice's publish ts
-    to_ack: list[Msg] = field(default_factory=list)
-    to_term: list[Msg] = field(default_factory=list)  # rejected, or poison for the core: never redelivered
-    to_retry: list[tuple[Msg, float]] = field(default_factory=list)  # ahead of the state: back after the delay
-    to_park: list[tuple[Msg, str]] = field(default_factory=list)  # (message, reason): dead-lettered, then termed
-    replies: list[asyncio.Future[None]] = field(default_factory=list)  # admin requests answered after persist
-    seen: list[CoreEvent] = field(default_factory=list)  # the events decided (not refused, not failed): metrics
+    failed: list[int] = field(default_factory=list)
+    refused: list[int] = field(default_factory=list)
+    ahead: list[int] = field(default_factory=list)
 
 
 class Decider:
@@ -152,8 +129,8 @@ class Decider:
     one state threaded through, into ``out``.
 
     A refused event never reaches the core: counted (``rejected{kind=<event type>, reason}``), given
-    to ``on_reject(event, reason)`` (``orchctl events``), its index returned with the failed ones and
-    kept in ``refused``. ``on_decision(event, decision)`` is called for each decision with commands or
+    to ``on_reject(event, reason)`` (``orchctl events``), its index in the ``Outcome``'s ``failed`` and
+    ``refused``. ``on_decision(event, decision)`` is called for each decision with commands or
     audit (the log and ``orchctl events``). An exception from the core is a core bug: logged with its
     traceback, counted (``core_error``), the event skipped, the daemon goes on."""
 
@@ -167,21 +144,18 @@ class Decider:
         self.on_reject = on_reject
         self.clock = clock
         self.out = Decided(state)
-        self.refused: list[int] = []  # the indices the gate refused in the last ``decide`` call
-        self.ahead: list[int] = []  # those of them refused as ``bad_generation`` (ahead of the state)
-        self.recounted: frozenset[int] = frozenset()  # indices already counted at an earlier delivery
 
     def decide(self, events: Sequence[CoreEvent], published: Sequence[float | None] = (), *,
-               clock_every: int = CLOCK_EVERY) -> list[int]:
-        """Gate and decide ``events`` in order; return the indices of those the gate refused or the
-        core failed on.
+               clock_every: int = CLOCK_EVERY, recounted: Collection[int] = ()) -> Outcome:
+        """Gate and decide ``events`` in order; the ``Outcome`` says which the gate refused or the core
+        failed on.
 
         ``published``: the JetStream publish time of each event (notice-to-command latency), or empty.
-        The clock is read once per ``clock_every`` events."""
-        refused: list[int] = []
-        self.refused, self.ahead = refused, []
+        The clock is read once per ``clock_every`` events. ``recounted``: the indices of events delivered
+        before (a refusal as ahead of the state was counted at the first delivery)."""
+        outcome = Outcome()
         state = self.out.state
-        failed: list[int] = []
+        failed = outcome.failed
         now = 0.0
         heartbeat = ev.Heartbeat
         lag = self.metrics.event_lag.observe
@@ -191,11 +165,11 @@ class Decider:
                 now = self.clock()
                 if type(event) is heartbeat:
                     lag(max(0.0, now - event.ts))
-            state = one(state, i, event, now, failed, published[i] if published else None)
+            state = one(state, i, event, now, outcome, published[i] if published else None, recounted)
         self._close(events, state, failed)
-        return failed
+        return outcome
 
-    def decide_heartbeats(self, events: Sequence[ev.Heartbeat], *, clock_every: int = CLOCK_EVERY) -> list[int]:
+    def decide_heartbeats(self, events: Sequence[ev.Heartbeat], *, clock_every: int = CLOCK_EVERY) -> Outcome:
         """``decide(events)`` for a batch of heartbeats, with the same results (state, liveness keys,
         refusals and their counts, clock reads and lag samples): the heartbeats that only refresh
         liveness and progress are folded through the gate and the core in one state rebuild per run
@@ -203,10 +177,9 @@ class Decider:
         the real core: with another ``CoreApi.decide`` (a test's) they are decided one by one."""
         if self.core.decide is not core_decide:
             return self.decide(events, clock_every=clock_every)
-        refused: list[int] = []
-        self.refused = refused
+        outcome = Outcome()
+        refused, failed = outcome.refused, outcome.failed
         state = self.out.state
-        failed: list[int] = []
         liveness = self.out.liveness
         lag = self.metrics.event_lag.observe
         for start in range(0, len(events), clock_every):
@@ -219,7 +192,7 @@ class Decider:
                     fold = fold_heartbeats(state, events, i, end, now)
                 except Exception:  # a core bug: the rest of the run one by one, each failure as in ``decide``
                     for j in range(i, end):
-                        state = self._one(state, j, events[j], now, failed, None)
+                        state = self._one(state, j, events[j], now, outcome, None)
                     break
                 for j, reason in fold.refused:
                     self._refuse(events[j], reason)
@@ -228,28 +201,28 @@ class Decider:
                 liveness.update(fold.live)  # liveness only: persisted at a lower rate
                 state, i = fold.state, fold.stop
                 if i < end:  # the slow path
-                    state = self._one(state, i, events[i], now, failed, None)
+                    state = self._one(state, i, events[i], now, outcome, None)
                     i += 1
         self._close(events, state, failed)
-        return failed
+        return outcome
 
-    def _one(self, state: State, i: int, event: CoreEvent, now: float, failed: list[int],
-             publish_ts: float | None) -> State:
-        """Gate and decide ``event`` (index ``i``) from ``state``; the state after it."""
+    def _one(self, state: State, i: int, event: CoreEvent, now: float, outcome: Outcome,
+             publish_ts: float | None, recounted: Collection[int] = ()) -> State:
+        """Gate and decide ``event`` (index ``i``) from ``state`` into ``outcome``; the state after it."""
         reason = authorize(state, event, now)
         if reason is not None:
             if reason == BAD_GENERATION:
-                self.ahead.append(i)
-            if reason != BAD_GENERATION or i not in self.recounted:  # a retried message is counted once
+                outcome.ahead.append(i)
+            if reason != BAD_GENERATION or i not in recounted:  # a retried message is counted once
                 self._refuse(event, reason)
-            self.refused.append(i)
-            failed.append(i)
+            outcome.refused.append(i)
+            outcome.failed.append(i)
             return state
         try:
             d = self.core.decide(state, event, now)
         except Exception as e:  # a core bug must not stop the daemon: skip the event, loudly
             self._core_error(event, e)
-            failed.append(i)
+            outcome.failed.append(i)
             return state
         out = self.out
         if d.dirty:
@@ -306,8 +279,10 @@ class Decider:
 
 
 def decide_batch(batch: Batch, decider: Decider, *, dead_after: int = bus.DEAD_AFTER_DELIVERIES,
-                 retry_s: float = 5.0) -> Decided:
-    """Decode, screen and decide a whole batch: shell inputs, then JetStream messages, then heartbeats.
+                 retry_s: float = 5.0, executor: Executor | None = None) -> Decided:
+    """Decode, screen and decide a whole batch: shell inputs, then JetStream messages, then heartbeats;
+    with an ``executor``, hand it the batch's checkpoint commands at once (``dispatch_checkpoints``,
+    their keys in ``Decided.sent``).
 
     ``dead_after``: a JetStream message delivered this many times is parked (``dead_letters``).
     ``retry_s``: the base delay of a message refused as ahead of the state (``retry_ahead_s``)."""
@@ -322,6 +297,8 @@ def decide_batch(batch: Batch, decider: Decider, *, dead_after: int = bus.DEAD_A
         hb = admit_heartbeats(batch.hb)
         count_rejections(metrics, hb.rejected, loud=False)
         decider.decide_heartbeats(hb.events)
+    if executor is not None and out.commands:
+        out.sent.extend(dispatch_checkpoints(out, executor))
     return out
 
 
@@ -346,13 +323,11 @@ def _decide_js(msgs: list[Msg], decider: Decider, dead_after: int, retry_s: floa
     out.to_term.extend(msg for msg, _ in js.rejected)
     observe_lag(metrics, js.published, now)
     deliveries = [bus.num_delivered(msg) for msg in js.messages]
-    decider.recounted = frozenset(i for i, n in enumerate(deliveries) if n > 1)
-    try:
-        failed = set(decider.decide(js.events, js.published, clock_every=1))
-    finally:
-        decider.recounted = frozenset()
-    refused = set(decider.refused)  # the trust gate's refusals: termed like the rejected ones
-    ahead = set(decider.ahead)  # ... but one ahead of the state may be right once the state catches up
+    outcome = decider.decide(js.events, js.published, clock_every=1,
+                             recounted=frozenset(i for i, n in enumerate(deliveries) if n > 1))
+    failed = set(outcome.failed)
+    refused = set(outcome.refused)  # the trust gate's refusals: termed like the rejected ones
+    ahead = set(outcome.ahead)  # ... but one ahead of the state may be right once the state catches up
     for i, msg in enumerate(js.messages):
         if i in ahead and deliveries[i] < dead_after - 1:
             out.to_retry.append((msg, retry_s * deliveries[i]))
@@ -431,7 +406,7 @@ async def _park(msg: Msg, reason: str) -> bool:
     return True
 
 
-def dispatch_checkpoints(decided: Decided, executor: Executor, notice_ts: dict[str, float]) -> list[str]:
+def dispatch_checkpoints(decided: Decided, executor: Executor) -> list[str]:
     """Stage dispatch, first part: hand the batch's checkpoint commands to the executor in decision
     order, before the outbox is written (the caller yields once after, so their tasks send at once).
     They need not wait for the outbox's round trip: a crash before the outbox puts leaves the batch's
@@ -440,19 +415,22 @@ def dispatch_checkpoints(decided: Decided, executor: Executor, notice_ts: dict[s
     outbox keys handed out (``dispatch`` skips them). A checkpoint of a node whose generation start this
     batch decided before it waits for that start (``dispatch``): sent first, the agent would refuse it as
     an unknown generation, then start the generation."""
-    notice_ts.update(decided.notice_ts)
     early = _early_checkpoints(decided.commands)
     for key in early:
-        executor.submit(key, decided.commands[key])
+        cmd = decided.commands[key]
+        ts = decided.notice_ts.get(cmd.command.cmd_id) if isinstance(cmd, SendToAgent) else None
+        executor.submit(key, cmd, notice_ts=ts)
     return early
 
 
-def dispatch(decided: Decided, executor: Executor, sent: Collection[str]) -> None:
-    """Stage dispatch, the rest: hand the new commands not ``sent`` already (``dispatch_checkpoints``) to
+def dispatch(decided: Decided, executor: Executor, sent: Collection[str] = ()) -> None:
+    """Stage dispatch, the rest: hand the new commands not sent already (``decided.sent`` and ``sent``:
+    ``dispatch_checkpoints``) to
     the executor once they are in the outbox (``persist``'s ``after_outbox``): the other agent commands
     (in decision order), then the cloud calls (the caller yields once after, so their tasks send at
     once)."""
-    rest = [(key, c) for key, c in decided.commands.items() if key not in sent]
+    skip = set(decided.sent).union(sent)
+    rest = [(key, c) for key, c in decided.commands.items() if key not in skip]
     rest.sort(key=lambda item: not isinstance(item[1], SendToAgent))  # agent commands, then cloud calls
     for key, c in rest:
         executor.submit(key, c)

@@ -47,6 +47,7 @@ from nats.js import JetStreamContext
 
 from orchestrator import bus
 from orchestrator.core.commands import Command, SendToAgent
+from orchestrator.daemon.coreapi import CoreApi, default_core
 from orchestrator.daemon.executor import Executor
 from orchestrator.daemon.lease import LeaderLease, lease_bucket
 from orchestrator.daemon.loop import Daemon
@@ -61,8 +62,8 @@ from orchestrator.daemon.startup import (
     retrying,
     start_auth_callout,
 )
-from orchestrator.daemon.state import CoreApi, default_core, known_nodes
 from orchestrator.daemon.store import Store
+from orchestrator.daemon.summaries import known_nodes
 from orchestrator.natsserver import NatsServer, NatsServerError
 from orchestrator.security.credentials import Credentials
 from orchestrator.settings import Settings, SettingsError, settings_and_problems
@@ -199,8 +200,8 @@ async def _load_state(d: Daemon, topo: bus.Topology, ctl: Client, *, tune_gc: bo
 def _start_executor(d: Daemon, ctl: Client, urls: tuple[str, ...], lease: LeaderLease | None,
                     credentials: Credentials | None) -> Executor:
     """The executor (acting only while the lease is valid)."""
-    return Executor(d.settings, d.providers, ctl, d.on_result, d.metrics, nats_urls=urls,
-                    on_agent_sent=d.on_agent_sent, may_act=(lease.valid if lease is not None else _always),
+    return Executor(d.settings, d.providers, ctl, d.intake.put_result, d.metrics, nats_urls=urls,
+                    may_act=(lease.valid if lease is not None else _always),
                     credentials=credentials)
 
 

@@ -23,7 +23,6 @@ Concurrency contract: one caller at a time (the decide loop); ``load`` runs once
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import TypeAlias
 
@@ -38,14 +37,13 @@ from nats.js import JetStreamContext
 
 from orchestrator import bus
 from orchestrator.core.commands import Command
+from orchestrator.daemon.records import decode_command, encode_command
 
 log = structlog.get_logger("orchd.store")
 
 _KV_OP = "KV-Operation"
 _MARKER = "Nats-Marker-Reason"  # nats-server 2.11+: a server-placed removal (TTL, max age)
 LOAD_BARRIER = "load_barrier"  # the key ``_load_bucket`` writes a delete marker to before it reads
-_command_codec_enc = msgspec.json.Encoder()
-_command_codec_dec = msgspec.json.Decoder(Command)
 _AUDIT_ANY = "_"
 
 BACKGROUND_YIELD_EVERY = 32
@@ -53,21 +51,6 @@ BACKGROUND_YIELD_EVERY = 32
 
 _Write: TypeAlias = tuple[str, bytes, dict[str, str] | None]
 """One publish of a write round: subject, payload, headers."""
-
-
-def encode_command(cmd: Command) -> bytes:
-    return _command_codec_enc.encode(cmd)
-
-
-def decode_command(data: bytes) -> Command:
-    cmd: Command = _command_codec_dec.decode(data)
-    return cmd
-
-
-def outbox_key(cmd: Command) -> str:
-    """A KV key that is the same for the same command (ids and tokens are deterministic in the state)."""
-    digest = hashlib.blake2b(encode_command(cmd), digest_size=12).hexdigest()
-    return f"{type(cmd).__name__.lower()}.{digest}"
 
 
 def audit_subject(job_id: str | None) -> str:

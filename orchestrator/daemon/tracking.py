@@ -36,7 +36,7 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 import msgspec
@@ -47,10 +47,8 @@ from orchestrator.core import Job, JobPhase, State, job_cost_usd, job_step
 from orchestrator.core.commands import CreateTrackingRun
 from orchestrator.core.inputs import NodeGone
 from orchestrator.core.tracking import JOB_TAG
-
-if TYPE_CHECKING:
-    from orchestrator.daemon.observe import MetricsObserver
-    from orchestrator.daemon.pipeline import Decided
+from orchestrator.daemon.observe import MetricsObserver
+from orchestrator.daemon.records import Decided
 
 log = structlog.get_logger("orchd.tracking")
 

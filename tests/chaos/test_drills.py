@@ -9,7 +9,7 @@ import random
 import anyio
 import pytest
 
-from orchestrator.daemon.pipeline import Rejected, admit_heartbeat, admit_js
+from orchestrator.daemon.admit import Rejected, admit_heartbeat, admit_js
 from simulations.chaos.__main__ import passed, run_all
 from simulations.chaos.fuzz import Generator
 

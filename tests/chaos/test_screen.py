@@ -7,7 +7,8 @@ import msgspec
 import pytest
 
 import wire as ev
-from orchestrator.daemon.ingest import screen, screen_heartbeat
+from orchestrator.daemon.admit import screen
+from orchestrator.daemon.admit import screen_hb as screen_heartbeat
 
 POOL = ev.PoolKey(cloud="fake", region="r1", zone="r1a", instance_type="gpu.small", market=ev.Market.SPOT)
 R = msgspec.structs.replace

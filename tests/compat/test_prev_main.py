@@ -38,9 +38,10 @@ from orchestrator.core import decide, inputs, job_step, state_from_records, stat
 from orchestrator.core.commands import SendToAgent
 from orchestrator.core.model import AuditEntry
 from orchestrator.core.records import all_keys
+from orchestrator.daemon.coreapi import default_core
+from orchestrator.daemon.records import decode_command, encode_command, outbox_key
 from orchestrator.daemon.registry import PROVIDERS, build_providers
-from orchestrator.daemon.state import default_core
-from orchestrator.daemon.store import Store, decode_command, encode_command, outbox_key
+from orchestrator.daemon.store import Store
 from orchestrator.jobspec import JobSpecError, load_jobspec
 from orchestrator.settings import load_settings
 

@@ -28,11 +28,11 @@ import pytest
 import wire as ev
 from orchestrator import bus
 from orchestrator.core.inputs import JobCancelled
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.executor import Executor
-from orchestrator.daemon.ingest import Batch, ShellItem
-from orchestrator.daemon.loop import Daemon, NotLeader
+from orchestrator.daemon.loop import Daemon
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.state import default_core
+from orchestrator.daemon.records import Batch, NotLeader, ShellItem
 from orchestrator.daemon.store import Store
 from orchestrator.settings import Settings
 

@@ -17,10 +17,10 @@ from orchestrator import bus
 from orchestrator.core import State
 from orchestrator.core.inputs import JobSubmitted
 from orchestrator.core.model import CoreConfig
-from orchestrator.daemon import pipeline
-from orchestrator.daemon.ingest import Batch
+from orchestrator.daemon import pipeline, records
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.state import default_core
+from orchestrator.daemon.records import Batch
 from orchestrator.settings import Settings
 from tests.core.harness import Driver, price, spec
 from tests.core.test_price_confirm import A_OD, A
@@ -56,7 +56,7 @@ async def test_an_event_ahead_of_the_state_comes_back_later_counted_once(nats_se
         ahead = GenerationStarted(id="g2", node_id=node, job_id="j1", generation=2, first_step=1, ts=1.0)
         await js.publish(ev.subject_node_event(node), ev.encode(ahead))
 
-        async def decide_one() -> tuple[pipeline.Decided, object]:
+        async def decide_one() -> tuple[records.Decided, object]:
             (msg,) = await sub.fetch(1, timeout=20)
             decider = pipeline.Decider(core, state, metrics=metrics, on_decision=lambda e, d: None)
             decided = pipeline.decide_batch(Batch([("events", msg)], [], []), decider, dead_after=DEAD_AFTER,

@@ -36,9 +36,9 @@ import wire as ev
 from orchestrator import bus
 from orchestrator.cli.client import AdminClient, AdminError, AdminUnreachable
 from orchestrator.core.inputs import JobSubmitted
+from orchestrator.daemon.coreapi import CoreApi, default_core
 from orchestrator.daemon.registry import known_instance_types
 from orchestrator.daemon.run import EXIT_LEASE_LOST, run_daemon
-from orchestrator.daemon.state import CoreApi, default_core
 from orchestrator.jobspec import parse_jobspec
 from orchestrator.natsserver import NatsServer
 from orchestrator.settings import Settings, load_settings

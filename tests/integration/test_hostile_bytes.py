@@ -29,8 +29,8 @@ import pytest
 
 import wire as ev
 from orchestrator import bus
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.run import run_daemon
-from orchestrator.daemon.state import default_core
 from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
 from tests.integration.helpers import actl

@@ -23,8 +23,8 @@ from orchestrator import bus
 from orchestrator.cli.client import AdminClient
 from orchestrator.core import CoreConfig, JobPhase, State, state_from_records, state_to_records
 from orchestrator.core.placement import ranked
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.run import run_daemon
-from orchestrator.daemon.state import default_core
 from orchestrator.daemon.store import Store
 from orchestrator.jobspec import parse_jobspec
 from simulations.fakecloud import FakeCloud
@@ -159,14 +159,15 @@ def _hb(**kw) -> ev.Heartbeat:
     msgspec.structs.replace(h.price(h.POOL, 1.0, 3.0), gpus_per_node=2**63),
 ])
 def test_screen_refuses_prices_out_of_bounds(msg) -> None:
-    from orchestrator.daemon.ingest import screen
+    from orchestrator.daemon.admit import screen
 
     assert screen("orch.price.fake.r1", msg) == "bad_value"
     assert screen("orch.price.fake.r1", h.price(h.POOL, 29.0, 3.0)) is None
 
 
 def test_screen_bounds_agent_numbers_but_never_a_notices_timestamps() -> None:
-    from orchestrator.daemon.ingest import MAX_DURATION_S, MAX_STEP, screen, screen_heartbeat
+    from orchestrator.daemon.admit import MAX_DURATION_S, MAX_STEP, screen
+    from orchestrator.daemon.admit import screen_hb as screen_heartbeat
 
     subj = "orch.node.n.hb"
     assert screen_heartbeat(subj, _hb(step=MAX_STEP, step_time_s=MAX_DURATION_S)) is None

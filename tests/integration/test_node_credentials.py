@@ -27,8 +27,9 @@ from agent.config import AgentConfig
 from agent.main import Agent
 from orchestrator.core.commands import Launch, Terminate
 from orchestrator.core.inputs import NodeGone, NodeLaunched
-from orchestrator.daemon.executor import Executor, Result
+from orchestrator.daemon.executor import Executor
 from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.records import Result
 from orchestrator.natsserver import NatsServer
 from orchestrator.security.credentials import EnrollingIssuer, NodeCredentials, enrol_user
 from orchestrator.security.nats_auth import (

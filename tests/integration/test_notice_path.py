@@ -9,7 +9,7 @@ first, and the heartbeat fast path admits exactly what the one-by-one path admit
 - A liveness slice's background write lets the event loop run between its records.
 - ``pipeline.dispatch`` hands checkpoint commands to the executor before other agent commands and cloud
   calls.
-- ``pipeline.admit_heartbeats`` (the batched hot path) gives the same events and the same rejections as
+- ``admit.admit_heartbeats`` (the batched hot path) gives the same events and the same rejections as
   ``admit_batch(..., admit_heartbeat)`` over valid, hostile and malformed heartbeats.
 """
 
@@ -31,13 +31,13 @@ from orchestrator import bus
 from orchestrator.core.commands import Command, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import Tick
 from orchestrator.core.model import Decision, State
-from orchestrator.daemon import pipeline
+from orchestrator.daemon import admit, pipeline, records
+from orchestrator.daemon.coreapi import CoreApi
 from orchestrator.daemon.executor import Executor
-from orchestrator.daemon.ingest import Batch, ShellItem
 from orchestrator.daemon.loop import Daemon
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.state import CoreApi
-from orchestrator.daemon.store import BACKGROUND_YIELD_EVERY, Store, encode_command, outbox_key
+from orchestrator.daemon.records import Batch, ShellItem, encode_command, outbox_key
+from orchestrator.daemon.store import BACKGROUND_YIELD_EVERY, Store
 from orchestrator.settings import Settings
 from simulations.chaos.fuzz import Generator
 
@@ -145,7 +145,7 @@ class _Recorder:
 
     submitted: list[Command] = field(default_factory=list)
 
-    def submit(self, key: str, cmd: Command) -> None:
+    def submit(self, key: str, cmd: Command, *, notice_ts: float | None = None) -> None:
         self.submitted.append(cmd)
 
 
@@ -159,15 +159,15 @@ def test_dispatch_hands_out_checkpoint_commands_first() -> None:
                                                  reason="preemption_notice"))
             for i in range(3)]
     term = Terminate(node_id=node, instance_id=None, reason="test")
-    decided = pipeline.Decided(state=None)  # type: ignore[arg-type]
+    decided = records.Decided(state=None)  # type: ignore[arg-type]
     for i, c in enumerate([launch, stop, ckpt[0], term, ckpt[1], ckpt[2]]):
         decided.commands[f"k{i}"] = c
     rec = _Recorder()
-    assert (early := pipeline.dispatch_checkpoints(decided, rec, {}))  # type: ignore[arg-type]
+    assert (early := pipeline.dispatch_checkpoints(decided, rec))  # type: ignore[arg-type]
     assert rec.submitted == ckpt  # in decision order
     pipeline.dispatch(decided, rec, early)  # type: ignore[arg-type]
     assert rec.submitted == [*ckpt, stop, launch, term]  # then the other agent commands, then cloud calls
-    assert not pipeline.dispatch_checkpoints(pipeline.Decided(state=None), rec, {})  # type: ignore[arg-type]
+    assert not pipeline.dispatch_checkpoints(records.Decided(state=None), rec)  # type: ignore[arg-type]
 
 
 class _OrderedStore(Store):
@@ -186,7 +186,7 @@ class _OrderedStore(Store):
 class _OrderedExecutor:
     order: list[str]
 
-    def submit(self, key: str, cmd: Command) -> None:
+    def submit(self, key: str, cmd: Command, *, notice_ts: float | None = None) -> None:
         kind = type(cmd.command).__name__ if isinstance(cmd, SendToAgent) else type(cmd).__name__
         self.order.append(f"submit {kind}")
 
@@ -253,8 +253,8 @@ def test_the_heartbeat_fast_path_admits_exactly_what_the_one_by_one_path_admits(
         shot = g.next()
         if shot.target == "heartbeat":
             msgs.append(_Msg(shot.subject, shot.data))
-    fast = pipeline.admit_heartbeats(msgs)  # type: ignore[arg-type]
-    slow = pipeline.admit_batch(msgs, pipeline.admit_heartbeat)  # type: ignore[arg-type]
+    fast = admit.admit_heartbeats(msgs)  # type: ignore[arg-type]
+    slow = admit.admit_batch(msgs, admit.admit_heartbeat)  # type: ignore[arg-type]
     assert [msgspec.json.encode(e) for e in fast.events] == [msgspec.json.encode(e) for e in slow.events]
     assert fast.rejected == slow.rejected
     assert len(fast.events) >= 3 and len(fast.rejected) >= 8  # both kinds are exercised

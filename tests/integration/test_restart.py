@@ -266,7 +266,7 @@ async def test_nats_outage_longer_than_heartbeat_timeout_is_not_node_failure(tmp
             tg.start_soon(heartbeats)
             await h.wait_for(lambda: d.state.jobs[job_id].phase == "running")
             sent_before = len(agent.received)
-            seq_before = d.recent_seq
+            seq_before = d.events.seq
             await anyio.to_thread.run_sync(server.stop)
             await anyio.sleep(settings.daemon.heartbeat_timeout_s + 2.0)  # silence longer than the timeout
             await anyio.to_thread.run_sync(server.start)
@@ -275,7 +275,7 @@ async def test_nats_outage_longer_than_heartbeat_timeout_is_not_node_failure(tmp
             assert d.state.jobs[job_id].phase == "running"
             assert all(n.suspect_since is None for n in d.state.nodes.values())
             assert len(agent.received) == sent_before  # no checkpoint/abandon/stop sent to anyone
-            decided = [e for e in d.recent if e["seq"] > seq_before]
+            decided = [e for e in d.events.recent if e["seq"] > seq_before]
             assert not decided, decided  # not even a CheckInstance: nobody was suspected
             assert all(i.alive for i in cloud.all_instances())  # nothing terminated
             d.request_stop()

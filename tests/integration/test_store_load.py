@@ -18,7 +18,8 @@ import pytest
 
 from orchestrator import bus
 from orchestrator.core.commands import Launch
-from orchestrator.daemon.store import LOAD_BARRIER, Store, outbox_key
+from orchestrator.daemon.records import outbox_key
+from orchestrator.daemon.store import LOAD_BARRIER, Store
 from tests.ha_cluster import connect, nats_cluster, wait_jetstream
 from tests.integration import helpers as h
 

@@ -143,9 +143,9 @@ async def test_a_node_cannot_touch_another_jobs_checkpoint_or_instance(server, t
 
 def test_decider_gates_every_event_before_the_core() -> None:
     from orchestrator import core
+    from orchestrator.daemon.coreapi import CoreApi
     from orchestrator.daemon.metrics import Metrics
     from orchestrator.daemon.pipeline import Decider
-    from orchestrator.daemon.state import CoreApi
     from tests.core.test_gate import commit, hb, two_jobs
 
     drv, j1, j2 = two_jobs()
@@ -163,8 +163,9 @@ def test_decider_gates_every_event_before_the_core() -> None:
     evil = commit(j1[0], "j2", 1, 999_999, "file:///tmp/evil")
     good = hb(drv, j1[0], 3)
     ghost = ev.Heartbeat(node_id="ghost", seq=1, ts=drv.now, state=ev.AgentState.IDLE)
-    assert decider.decide([evil, good, ghost], clock_every=1) == [0, 2]
-    assert decider.refused == [0, 2] and seen == [good]
+    outcome = decider.decide([evil, good, ghost], clock_every=1)
+    assert outcome.failed == [0, 2]
+    assert outcome.refused == [0, 2] and seen == [good]
     assert refusals == [(j1[0], "wrong_job"), ("ghost", "unknown_node")]
     assert decider.out.state.jobs["j2"] == drv.state.jobs["j2"] and decider.out.decided == 1
     text = generate_latest(metrics.registry).decode()
@@ -173,7 +174,7 @@ def test_decider_gates_every_event_before_the_core() -> None:
 
 
 def test_rejection_log_one_entry_per_sender_and_reason_per_window() -> None:
-    from orchestrator.daemon.state import RejectionLog
+    from orchestrator.daemon.eventlog import RejectionLog
 
     log = RejectionLog(window_s=10.0)
     a = ev.NodeLeaving(id="l", node_id="n-a", reason="x", ts=0.0)

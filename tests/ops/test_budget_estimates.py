@@ -15,7 +15,7 @@ import msgspec
 import pytest
 
 from orchestrator.core import CoreConfig
-from orchestrator.daemon.state import default_core
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.settings import SettingsError, load_settings
 
 

@@ -14,10 +14,10 @@ from prometheus_client import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as om_latest
 
 from orchestrator.core.inputs import JobSubmitted
+from orchestrator.daemon.gauges import refresh_gauges
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.metrics_http import PAUSE_EVERY, MetricsServer, Renderer
 from orchestrator.daemon.observe import MetricsObserver
-from orchestrator.daemon.state import refresh_gauges
 from tests.core.harness import Driver, pool, price, spec
 from wire import CheckpointPolicy, GpuStats
 

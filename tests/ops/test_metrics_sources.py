@@ -346,9 +346,9 @@ class _CoreDriver:
 
     def __init__(self) -> None:
         from orchestrator import core
+        from orchestrator.daemon.coreapi import CoreApi
         from orchestrator.daemon.metrics import Metrics
         from orchestrator.daemon.observe import MetricsObserver
-        from orchestrator.daemon.state import CoreApi
 
         config = core.CoreConfig(price_confirm_s=0.0)
         self.api = CoreApi(decide=core.decide, state_to_records=core.state_to_records,
@@ -363,7 +363,7 @@ class _CoreDriver:
 
         decider = pipeline.Decider(self.api, self.state, metrics=self.metrics, on_decision=lambda e, d: None,
                                    clock=lambda: now)
-        assert decider.decide(events) == []
+        assert decider.decide(events).failed == []
         self.observer.after_batch(self.state, decider.out, now)
         self.state = decider.out.state
         self.commands.extend(decider.out.commands.values())

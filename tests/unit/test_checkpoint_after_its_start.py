@@ -16,8 +16,8 @@ from orchestrator.core.commands import Command, SendToAgent
 from orchestrator.core.inputs import JobSubmitted
 from orchestrator.core.model import CoreConfig
 from orchestrator.daemon import pipeline
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.state import default_core
 from orchestrator.settings import Settings
 from tests.core.harness import Driver, price, spec
 from tests.core.test_price_confirm import A_OD, A
@@ -27,7 +27,7 @@ from tests.core.test_price_confirm import A_OD, A
 class _Recorder:
     submitted: list[Command] = field(default_factory=list)
 
-    def submit(self, key: str, cmd: Command) -> None:
+    def submit(self, key: str, cmd: Command, *, notice_ts: float | None = None) -> None:
         self.submitted.append(cmd)
 
 
@@ -47,7 +47,7 @@ def test_a_checkpoint_of_a_generation_started_in_the_same_batch_leaves_after_the
                                  observed_ts=drv.now)]
     decider = pipeline.Decider(default_core(Settings()), drv.state, metrics=Metrics(), on_decision=lambda e, d: None,
                                clock=lambda: drv.now)
-    assert decider.decide(batch) == []
+    assert decider.decide(batch).failed == []
     decided = decider.out
     in_order = _agent_commands(list(decided.commands.values()), last)
     assert in_order == ["StartGenerationCmd", "CheckpointCmd"]  # the batch the attack needs
@@ -56,7 +56,7 @@ def test_a_checkpoint_of_a_generation_started_in_the_same_batch_leaves_after_the
     assert len(gens) == 1  # the checkpoint names the generation the start begins
 
     rec = _Recorder()
-    early = pipeline.dispatch_checkpoints(decided, rec, {})  # type: ignore[arg-type]
+    early = pipeline.dispatch_checkpoints(decided, rec)  # type: ignore[arg-type]
     pipeline.dispatch(decided, rec, early)  # type: ignore[arg-type]
     assert _agent_commands(rec.submitted, last) == in_order  # today: the checkpoint first
     assert sorted(map(id, rec.submitted)) == sorted(map(id, decided.commands.values()))  # each once

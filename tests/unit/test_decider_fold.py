@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from orchestrator.core import State
 from orchestrator.daemon import pipeline
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.state import default_core
 from orchestrator.settings import Settings
 from tests.core.test_heartbeat_fold import IDS, NOW, STATE, world
 from wire import AgentState, Heartbeat
@@ -38,13 +38,13 @@ def run(state: State, hbs: list[Any], clock_every: int, folded: bool) -> dict[st
     decider = pipeline.Decider(CORE, state, metrics=metrics, on_decision=lambda e, d: None,
                                on_reject=lambda e, r: rejects.append((e.node_id, r)), clock=now)
     if folded:
-        failed = decider.decide_heartbeats(hbs, clock_every=clock_every)
+        outcome = decider.decide_heartbeats(hbs, clock_every=clock_every)
     else:
-        failed = decider.decide(hbs, clock_every=clock_every)
+        outcome = decider.decide(hbs, clock_every=clock_every)
     out = decider.out
     registry = metrics.registry
     return {
-        "failed": failed, "refused": decider.refused, "rejects": rejects, "reads": reads,
+        "failed": outcome.failed, "refused": outcome.refused, "rejects": rejects, "reads": reads,
         "decided": {f.name: getattr(out, f.name) for f in dataclasses.fields(out)},
         "rejected": {(s.labels["kind"], s.labels["reason"]): s.value for m in registry.collect()
                      if m.name == "orchd_messages_rejected" for s in m.samples if s.name.endswith("_total")},

@@ -12,9 +12,9 @@ import pytest
 import wire as ev
 from orchestrator.core.commands import Launch, SendToAgent
 from orchestrator.core.model import AuditEntry, Decision, State
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.loop import Daemon
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.state import default_core
 from orchestrator.settings import Settings
 from wire.logs import configure
 
@@ -39,7 +39,7 @@ def test_a_decision_is_logged_per_command_with_its_event_context(level: str) -> 
     configure(level, "json", stream=out)
     try:
         d = Daemon(Settings(), {}, default_core(Settings()), Metrics())
-        d._log_decision(*_decision())
+        d.events.decision(*_decision())
     finally:
         configure("info", "auto")
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
@@ -54,5 +54,5 @@ def test_a_decision_is_logged_per_command_with_its_event_context(level: str) -> 
     assert len(audits) == (level == "debug")
     if audits:
         assert audits[0]["node"] == "j1-n1" and "action='checkpoint'" in audits[0]["entry"]
-    assert [(e["event"], e["command"], e.get("node")) for e in d.recent] == [
+    assert [(e["event"], e["command"], e.get("node")) for e in d.events.recent] == [
         ("PreemptionNotice", "SendToAgent", "j1-n2"), ("PreemptionNotice", "Launch", "j1-n1")]

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import msgspec
 
 from orchestrator.core.inputs import JobSubmitted
+from orchestrator.daemon.gauges import refresh_gauge_slices, refresh_gauges
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.observe import MetricsObserver
-from orchestrator.daemon.state import refresh_gauge_slices, refresh_gauges
 from tests.core.harness import Driver, pool, price, spec
 from wire import CheckpointPolicy, GpuStats
 

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import wire as ev
-from orchestrator.daemon import admit, pipeline
+from orchestrator.daemon import admit
 
 
 def deep(depth: int = 1000) -> bytes:
@@ -47,12 +47,12 @@ def test_decode_still_accepts_moderate_nesting() -> None:
 
 
 def test_admission_rejects_deep_nesting_on_every_path() -> None:
-    r = pipeline.admit_heartbeat("orch.node.n1.hb", deep())
-    assert isinstance(r, pipeline.Rejected) and (r.kind, r.reason) == ("heartbeat", "too_deep")
+    r = admit.admit_heartbeat("orch.node.n1.hb", deep())
+    assert isinstance(r, admit.Rejected) and (r.kind, r.reason) == ("heartbeat", "too_deep")
     for subject, kind in (("orch.price.aws.us-east-1", "price"), ("orch.node.n1.event", "node_event"),
                           ("orch.notice.aws.n1", "notice"), ("orch.other", "other")):
-        r2 = pipeline.admit_js(subject, deep())
-        assert isinstance(r2, pipeline.Rejected) and (r2.kind, r2.reason) == (kind, "too_deep")
+        r2 = admit.admit_js(subject, deep())
+        assert isinstance(r2, admit.Rejected) and (r2.kind, r2.reason) == (kind, "too_deep")
 
 
 def test_any_exception_of_decode_or_screen_is_a_rejection(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,10 +61,10 @@ def test_any_exception_of_decode_or_screen_is_a_rejection(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(admit, "decode_heartbeat", boom)  # where admit_* find it
     monkeypatch.setattr(admit, "decode_js", boom)
-    r = pipeline.admit_heartbeat("orch.node.n1.hb", b"{}")
-    assert isinstance(r, pipeline.Rejected) and r.reason == "undecodable" and "RecursionError" in r.detail
-    r2 = pipeline.admit_js("orch.price.aws.r1", b"{}")
-    assert isinstance(r2, pipeline.Rejected) and (r2.kind, r2.reason) == ("price", "undecodable")
+    r = admit.admit_heartbeat("orch.node.n1.hb", b"{}")
+    assert isinstance(r, admit.Rejected) and r.reason == "undecodable" and "RecursionError" in r.detail
+    r2 = admit.admit_js("orch.price.aws.r1", b"{}")
+    assert isinstance(r2, admit.Rejected) and (r2.kind, r2.reason) == ("price", "undecodable")
     monkeypatch.undo()
 
     def bad_screen(*_a: object) -> None:
@@ -72,5 +72,5 @@ def test_any_exception_of_decode_or_screen_is_a_rejection(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(admit, "screen_heartbeat", bad_screen)
     hb = ev.encode(ev.Heartbeat(node_id="n1", seq=1, ts=time.time(), state=ev.AgentState.TRAINING))
-    r3 = pipeline.admit_heartbeat("orch.node.n1.hb", hb)
-    assert isinstance(r3, pipeline.Rejected) and r3.reason == "unscreenable"
+    r3 = admit.admit_heartbeat("orch.node.n1.hb", hb)
+    assert isinstance(r3, admit.Rejected) and r3.reason == "unscreenable"

@@ -11,8 +11,9 @@ import pytest
 import wire as ev
 from orchestrator.core.commands import Terminate
 from orchestrator.core.inputs import NodeGone
-from orchestrator.daemon.executor import Executor, Result
+from orchestrator.daemon.executor import Executor
 from orchestrator.daemon.metrics import Metrics
+from orchestrator.daemon.records import Result
 from orchestrator.settings import Settings
 from providers.base import TAG_CLUSTER, InstanceState
 from simulations.fakecloud import FakeCloud

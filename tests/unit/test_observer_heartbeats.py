@@ -8,9 +8,9 @@ import itertools
 
 from orchestrator.core import job_step
 from orchestrator.daemon import pipeline
+from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.observe import MetricsObserver
-from orchestrator.daemon.state import default_core
 from orchestrator.settings import Settings
 from tests.core.test_heartbeat_fold import IDS, NOW, STATE
 from wire import AgentState, Heartbeat
