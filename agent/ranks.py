@@ -35,7 +35,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from agent.warm import WarmPool, module_of
+from agent.warm import WarmPool, module_of, rank_base_env
 from trainer import contract
 from wire import StartGenerationCmd
 
@@ -52,16 +52,6 @@ class GenerationResult:
     #              | peer_lost | failed | abandoned | stopped
     exit_code: int
     last_step: int
-
-
-_AGENT_ONLY = ("CREDENTIALS_DIRECTORY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
-
-
-def rank_base_env() -> dict[str, str]:
-    """The agent's environment minus what is the agent's alone: its configuration and secrets
-    (``ORCH_AGENT_*``: NATS credentials, enrolment token) and systemd's sockets/credentials. Trainer
-    code (and its dependencies) is less trusted than the agent and never needs them."""
-    return {k: v for k, v in os.environ.items() if not k.startswith("ORCH_AGENT_") and k not in _AGENT_ONLY}
 
 
 def classify(codes: list[int], *, abandoned: bool = False, stopped: bool = False,

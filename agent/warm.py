@@ -34,6 +34,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # run as a program (a warm process), this module imports nothing it does not need
     import anyio.abc
 
+_AGENT_ONLY = ("CREDENTIALS_DIRECTORY", "NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID")
+
+
+def rank_base_env() -> dict[str, str]:
+    """The agent's environment minus what is the agent's alone: its configuration and secrets
+    (``ORCH_AGENT_*``: NATS credentials, enrolment token) and systemd's sockets/credentials. Trainer
+    code (and its dependencies) is less trusted than the agent and never needs them."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("ORCH_AGENT_") and k not in _AGENT_ONLY}
+
+
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch.distributed.checkpoint", "trainer.gpt")
 
 
@@ -60,8 +70,6 @@ class WarmPool:
     async def refill(self) -> None:
         import anyio
         import structlog
-
-        from agent.ranks import rank_base_env  # agent.ranks imports this module
 
         self._procs = [p for p in self._procs if p.returncode is None]
         while len(self._procs) < self.size:

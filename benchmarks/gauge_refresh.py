@@ -4,8 +4,8 @@
 
 Builds the state of N nodes in N/8 running jobs with the core (``benchmarks/core_decide.py``'s builder),
 each node with ``--gpus`` GPU readings (what agents with NVML send; 0: none), then, --rounds times:
-``state.refresh_gauges`` at once (what held the loop before it was sliced), and
-``state.refresh_gauge_slices`` slice by slice, timing each slice (the longest is the longest a notice
+``gauges.refresh_gauges`` at once (what held the loop before it was sliced), and
+``gauges.refresh_gauge_slices`` slice by slice, timing each slice (the longest is the longest a notice
 waits behind the refresh now), and one render of ``/metrics`` as orchd serves it
 (``metrics_http.Renderer``, OpenMetrics as Prometheus asks) and one by prometheus_client's encoder alone
 (what orchd served before): what a Prometheus scrape costs orchd's process, in a thread that shares the

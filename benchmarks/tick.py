@@ -37,22 +37,39 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _worker(nodes: int, idle_factor: int, warmup_s: int, seconds: int, sweep_jobs: int = 0) -> dict[str, Any]:
     """Runs inside the process whose sys.path picks the tree under test."""
-    import immutables
+    t0 = time.process_time()
+    state, base, now = _running_jobs(nodes, sweep_jobs)
+    running = len(state.jobs)
+    idle = running * (idle_factor - 1)
+    if idle:
+        state = _with_idle_jobs(state, base, idle, now)
+    build_s = time.process_time() - t0
+    costs, commands, state = _measure(state, now, warmup_s, seconds)
+    return {
+        "jobs": len(state.jobs), "running_jobs": running, "idle_jobs": len(state.jobs) - running,
+        "nodes": len(state.nodes),
+        "ticks": len(costs), "tick_cpu_ms_mean": round(1000 * sum(costs) / len(costs), 3),
+        "tick_cpu_ms_p50": round(1000 * statistics.median(costs), 3),
+        "tick_cpu_ms_max": round(1000 * max(costs), 3), "tick_commands": commands,
+        "build_cpu_s": round(build_s, 2),
+    }
+
+
+def _running_jobs(nodes: int, sweep_jobs: int) -> tuple[Any, Any, float]:
+    """A state with 18 priced pools and ``nodes // 8`` jobs of 8 nodes each, training (the first
+    ``sweep_jobs`` of them in one sweep); the job spec they share; the clock."""
     import msgspec
 
     from orchestrator.core import State, decide
     from orchestrator.core.commands import Launch
-    from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeLaunched, Tick
+    from orchestrator.core.inputs import JobSubmitted, NodeLaunched
     from wire import (
-        AgentState,
         CheckpointPolicy,
         GenerationStarted,
-        Heartbeat,
         InstanceId,
         JobId,
         JobSpec,
         Market,
-        NodeId,
         NodeRegistered,
         PoolKey,
         PriceTick,
@@ -68,7 +85,6 @@ def _worker(nodes: int, idle_factor: int, warmup_s: int, seconds: int, sweep_job
                                         price_usd_h=8.0 + i * 0.1, on_demand_usd_h=40.0, ts=now), now).state
     base = JobSpec(name="bench", total_steps=10**7, gpu_type="H100", gpus_per_node=8, nodes=per_job,
                    nodes_min=per_job // 2, nodes_max=per_job, checkpoint=CheckpointPolicy(url="s3://b/ckpt"))
-    t0 = time.process_time()
     for j in range(nodes // per_job):
         jid = JobId(f"job{j:06d}")
         sweep = {"sweep_id": "bench-sweep", "sweep_budget_usd": 1e9} if j < sweep_jobs else {}
@@ -85,26 +101,43 @@ def _worker(nodes: int, idle_factor: int, warmup_s: int, seconds: int, sweep_job
                                                          ts=now), now).state
                 state = decide(state, GenerationStarted(id=f"g{jid}", node_id=c.node_ids[0], job_id=jid,
                                                         generation=1, first_step=1, ts=now), now).state
-    running = len(state.jobs)
-    idle = running * (idle_factor - 1)
-    if idle:
-        # one waiting and one finished job through decide, then cloned (ids and roots of their own)
-        wait = msgspec.structs.replace(base, gpu_type="B200", checkpoint=CheckpointPolicy(url="s3://b/w/t"))
-        state = decide(state, JobSubmitted(job_id=JobId("wait-t"), spec=wait), now).state
-        state = decide(state, JobSubmitted(job_id=JobId("done-t"), spec=msgspec.structs.replace(
-            wait, checkpoint=CheckpointPolicy(url="s3://b/d/t"))), now).state
-        state = decide(state, JobCancelled(job_id=JobId("done-t")), now).state
-        templates = [state.jobs["wait-t"], state.jobs["done-t"]]
-        assert templates[0].phase == "pending" and templates[1].phase == "cancelled", templates
-        jobs = state.jobs.mutate()
-        for k in range(idle):
-            tpl = templates[k % 2]
-            iid = JobId(f"idle{k:06d}")
-            jobs[iid] = msgspec.structs.replace(tpl, job_id=iid, spec=msgspec.structs.replace(
-                tpl.spec, checkpoint=CheckpointPolicy(url=f"s3://b/i/{iid}")))
-        mapping: immutables.Map[str, Any] = jobs.finish()
-        state = State(mapping, state.nodes, state.pools, state.meta)  # a state built by hand
-    build_s = time.process_time() - t0
+    return state, base, now
+
+
+def _with_idle_jobs(state: Any, base: Any, idle: int, now: float) -> Any:
+    """``state`` with ``idle`` more jobs, waiting and finished in turn: one of each through decide, then
+    cloned (ids and roots of their own)."""
+    import immutables
+    import msgspec
+
+    from orchestrator.core import State, decide
+    from orchestrator.core.inputs import JobCancelled, JobSubmitted
+    from wire import CheckpointPolicy, JobId
+
+    wait = msgspec.structs.replace(base, gpu_type="B200", checkpoint=CheckpointPolicy(url="s3://b/w/t"))
+    state = decide(state, JobSubmitted(job_id=JobId("wait-t"), spec=wait), now).state
+    state = decide(state, JobSubmitted(job_id=JobId("done-t"), spec=msgspec.structs.replace(
+        wait, checkpoint=CheckpointPolicy(url="s3://b/d/t"))), now).state
+    state = decide(state, JobCancelled(job_id=JobId("done-t")), now).state
+    templates = [state.jobs["wait-t"], state.jobs["done-t"]]
+    assert templates[0].phase == "pending" and templates[1].phase == "cancelled", templates
+    jobs = state.jobs.mutate()
+    for k in range(idle):
+        tpl = templates[k % 2]
+        iid = JobId(f"idle{k:06d}")
+        jobs[iid] = msgspec.structs.replace(tpl, job_id=iid, spec=msgspec.structs.replace(
+            tpl.spec, checkpoint=CheckpointPolicy(url=f"s3://b/i/{iid}")))
+    mapping: immutables.Map[str, Any] = jobs.finish()
+    return State(mapping, state.nodes, state.pools, state.meta)  # a state built by hand
+
+
+def _measure(state: Any, now: float, warmup_s: int, seconds: int) -> tuple[list[float], int, Any]:
+    """Heartbeats of half the nodes and one Tick per simulated second: each measured Tick's CPU time, the
+    commands of those Ticks, the state after."""
+    from orchestrator.core import decide
+    from orchestrator.core.inputs import Tick
+    from wire import AgentState, Heartbeat, NodeId
+
     node_ids = sorted(state.nodes.keys())
 
     def beat(state: Any, second: int) -> Any:
@@ -128,14 +161,7 @@ def _worker(nodes: int, idle_factor: int, warmup_s: int, seconds: int, sweep_job
         if second >= warmup_s:
             costs.append(dt)
             commands += len(d.commands)
-    return {
-        "jobs": len(state.jobs), "running_jobs": running, "idle_jobs": len(state.jobs) - running,
-        "nodes": len(state.nodes),
-        "ticks": len(costs), "tick_cpu_ms_mean": round(1000 * sum(costs) / len(costs), 3),
-        "tick_cpu_ms_p50": round(1000 * statistics.median(costs), 3),
-        "tick_cpu_ms_max": round(1000 * max(costs), 3), "tick_commands": commands,
-        "build_cpu_s": round(build_s, 2),
-    }
+    return costs, commands, state
 
 
 def _run(tree: Path, nodes: int, idle_factor: int, warmup_s: int, seconds: int, sweep_jobs: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ _CTX: dict[str, Any] = {}
 
 
 def _score(task: tuple[int, int, int]) -> float:
-    from simulations.results import family_scenario
+    from simulations.families import family_scenario
 
     i, j, k = task
     fam, jobs, st = _CTX["families"][i], _CTX["jobs"], TUNING[k]
@@ -73,7 +73,7 @@ def choose(root: Path, families: list, loaded: dict, *, jobs: int = 4, workers: 
 
 
 def tune(root: Path, *, jobs: int = 4, workers: int = 1) -> str:
-    from simulations.results import FAMILIES, load_family
+    from simulations.families import FAMILIES, load_family
 
     loaded = {f.key: load_family(root, f) for f in FAMILIES}
     s = scores(root, list(FAMILIES), loaded, jobs=jobs, workers=workers)

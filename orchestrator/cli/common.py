@@ -1,5 +1,5 @@
-"""What orchctl's subcommands share: exit codes, time cells, where orchd's NATS is (``resolve_server``)
-and the hint given when it is unreachable (``unreachable_hint``).
+"""What orchctl's subcommands share: exit codes, time cells, tables (``render_table``, ``render_kv``), where
+orchd's NATS is (``resolve_server``) and the hint given when it is unreachable (``unreachable_hint``).
 
 Both ``main`` (the admin commands) and the subcommands in their own modules (``logs``, ``demo``) import
 this module; it imports neither of them.
@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import io
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,38 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).is_running() and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.Error:
         return False
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e9 else format_time(v)
+    if isinstance(v, list | tuple):
+        return ",".join(map(str, v))
+    if isinstance(v, dict):  # times inside (a hold's or a wait's "until") carry their date too
+        shown = {k: format_time(x) if isinstance(x, float) and abs(x) >= 1e9 else x for k, x in v.items()}
+        return json.dumps(shown, separators=(",", ":"))[:80]
+    return str(v)
+
+
+def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, title: str = "") -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = list(columns or (list(rows[0]) if rows else []))
+    if rows and columns:
+        cols = [c for c in cols if any(c in r for r in rows)] or list(rows[0])
+    table = Table(title=title or None, box=None, header_style="bold", pad_edge=False)
+    for c in cols:
+        table.add_column(c.upper())
+    for r in rows:
+        table.add_row(*(_cell(r.get(c)) for c in cols))
+    buf = io.StringIO()
+    Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
+    return buf.getvalue().rstrip() + "\n"
+
+
+def render_kv(data: dict[str, Any]) -> str:
+    width = max((len(k) for k in data), default=0)
+    return "".join(f"{k.ljust(width)}  {_cell(v)}\n" for k, v in data.items())

@@ -32,10 +32,9 @@ or orchd's 503 (it lost the leader lease or is stopping; transient: retry), 130 
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -54,8 +53,9 @@ from orchestrator.cli.common import (
     EXIT_OK,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
-    format_time,
     package_version,
+    render_kv,
+    render_table,
     resolve_server,
     unreachable_hint,
 )
@@ -73,41 +73,6 @@ _COLUMNS: dict[str, tuple[str, ...]] = {
     "entries": ("ts", "event", "action", "reason", "details"),
     "messages": ("seq", "ts", "subject", "reason", "deliveries", "size", "preview"),
 }
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}" if abs(v) < 1e9 else format_time(v)
-    if isinstance(v, list | tuple):
-        return ",".join(map(str, v))
-    if isinstance(v, dict):  # times inside (a hold's or a wait's "until") carry their date too
-        shown = {k: format_time(x) if isinstance(x, float) and abs(x) >= 1e9 else x for k, x in v.items()}
-        return json.dumps(shown, separators=(",", ":"))[:80]
-    return str(v)
-
-
-def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, title: str = "") -> str:
-    from rich.console import Console
-    from rich.table import Table
-
-    cols = list(columns or (list(rows[0]) if rows else []))
-    if rows and columns:
-        cols = [c for c in cols if any(c in r for r in rows)] or list(rows[0])
-    table = Table(title=title or None, box=None, header_style="bold", pad_edge=False)
-    for c in cols:
-        table.add_column(c.upper())
-    for r in rows:
-        table.add_row(*(_cell(r.get(c)) for c in cols))
-    buf = io.StringIO()
-    Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
-    return buf.getvalue().rstrip() + "\n"
-
-
-def render_kv(data: dict[str, Any]) -> str:
-    width = max((len(k) for k in data), default=0)
-    return "".join(f"{k.ljust(width)}  {_cell(v)}\n" for k, v in data.items())
 
 
 def format_reply(kind: str, reply: Any, fmt: str) -> str:
@@ -349,3 +314,15 @@ def main(argv: list[str] | None = None, *, out: Callable[[str], None] = _stdout,
         return EXIT_INTERRUPTED
 
 
+def sweep_service_main(argv: list[str] | None = None) -> int:
+    """``orch-sweep [--server URL] [--config FILE] [--state-dir DIR] [--timeout S] [--storage URL]
+    [--interval S]``: ``orchctl sweep run`` with orchctl's global options in their place."""
+    g = argparse.ArgumentParser(add_help=False)
+    for opt in ("--server", "--config", "--state-dir", "--timeout"):
+        g.add_argument(opt)
+    known, rest = g.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "-h" in rest or "--help" in rest:  # the help below is `orchctl sweep run`'s: say what else is taken
+        print("orch-sweep also takes orchctl's global options: --server URL, --config FILE, --state-dir DIR, "
+              "--timeout S (where orchd is: see `orchctl --help`)\n")
+    front = [x for opt, v in vars(known).items() if v is not None for x in ("--" + opt.replace("_", "-"), v)]
+    return int(main([*front, "sweep", "run", *rest]))

@@ -39,7 +39,15 @@ import structlog
 import yaml
 
 from orchestrator.cli.client import AdminClient, AdminError, AdminUnreachable
-from orchestrator.cli.common import EXIT_NOT_FOUND, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, resolve_server
+from orchestrator.cli.common import (
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    render_kv,
+    render_table,
+    resolve_server,
+)
 from orchestrator.settings import NatsSettings, SettingsError
 from wire import JobSpec
 
@@ -87,8 +95,6 @@ def _dump(data: Any, fmt: str) -> str:
 
 
 def format_list(rows: list[dict[str, Any]], fmt: str) -> str:
-    from orchestrator.cli.main import render_table
-
     if fmt != "table":
         return _dump({"sweeps": rows}, fmt)
     cols = ("sweep_id", "name", "state", "reason", "started", "trials", "n_complete", "n_pruned", "n_fail",
@@ -98,8 +104,6 @@ def format_list(rows: list[dict[str, Any]], fmt: str) -> str:
 
 def format_show(summary: dict[str, Any], trials: list[dict[str, Any]], best: dict[str, Any] | None,
                 fmt: str) -> str:
-    from orchestrator.cli.main import render_kv, render_table
-
     if fmt != "table":
         return _dump({"sweep": summary, "best": best, "trials": trials}, fmt)
     out = render_kv(summary)
@@ -351,19 +355,3 @@ async def _serve_until_signal(storage_url: str, urls: list[str], ns: NatsSetting
                 tg.cancel_scope.cancel()
                 break
     return EXIT_OK
-
-
-def service_main(argv: list[str] | None = None) -> int:
-    """``orch-sweep [--server URL] [--config FILE] [--state-dir DIR] [--timeout S] [--storage URL]
-    [--interval S]``: ``orchctl sweep run`` with orchctl's global options in their place."""
-    from orchestrator.cli.main import main
-
-    g = argparse.ArgumentParser(add_help=False)
-    for opt in ("--server", "--config", "--state-dir", "--timeout"):
-        g.add_argument(opt)
-    known, rest = g.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if "-h" in rest or "--help" in rest:  # the help below is `orchctl sweep run`'s: say what else is taken
-        print("orch-sweep also takes orchctl's global options: --server URL, --config FILE, --state-dir DIR, "
-              "--timeout S (where orchd is: see `orchctl --help`)\n")
-    front = [x for opt, v in vars(known).items() if v is not None for x in ("--" + opt.replace("_", "-"), v)]
-    return int(main([*front, "sweep", "run", *rest]))

@@ -10,20 +10,9 @@ from orchestrator.core.commands import Command
 from orchestrator.core.decide import decide
 from orchestrator.core.gate import authorize
 from orchestrator.core.inputs import CoreEvent
-from orchestrator.core.model import (
-    AuditEntry,
-    CoreConfig,
-    Decision,
-    Intent,
-    Job,
-    JobPhase,
-    Meta,
-    Node,
-    NodePhase,
-    PoolStats,
-    State,
-)
+from orchestrator.core.model import AuditEntry, CoreConfig, Intent, Job, JobPhase, Meta, Node, NodePhase, PoolStats
 from orchestrator.core.records import state_from_records, state_to_records
+from orchestrator.core.state import Decision, State
 from orchestrator.core.transitions import JOB_TRANSITIONS, NODE_TRANSITIONS, IllegalTransition
 from orchestrator.core.views import job_burn_usd_h, job_cost_usd, job_step
 

@@ -41,19 +41,9 @@ from orchestrator.core.inputs import (
     Tick,
     TrackingRunCreated,
 )
-from orchestrator.core.model import (
-    GEN_PHASES,
-    TERMINAL_JOB_PHASES,
-    Decision,
-    Intent,
-    Job,
-    JobPhase,
-    Node,
-    NodePhase,
-    State,
-    fin,
-)
+from orchestrator.core.model import GEN_PHASES, TERMINAL_JOB_PHASES, Intent, Job, JobPhase, Node, NodePhase, fin
 from orchestrator.core.placement import launch_failed
+from orchestrator.core.state import Decision, State
 from orchestrator.core.timers import build as build_timers
 from orchestrator.core.tx import Tx
 from wire.messages import (

@@ -1,7 +1,7 @@
 """``authorize(state, event, now) -> reason | None``: the trust gate in front of ``decide``.
 
 Role: every event an agent publishes is checked against its sender's identity and the state before the
-core sees it. The sender is the node the event names: the shell's screen (``ingest.screen``) already
+core sees it. The sender is the node the event names: the shell's screen (``admit.screen``) already
 requires the subject to name that node, and per-node NATS permissions restrict what a node may publish
 on, so ``event.node_id`` *is* the publisher. What a node may say:
 
@@ -39,8 +39,9 @@ from __future__ import annotations
 from typing import Final
 
 from orchestrator.core.inputs import CoreEvent
-from orchestrator.core.model import Job, Node, State
+from orchestrator.core.model import Job, Node
 from orchestrator.core.roots import under_root
+from orchestrator.core.state import State
 from wire.messages import (
     CheckpointCommitted,
     CommandAck,

@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
-import immutables
 import msgspec
 
-from orchestrator.core.commands import Command
 from wire.messages import InstanceId, JobId, JobSpec, NodeId, PoolKey
-
-if TYPE_CHECKING:
-    from orchestrator.core.timers import Timers
 
 # Characters allowed in ids we mint (node ids are NATS subject tokens and KV key parts).
 _ID_OK: Final = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
@@ -378,27 +373,7 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True):
     budget_jobs: tuple[JobId, ...] = ()  # non-terminal jobs with a budget (re-checked on price rises)
 
 
-_DEFAULT_CONFIG: Final = CoreConfig()
-
-
-class State(msgspec.Struct, frozen=True):
-    jobs: immutables.Map[str, Job]  # job id -> Job
-    nodes: immutables.Map[str, Node]  # node id -> Node
-    pools: immutables.Map[str, PoolStats]  # pool name -> PoolStats
-    meta: Meta
-    # What comes due, in time order (timers.py): derived from the records, never persisted and never
-    # compared (any two indexes are equal). None: not built yet - ``decide`` builds it from the records.
-    timers: Timers | None = None
-
-    @classmethod
-    def empty(cls, config: CoreConfig = _DEFAULT_CONFIG) -> State:
-        from orchestrator.core.timers import Timers
-
-        return cls(immutables.Map(), immutables.Map(), immutables.Map(), Meta(config=config), Timers())
-
-    @property
-    def config(self) -> CoreConfig:
-        return self.meta.config
+DEFAULT_CONFIG: Final = CoreConfig()
 
 
 class AuditEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -409,10 +384,3 @@ class AuditEntry(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     alternatives: tuple[tuple[str, float, float], ...] = ()  # (pool name, price_usd_h, expected_cost_usd)
     details: dict[str, object] = {}  # JSON values
-
-
-class Decision(msgspec.Struct, frozen=True):
-    state: State
-    commands: tuple[Command, ...]
-    audit: tuple[AuditEntry, ...]
-    dirty: frozenset[str]

@@ -23,7 +23,8 @@ import immutables
 import msgspec
 import msgspec.inspect as mi
 
-from orchestrator.core.model import Job, Meta, Node, PoolStats, State, pool_record_key
+from orchestrator.core.model import Job, Meta, Node, PoolStats, pool_record_key
+from orchestrator.core.state import State
 from orchestrator.core.timers import build as build_timers
 
 _enc = msgspec.json.Encoder()

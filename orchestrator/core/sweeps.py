@@ -37,8 +37,9 @@ import msgspec
 
 from orchestrator.core import lifecycle as lc
 from orchestrator.core.costs import burn_usd_h, cost_now, worst_burn_usd_h
-from orchestrator.core.model import TERMINAL_JOB_PHASES, Intent, Job, JobPhase, State
+from orchestrator.core.model import TERMINAL_JOB_PHASES, Intent, Job, JobPhase
 from orchestrator.core.pricing import save_seconds
+from orchestrator.core.state import State
 from orchestrator.core.tx import Tx
 from wire.messages import JobSpec
 

@@ -16,18 +16,17 @@ from orchestrator.core.commands import Command, SendToAgent
 from orchestrator.core.model import (
     TERMINAL_JOB_PHASES,
     AuditEntry,
-    Decision,
     Job,
     JobPhase,
     Meta,
     Node,
     NodePhase,
     PoolStats,
-    State,
     pool_record_key,
     safe_token,
 )
 from orchestrator.core.records import check_records
+from orchestrator.core.state import Decision, State
 from orchestrator.core.timers import Timers, build, pool_change
 from orchestrator.core.transitions import IllegalTransition, check_job, check_node
 from wire.messages import AgentCommand, JobId, NodeId

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from orchestrator.core import sweeps
 from orchestrator.core.costs import burn_usd_h, cost_now
-from orchestrator.core.model import GEN_PHASES, JobPhase, State
+from orchestrator.core.model import GEN_PHASES, JobPhase
+from orchestrator.core.state import State
 from orchestrator.core.tx import Tx
 
 

@@ -39,8 +39,9 @@ import wire as ev
 from orchestrator import bus
 from orchestrator.core.feasibility import deadline_problem, submit_problems
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeDrainRequested
-from orchestrator.core.model import TERMINAL_JOB_PHASES, Job, Node, State
+from orchestrator.core.model import TERMINAL_JOB_PHASES, Job, Node
 from orchestrator.core.roots import Overlap, find_overlap
+from orchestrator.core.state import State
 from orchestrator.core.sweeps import refusal_view as sweep_refusal
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.records import NotLeader, ShuttingDown

@@ -266,6 +266,22 @@ def _publish_ts(msg: Msg) -> float | None:
         return None
 
 
+def admit_js_batch(msgs: Iterable[Msg], metrics: Metrics, now: float) -> Admitted[JsEvent]:
+    """Stage admit of a batch's JetStream messages: ``admit_batch(msgs, admit_js, jetstream=True)``, its
+    rejections counted and logged (``count_rejections``), the publish-to-decide lag observed at ``now``."""
+    js: Admitted[JsEvent] = admit_batch(msgs, admit_js, jetstream=True)
+    count_rejections(metrics, js.rejected, loud=True)
+    observe_lag(metrics, js.published, now)
+    return js
+
+
+def admit_heartbeat_batch(msgs: Iterable[Msg], metrics: Metrics) -> Admitted[ev.Heartbeat]:
+    """Stage admit of a batch's heartbeats: ``admit_heartbeats``, its rejections counted (not logged)."""
+    hb = admit_heartbeats(msgs)
+    count_rejections(metrics, hb.rejected, loud=False)
+    return hb
+
+
 def count_rejections(metrics: Metrics, rejected: Sequence[tuple[Msg, Rejected]], *, loud: bool) -> None:
     """``orchd_messages_rejected_total`` for each rejection; ``loud``: also log each (JetStream; never
     for heartbeats, whose rejections can come by the thousand)."""

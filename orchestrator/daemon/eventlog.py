@@ -14,10 +14,10 @@ from collections import deque
 
 import structlog
 
-import wire as ev
 from orchestrator.core import Decision
 from orchestrator.core.commands import CheckInstance, Command, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import CoreEvent
+from orchestrator.daemon.records import agent_command_kind
 
 log = structlog.get_logger("orchd")
 
@@ -66,11 +66,6 @@ class EventLog:
         if d.audit and lg.is_enabled_for(logging.DEBUG):  # the entry's text only when it is written
             for a in d.audit:
                 lg.debug("decision_audit", **where, entry=str(a)[:300])
-
-
-def agent_command_kind(c: ev.AgentCommand) -> str:
-    """The wire tag of an agent command (``checkpoint``, ``start_generation``...): CommandFailed's kind."""
-    return str(type(c).__struct_config__.tag)
 
 
 def describe_command(c: Command) -> dict[str, object]:

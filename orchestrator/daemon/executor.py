@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TypeVar, TypeVarTuple
 
@@ -58,9 +58,8 @@ from orchestrator.core.inputs import (
     TrackingRunCreated,
 )
 from orchestrator.daemon import tracking
-from orchestrator.daemon.eventlog import agent_command_kind
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.records import Result
+from orchestrator.daemon.records import Result, agent_command_kind
 from orchestrator.security.credentials import Credentials
 from orchestrator.settings import Settings
 from providers.base import CloudProvider, InstanceState, LaunchRequest, NodeBootstrap, ProviderError
@@ -79,9 +78,10 @@ class Executor:
     feed: Callable[[Result], None]
     metrics: Metrics
     nats_urls: tuple[str, ...] = ()
-    may_act: Callable[[], bool] = lambda: True
+    may_act: Callable[[], bool] | None = None
     """False while this daemon does not hold a valid leader lease (HA): commands are then left in the
-    outbox for the leader, never executed (clouds know nothing of fencing tokens)."""
+    outbox for the leader, never executed (clouds know nothing of fencing tokens). None: no lease (a
+    single orchd always may)."""
     credentials: Credentials | None = None
     """Per-node NATS credentials (orchestrator/credentials.py): enrolment tokens into the launch's
     bootstrap, revoked on NodeGone and for launch nodes that got no instance. None: no credentials."""
@@ -95,6 +95,11 @@ class Executor:
             self._tg = tg
             task_status.started()
             await anyio.sleep_forever()
+
+    def submit_all(self, commands: Iterable[tuple[str, Command, float | None]]) -> None:
+        """``submit`` each (outbox key, command, notice_ts), in order."""
+        for key, cmd, notice_ts in commands:
+            self.submit(key, cmd, notice_ts=notice_ts)
 
     def submit(self, key: str, cmd: Command, *, inherited: bool = False, notice_ts: float | None = None) -> None:
         """Execute ``cmd`` once (``key``: its outbox key). ``inherited``: an outbox entry a previous
@@ -113,7 +118,7 @@ class Executor:
     # -------------------------------------------------------------------------------------------
 
     async def _execute(self, key: str, cmd: Command, inherited: bool = False) -> None:
-        if not self.may_act():
+        if self.may_act is not None and not self.may_act():
             self.in_flight.discard(key)
             if isinstance(cmd, SendToAgent):
                 self._notice_ts.pop(cmd.command.cmd_id, None)

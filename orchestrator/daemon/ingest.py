@@ -86,13 +86,24 @@ class Intake:
             return
         await self._wake.wait()
 
-    def take_urgent(self) -> Batch:
+    def take_urgent(self) -> Batch | None:
         """What is buffered except heartbeats (JetStream messages and shell inputs, in arrival order): what
-        the decide loop handles before its next bulk stage."""
+        the decide loop handles before its next bulk stage; None when nothing is."""
+        if not (self.js or self.shell):
+            return None
         batch = Batch(self.js, [], self.shell)
         self.js, self.shell = [], []
         self._room.set()
         return batch
+
+    def take_split(self, max_hb: int | None = None) -> tuple[Batch | None, Batch | None]:
+        """``take``, split in (urgent part, heartbeat part), each None when empty: notices, node events,
+        executor results and admin intents are decided, persisted and dispatched before the heartbeats taken
+        with them (the decide loop also takes the urgent inputs that arrive meanwhile before each bulk stage:
+        ``take_urgent``)."""
+        batch = self.take(max_hb)
+        urgent = Batch(batch.js, [], batch.shell) if batch.js or batch.shell else None
+        return urgent, (Batch([], batch.hb, []) if batch.hb else None)
 
     def take(self, max_hb: int | None = None) -> Batch:
         """Everything buffered, but at most ``max_hb`` heartbeats: a bounded batch keeps a notice that

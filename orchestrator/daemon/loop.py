@@ -84,6 +84,9 @@ class Daemon:
         self.events_decided = 0
         self.batches = 0
         self.events = EventLog()  # decided commands and the gate's refusals, for `orchctl events`
+        self._stages = pipeline.Stages(core, metrics, on_decision=self.events.decision,
+                                       on_reject=self.events.rejection, dead_after=d.dead_after_deliveries,
+                                       retry_s=pipeline.retry_ahead_s(bus.ack_wait_s(d.lease_ttl_s)))
         self.liveness = LivenessFlusher(self._write_liveness, settings.daemon.liveness_flush_max)
         self.observer = MetricsObserver(metrics)  # the metrics the state does not hold (observe.py)
         self.tracking = TrackingReporter(self.observer)  # orchd's figures to tracked jobs' MLflow runs
@@ -120,7 +123,8 @@ class Daemon:
 
     def may_act(self) -> bool:
         """True while this daemon may change the world (single daemon, or HA with a valid lease)."""
-        return self.executor.may_act() if self.executor is not None else False
+        ex = self.executor
+        return ex is not None and (ex.may_act is None or ex.may_act())
 
     def reaper_for(self) -> Reaper:
         """The one Reaper of this daemon (its orphan grace timers are shared by every pass)."""
@@ -162,7 +166,7 @@ class Daemon:
             else:
                 with anyio.move_on_after(max(0.0, next_tick - time.monotonic())):
                     await _first(self.intake.wait, self._stop.wait)
-            urgent, heartbeats = pipeline.split_urgent(self.intake.take(MAX_HEARTBEATS_PER_BATCH))
+            urgent, heartbeats = self.intake.take_split(MAX_HEARTBEATS_PER_BATCH)
             tick = None
             if time.monotonic() >= next_tick:
                 tick = Batch([], [], [ShellItem(Tick())])
@@ -174,7 +178,7 @@ class Daemon:
             # Urgent first: notices, node events, executor results and admin intents are decided,
             # persisted and their commands dispatched before the Tick (O(jobs) in the core) and the
             # heartbeats taken with them.
-            if urgent:
+            if urgent is not None:
                 await self.process(urgent, urgent=True)
             if tick is not None:
                 await self._urgent_first()
@@ -184,7 +188,7 @@ class Daemon:
                         await anyio.sleep(0)
                         await self._urgent_first()
                     next_gauges = time.monotonic() + self.settings.metrics.refresh_s
-            if heartbeats:
+            if heartbeats is not None:
                 await self._urgent_first()
                 await self.process(heartbeats)
 
@@ -195,7 +199,7 @@ class Daemon:
         flood of urgent inputs cannot starve the Tick."""
         for _ in range(URGENT_ROUNDS):
             batch = self.intake.take_urgent()
-            if not batch:
+            if batch is None:
                 return
             await self.process(batch, urgent=True)
 
@@ -220,13 +224,8 @@ class Daemon:
             self._hand_back([msg for _kind, msg in batch.js], [i.reply for i in batch.shell if i.reply is not None])
             return
         t_begin = time.perf_counter()
-        decider = pipeline.Decider(self.core, state, metrics=self.metrics, on_decision=self.events.decision,
-                                   on_reject=self.events.rejection)
-        ds = self.settings.daemon
         # decided, and its checkpoint commands handed to the executor before the outbox's round trip
-        decided = pipeline.decide_batch(batch, decider, dead_after=ds.dead_after_deliveries,
-                                        retry_s=pipeline.retry_ahead_s(bus.ack_wait_s(ds.lease_ttl_s)),
-                                        executor=executor)
+        decided = pipeline.decide(batch, state, self._stages, executor)
         final = self._stop.is_set()
         self.liveness.settle(decided.liveness, decided.dirty, final=final)
         t_decided = time.perf_counter()

@@ -38,7 +38,7 @@ class Metrics:
     def __init__(self) -> None:
         r = self.registry = _Registry()
         self.state_series: dict[Gauge, set[tuple[str, ...]]] = {}  # per gauge family: the series of the last
-        # state refresh (``state.refresh_gauge_slices``: the ones not set again are removed)
+        # state refresh (``gauges.refresh_gauge_slices``: the ones not set again are removed)
         # In this order on /metrics:
         self._define_daemon_metrics(r)
         self._define_job_and_pool_metrics(r)

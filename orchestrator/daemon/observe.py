@@ -15,7 +15,7 @@ core decided, the commands it produced) and keeps the little history these metri
     orchd_preemptions_total{kind="vanished"}   a spot node gone without a notice (the core's rule)
     orchd_event_backlog              the ingestion consumers' pending messages (``poll_backlog``)
 
-``refresh`` (with the state gauges, ``state.refresh_gauges``) also sets ``orchd_node_heartbeat_age_seconds``.
+``refresh`` (with the state gauges, ``gauges.refresh_gauges``) also sets ``orchd_node_heartbeat_age_seconds``.
 History starts when this orchd starts leading: goodput counts the steps executed since then, and the
 on-demand cost of nodes that left a job before then is not known (docs/operations.md, "Metrics").
 
@@ -262,7 +262,7 @@ class MetricsObserver:
 
     def refresh_slices(self, state: State, now: float, nodes_per_slice: int = 800) -> Iterator[None]:
         """``refresh`` in slices (the decide loop takes urgent inputs between slices:
-        ``state.refresh_gauge_slices``): a slice ends after ``nodes_per_slice`` units of work (a node's
+        ``gauges.refresh_gauge_slices``): a slice ends after ``nodes_per_slice`` units of work (a node's
         heartbeat age, a GPU reading, a series removed, an eighth of a job's goodput and on-demand cost)
         or ``SLICE_MAX_S`` of wall time, whichever comes first (``Slicer``). ``state`` is the one the
         refresh started with."""

@@ -3,7 +3,8 @@
 Every input of a batch goes through the same stages, in this order (``loop.Daemon.process`` composes
 them; heartbeats take the very same functions, batched, with nothing logged per heartbeat):
 
-    order      ``split_urgent(batch)``: urgent inputs (JetStream messages, shell inputs) before heartbeats
+    order      (``ingest.Intake.take_split``) urgent inputs (JetStream messages, shell inputs) before
+               heartbeats
     decode     (``admit.py``) ``decode_js(subject, data)`` / ``decode_heartbeat(subject, data)``: bytes ->
                wire message
     screen     (``admit.py``) ``screen_js`` / ``screen_heartbeat``: what the schema cannot say (the
@@ -63,15 +64,7 @@ from orchestrator.core.decide import decide as core_decide
 from orchestrator.core.decide import fold_heartbeats
 from orchestrator.core.gate import BAD_GENERATION
 from orchestrator.core.inputs import CoreEvent
-from orchestrator.daemon.admit import (
-    Admitted,
-    JsEvent,
-    admit_batch,
-    admit_heartbeats,
-    admit_js,
-    count_rejections,
-    observe_lag,
-)
+from orchestrator.daemon.admit import admit_heartbeat_batch, admit_js_batch
 from orchestrator.daemon.coreapi import CoreApi
 from orchestrator.daemon.executor import Executor
 from orchestrator.daemon.metrics import Metrics
@@ -86,14 +79,6 @@ the hot path), and observes the publish-to-decide lag of the heartbeat it reads 
 
 
 # --- order -------------------------------------------------------------------------------------------
-
-
-def split_urgent(batch: Batch) -> tuple[Batch, Batch]:
-    """(urgent part, heartbeat part) of a batch: notices, node events, executor results and admin intents
-    are decided, persisted and dispatched before the heartbeats taken with them (``Daemon.decide_loop``
-    also takes the urgent inputs that arrive meanwhile before each bulk stage: ``Intake.take_urgent``)."""
-    return Batch(batch.js, [], batch.shell), Batch([], batch.hb, [])
-
 
 
 def unpack_shell(items: Sequence[ShellItem]) -> tuple[list[CoreEvent], list[str]]:
@@ -278,6 +263,26 @@ class Decider:
         log.exception("decide_failed", event_type=type(event).__name__, error=repr(e))
 
 
+@dataclass(frozen=True, slots=True)
+class Stages:
+    """What the decide stage takes besides a batch, its state and the executor: fixed for a daemon's life."""
+
+    core: CoreApi
+    metrics: Metrics
+    on_decision: Callable[[CoreEvent, Decision], None]
+    on_reject: Callable[[CoreEvent, str], None] | None = None
+    dead_after: int = bus.DEAD_AFTER_DELIVERIES
+    retry_s: float = 5.0  # ``retry_ahead_s`` of the consumers' ack wait
+
+
+def decide(batch: Batch, state: State, stages: Stages, executor: Executor | None) -> Decided:
+    """Stage decide of a batch from ``state`` (a ``Decider`` over it, then ``decide_batch``): the one call
+    the decide loop makes into the pipeline before a notice's checkpoint command leaves."""
+    decider = Decider(stages.core, state, metrics=stages.metrics, on_decision=stages.on_decision,
+                      on_reject=stages.on_reject)
+    return decide_batch(batch, decider, dead_after=stages.dead_after, retry_s=stages.retry_s, executor=executor)
+
+
 def decide_batch(batch: Batch, decider: Decider, *, dead_after: int = bus.DEAD_AFTER_DELIVERIES,
                  retry_s: float = 5.0, executor: Executor | None = None) -> Decided:
     """Decode, screen and decide a whole batch: shell inputs, then JetStream messages, then heartbeats;
@@ -294,9 +299,7 @@ def decide_batch(batch: Batch, decider: Decider, *, dead_after: int = bus.DEAD_A
     if batch.js:
         _decide_js([msg for _kind, msg in batch.js], decider, dead_after, retry_s)
     if batch.hb:
-        hb = admit_heartbeats(batch.hb)
-        count_rejections(metrics, hb.rejected, loud=False)
-        decider.decide_heartbeats(hb.events)
+        decider.decide_heartbeats(admit_heartbeat_batch(batch.hb, metrics).events)
     if executor is not None and out.commands:
         out.sent.extend(dispatch_checkpoints(out, executor))
     return out
@@ -318,10 +321,8 @@ def _decide_js(msgs: list[Msg], decider: Decider, dead_after: int, retry_s: floa
             out.to_park.append((msg, "max_deliveries"))
         else:
             fresh.append(msg)
-    js: Admitted[JsEvent] = admit_batch(fresh, admit_js, jetstream=True)
-    count_rejections(metrics, js.rejected, loud=True)
+    js = admit_js_batch(fresh, metrics, now)
     out.to_term.extend(msg for msg, _ in js.rejected)
-    observe_lag(metrics, js.published, now)
     deliveries = [bus.num_delivered(msg) for msg in js.messages]
     outcome = decider.decide(js.events, js.published, clock_every=1,
                              recounted=frozenset(i for i, n in enumerate(deliveries) if n > 1))
@@ -416,10 +417,9 @@ def dispatch_checkpoints(decided: Decided, executor: Executor) -> list[str]:
     batch decided before it waits for that start (``dispatch``): sent first, the agent would refuse it as
     an unknown generation, then start the generation."""
     early = _early_checkpoints(decided.commands)
-    for key in early:
-        cmd = decided.commands[key]
-        ts = decided.notice_ts.get(cmd.command.cmd_id) if isinstance(cmd, SendToAgent) else None
-        executor.submit(key, cmd, notice_ts=ts)
+    commands = [decided.commands[key] for key in early]
+    executor.submit_all([(key, cmd, decided.notice_ts.get(cmd.command.cmd_id) if isinstance(cmd, SendToAgent)
+                          else None) for key, cmd in zip(early, commands, strict=True)])
     return early
 
 
@@ -432,8 +432,7 @@ def dispatch(decided: Decided, executor: Executor, sent: Collection[str] = ()) -
     skip = set(decided.sent).union(sent)
     rest = [(key, c) for key, c in decided.commands.items() if key not in skip]
     rest.sort(key=lambda item: not isinstance(item[1], SendToAgent))  # agent commands, then cloud calls
-    for key, c in rest:
-        executor.submit(key, c)
+    executor.submit_all([(key, c, None) for key, c in rest])
 
 
 def _early_checkpoints(commands: dict[str, Command]) -> list[str]:

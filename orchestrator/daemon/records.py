@@ -7,7 +7,8 @@ Every other module of ``orchestrator.daemon`` may import this one, and it import
     ``Decided``                what deciding a batch produced (``pipeline``), read by persist, ack,
                                dispatch and the observers (``observe``, ``tracking``)
     ``NotLeader``, ``ShuttingDown``  why an admin intent got no decision (``loop``, ``admin``)
-    ``encode_command``, ``decode_command``, ``outbox_key``  a command's bytes and outbox key
+    ``encode_command``, ``decode_command``, ``outbox_key``, ``agent_command_kind``  a command's bytes,
+                               outbox key and kind
 
 Pure data: no I/O, no NATS calls (``Msg`` appears only as a type).
 """
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import msgspec
 from nats.aio.msg import Msg
 
+import wire as ev
 from orchestrator.core import State
 from orchestrator.core.commands import Command
 from orchestrator.core.inputs import CoreEvent
@@ -97,6 +99,11 @@ def encode_command(cmd: Command) -> bytes:
 def decode_command(data: bytes) -> Command:
     cmd: Command = _command_dec.decode(data)
     return cmd
+
+
+def agent_command_kind(c: ev.AgentCommand) -> str:
+    """The wire tag of an agent command (``checkpoint``, ``start_generation``...): CommandFailed's kind."""
+    return str(type(c).__struct_config__.tag)
 
 
 def outbox_key(cmd: Command) -> str:

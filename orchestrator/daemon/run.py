@@ -201,7 +201,7 @@ def _start_executor(d: Daemon, ctl: Client, urls: tuple[str, ...], lease: Leader
                     credentials: Credentials | None) -> Executor:
     """The executor (acting only while the lease is valid)."""
     return Executor(d.settings, d.providers, ctl, d.intake.put_result, d.metrics, nats_urls=urls,
-                    may_act=(lease.valid if lease is not None else _always),
+                    may_act=lease.valid if lease is not None else None,
                     credentials=credentials)
 
 
@@ -310,10 +310,6 @@ def _refence(cmd: Command, token: int) -> Command:
     if isinstance(cmd, SendToAgent) and cmd.command.fencing_token < token:
         return msgspec.structs.replace(cmd, command=msgspec.structs.replace(cmd.command, fencing_token=token))
     return cmd
-
-
-def _always() -> bool:
-    return True
 
 
 async def _take_lease(d: Daemon, js: JetStreamContext) -> LeaderLease | None:

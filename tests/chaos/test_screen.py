@@ -1,4 +1,4 @@
-"""Unit tests of ``orchestrator.daemon.ingest.screen``: the checks the chaos fuzzer found missing (a node
+"""Unit tests of ``orchestrator.daemon.admit.screen``: the checks the chaos fuzzer found missing (a node
 publishing another node's events, negative prices) - pure, no I/O."""
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ import pytest
 from orchestrator.core import JobPhase, state_from_records, state_to_records
 from orchestrator.core.commands import CreateTrackingRun
 from orchestrator.core.inputs import JobSubmitted, Tick, TrackingRunCreated
-from orchestrator.core.model import CoreConfig, State
+from orchestrator.core.model import CoreConfig
+from orchestrator.core.state import State
 from orchestrator.jobspec import JobSpecError, parse_jobspec, spec_problems
 from tests.core.harness import (
     AgentState,

@@ -30,7 +30,7 @@ import wire as ev
 from orchestrator import bus
 from orchestrator.core.commands import Command, Launch, SendToAgent, Terminate
 from orchestrator.core.inputs import Tick
-from orchestrator.core.model import Decision, State
+from orchestrator.core.state import Decision, State
 from orchestrator.daemon import admit, pipeline, records
 from orchestrator.daemon.coreapi import CoreApi
 from orchestrator.daemon.executor import Executor
@@ -141,9 +141,13 @@ async def test_a_liveness_write_lets_the_decide_loop_run_between_its_records(nat
 
 @dataclass
 class _Recorder:
-    """What an executor is handed, in order (``pipeline.dispatch`` calls only ``submit``)."""
+    """What an executor is handed, in order (``pipeline.dispatch`` calls only ``submit_all``)."""
 
     submitted: list[Command] = field(default_factory=list)
+
+    def submit_all(self, commands: list[tuple[str, Command, float | None]]) -> None:
+        for key, cmd, notice_ts in commands:
+            self.submit(key, cmd, notice_ts=notice_ts)
 
     def submit(self, key: str, cmd: Command, *, notice_ts: float | None = None) -> None:
         self.submitted.append(cmd)
@@ -185,6 +189,10 @@ class _OrderedStore(Store):
 @dataclass
 class _OrderedExecutor:
     order: list[str]
+
+    def submit_all(self, commands: list[tuple[str, Command, float | None]]) -> None:
+        for key, cmd, notice_ts in commands:
+            self.submit(key, cmd, notice_ts=notice_ts)
 
     def submit(self, key: str, cmd: Command, *, notice_ts: float | None = None) -> None:
         kind = type(cmd.command).__name__ if isinstance(cmd, SendToAgent) else type(cmd).__name__

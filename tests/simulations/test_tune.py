@@ -7,8 +7,9 @@ import itertools
 import pytest
 
 from simulations import tune
+from simulations.families import FAMILIES, family_scenario, load_family
 from simulations.replay import make_jobs, replay
-from simulations.results import FAMILIES, NOTICES, SHAPES, family_scenario, load_family
+from simulations.results import NOTICES, SHAPES
 from simulations.worldparams import WorldParams
 
 

@@ -104,7 +104,7 @@ def test_a_sqlite_storage_in_a_missing_directory_says_so(tmp_path):
 
 
 def test_orch_sweep_help_names_the_global_options(capsys):
-    from orchestrator.cli.sweep import service_main
+    from orchestrator.cli.main import sweep_service_main as service_main
 
     assert service_main(["--help"]) == 0
     out = capsys.readouterr().out

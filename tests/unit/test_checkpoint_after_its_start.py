@@ -4,7 +4,7 @@ and then, from a notice, a ``CheckpointCmd`` of that very generation (the last r
 the generation, the notice of a member comes in the same batch), the agent would get the checkpoint
 first - answered ``unknown_generation``, cached under its ``cmd_id`` - then start the generation and
 train on a noticed node, while the job waits in ``checkpointing``. The real core decides the batch;
-a recorder stands for the executor (``dispatch_checkpoints`` / ``dispatch`` call only ``submit``)."""
+a recorder stands for the executor (``dispatch_checkpoints`` / ``dispatch`` call only ``submit_all``)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ from tests.core.test_price_confirm import A_OD, A
 @dataclass
 class _Recorder:
     submitted: list[Command] = field(default_factory=list)
+
+    def submit_all(self, commands: list[tuple[str, Command, float | None]]) -> None:
+        for key, cmd, notice_ts in commands:
+            self.submit(key, cmd, notice_ts=notice_ts)
 
     def submit(self, key: str, cmd: Command, *, notice_ts: float | None = None) -> None:
         self.submitted.append(cmd)

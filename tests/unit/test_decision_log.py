@@ -11,7 +11,8 @@ import pytest
 
 import wire as ev
 from orchestrator.core.commands import Launch, SendToAgent
-from orchestrator.core.model import AuditEntry, Decision, State
+from orchestrator.core.model import AuditEntry
+from orchestrator.core.state import Decision, State
 from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.loop import Daemon
 from orchestrator.daemon.metrics import Metrics

@@ -1,4 +1,4 @@
-"""The state gauges are refreshed in slices (``orchestrator.daemon.state.refresh_gauge_slices``), so that the
+"""The state gauges are refreshed in slices (``orchestrator.daemon.gauges.refresh_gauge_slices``), so that the
 decide loop takes urgent inputs between them: a scrape between two slices must see every series at its
 previous or its new value (none missing), and what left the state is gone once the refresh ends."""
 

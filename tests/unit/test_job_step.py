@@ -10,7 +10,8 @@ import msgspec
 
 from orchestrator.core import Decision, JobPhase, job_step
 from orchestrator.core.inputs import JobCancelled, JobSubmitted, NodeGone, Tick
-from orchestrator.core.model import TERMINAL_JOB_PHASES, State
+from orchestrator.core.model import TERMINAL_JOB_PHASES
+from orchestrator.core.state import State
 from orchestrator.daemon.gauges import refresh_gauges
 from orchestrator.daemon.metrics import Metrics
 from orchestrator.daemon.summaries import job_summary

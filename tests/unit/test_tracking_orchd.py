@@ -6,7 +6,8 @@ import msgspec
 
 from orchestrator.core import JobPhase
 from orchestrator.core.inputs import JobSubmitted, TrackingRunCreated
-from orchestrator.core.model import CoreConfig, State
+from orchestrator.core.model import CoreConfig
+from orchestrator.core.state import State
 from orchestrator.daemon import tracking
 from tests.core.harness import Driver, pool, price, spec
 from wire import TrackingSpec
