@@ -35,6 +35,7 @@ import argparse
 import io
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -61,7 +62,7 @@ from orchestrator.cli.common import (
 )
 from orchestrator.jobspec import JobSpecError, load_jobspec
 from orchestrator.settings import NatsSettings, SettingsError
-from wire.admin import KillNodeRequest, PreemptNodeRequest
+from wire.admin import MAX_NOTICE_S, KillNodeRequest, PreemptNodeRequest
 
 # --- pure formatting -------------------------------------------------------------------------------
 
@@ -88,18 +89,30 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+def _notice_seconds(text: str) -> float:
+    """``--notice``: seconds within 0 .. MAX_NOTICE_S (a usage error, exit 2, otherwise)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.0 <= v <= MAX_NOTICE_S:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be within 0 .. {MAX_NOTICE_S:g} seconds, got {text}")
+    return v
+
+
 def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, title: str = "") -> str:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     cols = list(columns or (list(rows[0]) if rows else []))
     if rows and columns:
         cols = [c for c in cols if any(c in r for r in rows)] or list(rows[0])
-    table = Table(title=title or None, box=None, header_style="bold", pad_edge=False)
+    table = Table(title=Text(title) if title else None, box=None, header_style="bold", pad_edge=False)
     for c in cols:
         table.add_column(c.upper())
     for r in rows:
-        table.add_row(*(_cell(r.get(c)) for c in cols))
+        table.add_row(*(Text(_cell(r.get(c))) for c in cols))  # plain text: "[aws, gcp]" is not markup
     buf = io.StringIO()
     Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
     return buf.getvalue().rstrip() + "\n"
@@ -181,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reason", default="admin")
     s = nodes.add_parser("preempt", parents=[common], help="local nodes: inject a spot reclaim with a notice")
     s.add_argument("node_id")
-    s.add_argument("--notice", type=float, default=30.0, metavar="SECONDS", dest="notice_s",
+    s.add_argument("--notice", type=_notice_seconds, default=30.0, metavar="SECONDS", dest="notice_s",
                    help="seconds from the notice to the kill (default 30)")
     s = nodes.add_parser("kill", parents=[common], help="local nodes: kill every process of the node, no notice")
     s.add_argument("node_id")
@@ -233,7 +246,8 @@ def _completion(parser: argparse.ArgumentParser, shell: str) -> int:
 
 async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | None, out: Callable[[str], None]) -> int:
     fmt = getattr(args, "output", "table")
-    spec = load_jobspec(args.file) if (args.cmd, getattr(args, "verb", None)) == ("jobs", "submit") else None
+    submit = (args.cmd, getattr(args, "verb", None)) == ("jobs", "submit")
+    spec = load_jobspec(args.file, now=time.time()) if submit else None  # deadline_in: from now, once
     async with await AdminClient.connect(urls, timeout_s=args.timeout, nats_settings=ns) as c:
         cmd, verb = args.cmd, getattr(args, "verb", None)
 

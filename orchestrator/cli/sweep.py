@@ -39,7 +39,15 @@ import structlog
 import yaml
 
 from orchestrator.cli.client import AdminClient, AdminError, AdminUnreachable
-from orchestrator.cli.common import EXIT_NOT_FOUND, EXIT_OK, EXIT_UNREACHABLE, EXIT_USAGE, resolve_server
+from orchestrator.cli.common import (
+    EXIT_NOT_FOUND,
+    EXIT_OK,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+    format_time,
+    package_version,
+    resolve_server,
+)
 from orchestrator.settings import NatsSettings, SettingsError
 from wire import JobSpec
 
@@ -169,7 +177,12 @@ def _storage_command(args: argparse.Namespace, fmt: str, write: Callable[[str], 
         spec, text = load_sweepspec(args.file)  # before the storage: a bad file fails without Optuna/DB
         store = SweepStore(_storage_url(args))
         sweep_id = args.sweep_id or slug_id(spec.name)
-        created = store.create(sweep_id, spec, text, time.time())
+        now = time.time()
+        created = store.create(sweep_id, spec, text, now)
+        if created and spec.deadline_ts is not None and spec.deadline_ts <= now:
+            sys.stderr.write(f"orchctl sweep: warning: the sweep's deadline {format_time(spec.deadline_ts)} has "
+                             "passed: no trial will start (orchd refuses them; the sweep finishes with "
+                             "sweep_deadline). A relative deadline (deadline_in = \"72h\") does not expire.\n")
         write(_dump({"sweep_id": sweep_id, "created": created}, fmt) if fmt != "table"
               else f"sweep {sweep_id} {'submitted' if created else 'already there (same file)'}\n")
         return EXIT_OK
@@ -362,6 +375,9 @@ def service_main(argv: list[str] | None = None) -> int:
     for opt in ("--server", "--config", "--state-dir", "--timeout"):
         g.add_argument(opt)
     known, rest = g.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "--version" in rest:  # the program's own, as orchd, orchctl and orch-agent answer it
+        print(f"orch-sweep {package_version()}")
+        return EXIT_OK
     if "-h" in rest or "--help" in rest:  # the help below is `orchctl sweep run`'s: say what else is taken
         print("orch-sweep also takes orchctl's global options: --server URL, --config FILE, --state-dir DIR, "
               "--timeout S (where orchd is: see `orchctl --help`)\n")
