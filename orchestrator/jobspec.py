@@ -292,7 +292,8 @@ def build_jobspec(raw: Mapping[str, Any], now: float | None = None) -> tuple[Job
     failed = [problem_path(p) for p in problems]
     spec = job.to_spec(now)
     relative = job.deadline_problem(now)
-    rules = job.check() + ([relative] if relative else []) + [r for r in spec_problems(spec)  # trainer.config said so in the file's own terms
+    # trainer.config is said in the file's own terms (job.check), not again as trainer.args.config
+    rules = job.check() + ([relative] if relative else []) + [r for r in spec_problems(spec)
                            if not (job.trainer.config is not None and r.startswith("trainer.args.config:"))]
     problems += [r for r in rules if not _touches(problem_path(r), failed)]
     return (None if problems else spec), problems

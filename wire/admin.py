@@ -67,7 +67,7 @@ class PreemptNodeRequest(_Admin, frozen=True, kw_only=True):
     service announces termination ``notice_s`` from now and the node is killed at that deadline."""
 
     node_id: str
-    notice_s: float = 30.0  # 0 .. MAX_NOTICE_S
+    notice_s: float = 30.0  # 0 .. 3600 (MAX_NOTICE_S)
 
 
 class KillNodeRequest(_Admin, frozen=True, kw_only=True):

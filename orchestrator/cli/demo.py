@@ -356,7 +356,8 @@ def run(args: argparse.Namespace) -> int:
     if opts.state_dir is not None:
         try:
             claim = statedir.claim(Path(opts.state_dir), command="orchctl demo", options=run_options(opts),
-                                   resume=bool(getattr(args, "resume", False)), fresh=bool(getattr(args, "fresh", False)))
+                                   resume=bool(getattr(args, "resume", False)),
+                                   fresh=bool(getattr(args, "fresh", False)))
         except statedir.StateDirError as e:
             sys.stderr.write(f"orchctl demo: {e}\n")
             return 2
@@ -393,7 +394,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"orchctl demo: stopped by {signal.Signals(sig).name}; nodes, orchd and NATS stopped\n")
         return 128 + int(sig)
     if opts.state_dir is not None:
-        statedir.finish(Path(opts.state_dir), f"job {'succeeded' if result.report['job_succeeded'] else 'did not succeed'}")
+        ended = "succeeded" if result.report["job_succeeded"] else "did not succeed"
+        statedir.finish(Path(opts.state_dir), f"job {ended}")
     fmt = "json" if getattr(args, "json", False) else getattr(args, "output", "table")
     if fmt == "json":
         sys.stdout.write(json.dumps(result.report) + "\n")

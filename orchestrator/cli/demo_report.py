@@ -137,7 +137,8 @@ def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, tota
     for r in recs:
         executed_in[r.step].add(r.generation)
     twice = sorted(s for s, g in executed_in.items() if len(g) > 1)
-    preemptions, failures = [], []
+    preemptions: list[dict] = []
+    failures: list[dict] = []
     for inj in sorted(injections, key=lambda i: i.ts):
         if inj.kind not in ("notice", "vanished"):
             continue

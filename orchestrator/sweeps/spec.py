@@ -41,7 +41,8 @@ PRUNERS: Final = ("none", "median", "successive_halving")
 DIRECTIONS: Final = ("minimize", "maximize")
 MAX_TRIALS: Final = 10_000
 _TOP_KEYS: Final = frozenset({"name", "trials", "parallelism", "budget_usd", "trial_budget_usd", "deadline",
-                              "deadline_ts", "deadline_in_s", "deadline_in", "objective", "sampler", "pruner", "space", "job"})
+                              "deadline_ts", "deadline_in_s", "deadline_in", "objective", "sampler", "pruner",
+                              "space", "job"})
 
 
 class SweepSpecError(SettingsError):

@@ -40,7 +40,8 @@ SETTINGS_FILES = ["orchd.example.toml", *(f"clouds/{p.name}" for p in sorted((CO
 JOB_FILES = [f"jobs/{p.name}" for p in sorted((CONFIG / "jobs").iterdir())]
 NATS_SERVER_FILES = [f"nats/{p.name}" for p in sorted((CONFIG / "nats").glob("*.conf"))]
 NATS_INCLUDES = ["nats/auth.conf.example", "nats/auth-callout.conf.example"]
-CHECKED_ELSEWHERE = ("prometheus/", "grafana/", "sweeps/")  # sweeps/: tests/sweeps/test_spec.py, test_shipped_examples.py
+# sweeps/: tests/sweeps/test_spec.py and tests/ops/test_shipped_examples.py
+CHECKED_ELSEWHERE = ("prometheus/", "grafana/", "sweeps/")
 
 
 def test_every_file_is_checked() -> None:

@@ -68,7 +68,7 @@ def test_price_files(fixture_traces):
     aws = traces.load_prices(fixture_traces / "training_on_a_dime/aws_spot_price_history.csv")
     s = aws.lookup("us-east-1c", "us-east-1", "p3.2xlarge")
     assert s is not None and np.all(np.diff(s.times) > 0)
-    assert 0.30 * 3.06 <= s.prices.min() and s.prices.max() <= 0.34 * 3.06
+    assert s.prices.min() >= 0.30 * 3.06 and s.prices.max() <= 0.34 * 3.06
     assert aws.lookup("us-west-2z", "us-west-2", "p3.2xlarge") is not None  # another zone of the region
     assert aws.lookup("us-west-2z", "us-west-2", "no.such") is None
     gcp = traces.load_prices(fixture_traces / "google-cloud-pricing-cost-calculator/gcp_gpu_vm_price_changelog.csv")

@@ -82,7 +82,8 @@ def test_three_different_errors_are_all_reported() -> None:
     with pytest.raises(JobSpecError) as err:
         parse_jobspec(text, source="three.toml")
     assert err.value.problems == [
-        "colour: unknown key (known: best_effort, budget_usd, checkpoint, clouds, deadline, deadline_in, deadline_ts, gpu_type, "
+        "colour: unknown key (known: best_effort, budget_usd, checkpoint, clouds, deadline, deadline_in, deadline_ts, "
+        "gpu_type, "
         "gpus_per_node, instance_types, market, name, nodes, nodes_max, nodes_min, price, regions, "
         "step_time_s_estimate, total_steps, tracking, trainer, zones)",
         "total_steps: expected an integer, got 'many'",
