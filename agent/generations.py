@@ -67,6 +67,7 @@ class GenerationRunner:
         self.state = AgentState.IDLE
         self.group: RankGroup | None = None
         self.accepting = True  # False once the agent is leaving: no new generation
+        self.job_completed = False  # a generation here ran the job to its last step (exit "completed")
         self._committed: set[tuple[str, int, str]] = set()
         self._tg: anyio.abc.TaskGroup | None = None
         self._logs: LogShipper | None = None
@@ -200,6 +201,8 @@ class GenerationRunner:
 
     async def _run(self, group: RankGroup, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         result = await group.run(task_status=task_status)
+        if result.reason == "completed":
+            self.job_completed = True
         self.publisher.event(RanksExited(
             id=f"exit-{group.job_id}-{group.generation}-{self.node_id}", node_id=self.node_id,
             job_id=JobId(group.job_id), generation=group.generation, exit_code=result.exit_code,

@@ -15,7 +15,7 @@ Role (see docs/agent.md):
   the request already placed): the checkpoint does not depend on NATS being up. Azure's Preempt event
   is acknowledged after the emergency checkpoint committed.
 - SIGTERM/SIGINT: checkpoint (deadline now + ``sigterm_grace_s``), wait for the ranks, publish
-  ``NodeLeaving``, flush, exit 0.
+  ``NodeLeaving`` (not after the job completed here: orchd has released the node), flush, exit 0.
 
 ``Agent`` only wires the parts, each a module of its own: ``connection`` (NATS, enrolment),
 ``watchers`` (metadata -> notices), ``notices`` (the notice relay), ``commands`` (dedup, fencing),
@@ -182,12 +182,16 @@ class Agent:
         await self.generations.wind_down(f"leave-{self.boot_id}", reason)
         with contextlib.suppress(Exception):  # any failure: the connection is closed already
             await sub.unsubscribe()
-        self.publisher.event(NodeLeaving(id=f"leave-{self.node_id}-{self.boot_id}", node_id=self.node_id,
-                                         reason=reason, ts=time.time()))
+        # After its job completed here, orchd releases the node and forgets it: a goodbye would only reach
+        # an orchd that no longer knows the node (and is refused as unknown_node). Otherwise orchd must know.
+        announced = not self.generations.job_completed
+        if announced:
+            self.publisher.event(NodeLeaving(id=f"leave-{self.node_id}-{self.boot_id}", node_id=self.node_id,
+                                             reason=reason, ts=time.time()))
         flushed = await outbox.flush(5.0)
         await logs.flush(1.0)
         self.generations.state = AgentState.STOPPED
-        log.info("agent_leaving", reason=self.shutdown_reason, outbox_flushed=flushed)
+        log.info("agent_leaving", reason=self.shutdown_reason, outbox_flushed=flushed, announced=announced)
 
     async def parent_watch(self, parent: int, on_exit: Callable[[], None]) -> None:
         """``--exit-with-parent``: leave once the parent (orchd, for a local node) is gone. Runs from the

@@ -17,7 +17,8 @@ File layout (see config/jobs/*.toml|yaml)::
 
     name, total_steps, gpu_type, gpus_per_node, nodes, nodes_min, nodes_max, step_time_s_estimate,
     clouds, regions, zones, instance_types, market (spot | on_demand | spot_with_fallback),
-    deadline (TOML/YAML date-time or ISO-8601 string; no zone = UTC) or deadline_ts (unix seconds), budget_usd
+    deadline (TOML/YAML date-time or ISO-8601 string; no zone = UTC) or deadline_ts (unix seconds) or
+    deadline_in ("72h", "3d": from the submission, resolved by the caller's ``now``), budget_usd
     [trainer]    command = [...], args = {...} (without a command: the built-in trainer's, checked against
                  trainer.contract.TRAINER_ARGS; with one: passed unchecked), env = {...}; ``config`` (once
                  passed as args.config) is refused: the built-in trainer reads no config file
@@ -27,7 +28,7 @@ File layout (see config/jobs/*.toml|yaml)::
     [price]      pause_above_ratio, resume_below_ratio, migrate_min_saving
     [tracking]   uri (http:// or https://, no credentials in it), experiment, run_name (docs/tracking.md)
 
-Pure apart from reading the file; no clock.
+Pure apart from reading the file; no clock (the caller passes ``now`` for ``deadline_in``).
 """
 
 from __future__ import annotations
@@ -144,6 +145,9 @@ class JobFile:
     market: MarketPolicy = _wire_default(JobSpec, "market")
     deadline: dt.datetime | None = None
     deadline_ts: float | None = None
+    deadline_in: str | None = None
+    """A deadline relative to the submission (``"72h"``, ``"3d"``, ``"1d12h"``, ``"90m"``): orchctl resolves it
+    once, at submit, into ``deadline_ts``; the file then never expires."""
     budget_usd: float | None = field(default=None, metadata={"gt": 0})
     trainer: TrainerTable = TrainerTable()
     checkpoint: CheckpointTable
@@ -160,11 +164,25 @@ class JobFile:
         elif self.trainer.config is not None:
             out.append("trainer.config: the built-in trainer reads no config file; give its arguments in "
                        "trainer.args (trainer.contract.TRAINER_ARGS, docs/trainer-contract.md)")
-        if self.deadline is not None and self.deadline_ts is not None:
-            out.append("deadline: give either deadline or deadline_ts, not both")
+        given = [k for k in ("deadline", "deadline_ts", "deadline_in") if getattr(self, k) is not None]
+        if len(given) > 1:
+            out.append(f"deadline: give one of deadline, deadline_ts, deadline_in, got {', '.join(given)}")
         return out
 
-    def to_spec(self) -> JobSpec:
+    def deadline_problem(self, now: float | None) -> str | None:
+        """What is wrong with ``deadline_in`` (None: nothing, or not given)."""
+        if self.deadline_in is None:
+            return None
+        try:
+            parse_duration(self.deadline_in)
+        except ValueError as e:
+            return f"deadline_in: {e}"
+        if now is None:
+            return ("deadline_in: a relative deadline is resolved at submission (orchctl jobs submit); "
+                    "give deadline or deadline_ts here")
+        return None
+
+    def to_spec(self, now: float | None = None) -> JobSpec:
         nodes_min = self.nodes_min
         if nodes_min is None:
             nodes_min = min(self.nodes, self.nodes if self.nodes_max is None else self.nodes_max)
@@ -179,7 +197,7 @@ class JobFile:
             nodes=self.nodes, nodes_min=nodes_min, nodes_max=nodes_max,
             step_time_s_estimate=self.step_time_s_estimate, clouds=self.clouds, regions=self.regions,
             zones=self.zones, instance_types=self.instance_types, market=self.market,
-            deadline_ts=_timestamp(self.deadline) if self.deadline is not None else self.deadline_ts,
+            deadline_ts=self._deadline_ts(now),
             budget_usd=self.budget_usd,
             trainer=TrainerSpec(command=t.command or (), args=args, env=dict(t.env)),
             checkpoint=CheckpointPolicy(url=c.url, interval_s=c.interval_s, keep=c.keep,
@@ -194,29 +212,57 @@ class JobFile:
         )
 
 
+    def _deadline_ts(self, now: float | None) -> float | None:
+        if self.deadline is not None:
+            return _timestamp(self.deadline)
+        if self.deadline_in is not None and now is not None and self.deadline_problem(now) is None:
+            return now + parse_duration(self.deadline_in)
+        return self.deadline_ts
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+MAX_DEADLINE_IN_S: typing.Final = 366 * 86400.0
+
+
+def parse_duration(text: object) -> float:
+    """Seconds in a duration such as ``"72h"``, ``"3d"``, ``"1d12h"``, ``"90m"``, ``"45s"`` (1 s .. 366 days)."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected a duration such as \"72h\" or \"3d\", got {text!r}")
+    t = text.strip().lower()
+    parts = _DURATION.findall(t)
+    if not t or "".join(n + u for n, u in parts) != t:
+        raise ValueError(f"not a duration, got {text!r} (use d, h, m, s: \"72h\", \"3d\", \"1d12h\", \"90m\")")
+    seconds = sum(float(n) * _UNIT_S[u] for n, u in parts)
+    if not 1.0 <= seconds <= MAX_DEADLINE_IN_S:
+        raise ValueError(f"{text!r} is out of range (1 s .. 366 days)")
+    return seconds
+
+
 def _timestamp(when: dt.datetime) -> float:
     if when.tzinfo is None:
         when = when.replace(tzinfo=dt.UTC)  # a deadline without a zone is UTC, never local time
     return when.timestamp()
 
 
-def load_jobspec(path: str | os.PathLike[str]) -> JobSpec:
+def load_jobspec(path: str | os.PathLike[str], now: float | None = None) -> JobSpec:
+    """The spec of a file; ``now`` (the submission time) resolves a relative ``deadline_in``."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as e:
         raise JobSpecError([f"cannot read {p}: {e.strerror}"], str(p)) from None
-    return parse_jobspec(text, fmt="yaml" if p.suffix in (".yaml", ".yml") else "toml", source=str(p))
+    return parse_jobspec(text, fmt="yaml" if p.suffix in (".yaml", ".yml") else "toml", source=str(p), now=now)
 
 
-def parse_jobspec(text: str, fmt: str = "toml", source: str = "job spec") -> JobSpec:
+def parse_jobspec(text: str, fmt: str = "toml", source: str = "job spec", now: float | None = None) -> JobSpec:
     try:
         raw = tomllib.loads(text) if fmt == "toml" else yaml.safe_load(text)
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as e:
         raise JobSpecError([f"not valid {fmt.upper()}: {e}"], source) from None
     if not isinstance(raw, dict):
         raise JobSpecError([f"expected a table at the top level, got {type(raw).__name__}"], source)
-    spec, problems = build_jobspec(raw)
+    spec, problems = build_jobspec(raw, now)
     if problems or spec is None:
         raise JobSpecError(problems, source)
     return spec
@@ -225,13 +271,14 @@ def parse_jobspec(text: str, fmt: str = "toml", source: str = "job spec") -> Job
 _PLACEHOLDERS: dict[str, Any] = {"name": "job", "total_steps": 1, "gpu_type": "gpu",
                                  "checkpoint": {"url": "file:///placeholder"}}
 """Valid stand-ins for required keys that are missing or bad, so the cross-field rules still run."""
-_RULE_INPUTS = {"nodes": ("nodes", "nodes_min", "nodes_max"), "deadline": ("deadline", "deadline_ts"),
+_RULE_INPUTS = {"nodes": ("nodes", "nodes_min", "nodes_max"),
+                "deadline": ("deadline", "deadline_ts", "deadline_in"),
                 "trainer": ("trainer.command", "trainer.config"),
                 "price": ("price.pause_above_ratio", "price.resume_below_ratio")}
 """The keys a cross-field rule reads, by the key its problem names (itself where not listed)."""
 
 
-def build_jobspec(raw: Mapping[str, Any]) -> tuple[JobSpec | None, list[str]]:
+def build_jobspec(raw: Mapping[str, Any], now: float | None = None) -> tuple[JobSpec | None, list[str]]:
     """(spec, []) or (None, every problem): the layout's (every key of every table) and the cross-field
     rules'. Where the layout has problems, the rules run on its valid part (bad or missing keys replaced
     by defaults and placeholders) and only rules whose inputs were all valid are reported."""
@@ -243,8 +290,10 @@ def build_jobspec(raw: Mapping[str, Any]) -> tuple[JobSpec | None, list[str]]:
     if job is None:  # the valid part still does not load (a key path the problems cannot name)
         return None, problems
     failed = [problem_path(p) for p in problems]
-    spec = job.to_spec()
-    rules = job.check() + [r for r in spec_problems(spec)  # trainer.config said so in the file's own terms
+    spec = job.to_spec(now)
+    relative = job.deadline_problem(now)
+    # trainer.config is said in the file's own terms (job.check), not again as trainer.args.config
+    rules = job.check() + ([relative] if relative else []) + [r for r in spec_problems(spec)
                            if not (job.trainer.config is not None and r.startswith("trainer.args.config:"))]
     problems += [r for r in rules if not _touches(problem_path(r), failed)]
     return (None if problems else spec), problems

@@ -13,7 +13,7 @@ that are derived from ../shared/traces):
   state_gib / save    save time = save_fixed_s + state_gib / save_gib_s. state_gib 20: the core's
                       ``checkpoint_gb_estimate`` (the size a job's checkpoint is assumed to have);
                       save_gib_s 1.119 and save_fixed_s 0.83: ``python benchmarks/checkpoint.py
-                      --json`` on this project's machine, quiet run (README, "Checkpoints":
+                      --json`` on this project's machine, quiet run (docs/benchmarks.md, "Checkpoints":
                       save_gib_s and emergency_s of a 1.035 GiB state).
   periodic saves      asynchronous (the trainer stages to host memory and writes in a thread:
                       async_block_steps 0.07 in the same benchmark), so training goes on while the

@@ -58,12 +58,16 @@ class DrainNodeRequest(_Admin, frozen=True, kw_only=True):
     reason: str = "admin"
 
 
+MAX_NOTICE_S = 3600.0
+"""The longest notice ``nodes.preempt`` injects (orchd refuses more; orchctl says so before sending)."""
+
+
 class PreemptNodeRequest(_Admin, frozen=True, kw_only=True):
     """nodes.preempt: a spot reclaim injected into a local node (local provider only): its metadata
     service announces termination ``notice_s`` from now and the node is killed at that deadline."""
 
     node_id: str
-    notice_s: float = 30.0  # 0 .. 3600
+    notice_s: float = 30.0  # 0 .. 3600 (MAX_NOTICE_S)
 
 
 class KillNodeRequest(_Admin, frozen=True, kw_only=True):

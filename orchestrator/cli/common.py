@@ -139,15 +139,16 @@ def _cell(v: Any) -> str:
 def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None, title: str = "") -> str:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     cols = list(columns or (list(rows[0]) if rows else []))
     if rows and columns:
         cols = [c for c in cols if any(c in r for r in rows)] or list(rows[0])
-    table = Table(title=title or None, box=None, header_style="bold", pad_edge=False)
+    table = Table(title=Text(title) if title else None, box=None, header_style="bold", pad_edge=False)
     for c in cols:
         table.add_column(c.upper())
     for r in rows:
-        table.add_row(*(_cell(r.get(c)) for c in cols))
+        table.add_row(*(Text(_cell(r.get(c))) for c in cols))  # plain text: "[aws, gcp]" is not markup
     buf = io.StringIO()
     Console(file=buf, width=200, force_terminal=False, color_system=None).print(table)
     return buf.getvalue().rstrip() + "\n"

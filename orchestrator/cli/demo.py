@@ -13,6 +13,10 @@ show live progress (nodes, generation, step, loss, events) and end with a report
 trainer's step logs (``demo_report``), plus the local cloud's own bill (``--tracking``: and its MLflow run,
 demo_tracking.py). ``--json`` (or ``-o json``) prints the report as one JSON object, ``-o yaml`` as YAML.
 
+State: a temp directory that goes at the end, or ``--state-dir DIR``, which belongs to one run
+(``statedir``): an earlier run there is refused unless ``--resume`` (same options, not ended) or
+``--fresh`` (cleared first).
+
 Stopping: SIGINT (Ctrl-C) or SIGTERM cancels the run; the teardown then stops the nodes (the local
 provider's ``close``), orchd and its embedded nats-server, and finally terminates any descendant process
 still alive (``reap_descendants``: each of them runs in its own session, so none would get the
@@ -40,7 +44,8 @@ from typing import Any
 
 import anyio
 
-from orchestrator.cli import demo_tracking
+from orchestrator.cli import demo_tracking, statedir
+from orchestrator.cli.demo_display import View, format_report, render, status_line
 from orchestrator.cli.demo_report import Injection, compute_report, load_step_logs
 
 JOB_ID = "demo"
@@ -145,21 +150,6 @@ def demo_jobspec(state_dir: Path, opts: DemoOptions) -> Any:
 # --- the run ----------------------------------------------------------------------------------------
 
 
-class _View:
-    """What the display shows; updated by the monitor, rendered by ``render``."""
-
-    def __init__(self, opts: DemoOptions) -> None:
-        self.opts = opts
-        self.t0 = time.time()
-        self.job: dict[str, Any] = {}
-        self.nodes: list[dict[str, Any]] = []
-        self.loss: dict[str, float | None] = {}
-        self.events: list[tuple[float, str]] = []
-
-    def event(self, text: str) -> None:
-        self.events.append((time.time(), text))
-
-
 async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
     """Run the scenario; return the report. ``progress(view)`` is called about twice a second."""
 
@@ -171,7 +161,7 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
     configure("info", "json", stream=log_stream)
     settings = demo_settings(state_dir)
     provider = demo_provider(state_dir, opts)
-    view = _View(opts)
+    view = View(opts, JOB_ID)
     injections: list[Injection] = []
     spec = demo_jobspec(state_dir, opts)
     finished = anyio.Event()
@@ -189,7 +179,7 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
             shutil.rmtree(state_dir, ignore_errors=True)
 
 
-async def _run_and_report(opts: DemoOptions, state_dir: Path, settings: Any, provider: Any, view: _View,
+async def _run_and_report(opts: DemoOptions, state_dir: Path, settings: Any, provider: Any, view: View,
                           injections: list[Injection], spec: Any, finished: anyio.Event, progress: Any) -> DemoResult:
     from orchestrator.cli.client import AdminClient
     from orchestrator.daemon.run import run_daemon
@@ -204,7 +194,7 @@ async def _run_and_report(opts: DemoOptions, state_dir: Path, settings: Any, pro
                 while not finished.is_set():
                     try:
                         reply = await client.job(JOB_ID)
-                        view.job, view.nodes = reply.summary, reply.nodes
+                        view.update(reply.summary, reply.nodes)
                     except Exception:  # the daemon is busy or stopping: keep the last view
                         pass
                     if d.state is not None:
@@ -264,12 +254,12 @@ async def _wait_for_prices(client: Any, finished: anyio.Event, timeout_s: float 
             await anyio.sleep(0.2)
 
 
-def _gen_nodes(view: _View) -> list[dict[str, Any]]:
+def _gen_nodes(view: View) -> list[dict[str, Any]]:
     g = view.job.get("generation", 0)
     return [n for n in view.nodes if n.get("generation") == g and n.get("phase") == "running"]
 
 
-async def _wait(view: _View, finished: anyio.Event, pred: Any) -> bool:
+async def _wait(view: View, finished: anyio.Event, pred: Any) -> bool:
     while not finished.is_set():
         if view.job and pred():
             return True
@@ -277,7 +267,7 @@ async def _wait(view: _View, finished: anyio.Event, pred: Any) -> bool:
     return False
 
 
-async def _scenario(opts: DemoOptions, provider: Any, view: _View, injections: list[Injection],
+async def _scenario(opts: DemoOptions, provider: Any, view: View, injections: list[Injection],
                     finished: anyio.Event) -> None:
     steps = opts.steps
 
@@ -292,13 +282,14 @@ async def _scenario(opts: DemoOptions, provider: Any, view: _View, injections: l
     victim = max(_gen_nodes(view), key=lambda n: n["rank"])["node_id"]
     await anyio.to_thread.run_sync(provider.preempt, victim, opts.notice_s)
     injections.append(Injection("notice", time.time(), victim, f"deadline in {opts.notice_s:.0f}s"))
-    view.event(f"PREEMPTION NOTICE for {victim} (killed in {opts.notice_s:.0f}s)")
+    view.notice(victim, opts.notice_s)
     # 2. a node that vanishes, once the job runs again (a later generation)
     if not await _wait(view, finished, running_at(opts.vanish_at, gen)):
         return
     gen = view.job["generation"]
     candidates = [n for n in _gen_nodes(view) if n["node_id"] != victim]
-    gone = max(candidates, key=lambda n: n["rank"])["node_id"]
+    spot = [n for n in candidates if str(n.get("pool", "")).endswith("/spot")]  # a preemption, not a failure
+    gone = max(spot or candidates, key=lambda n: n["rank"])["node_id"]
     await anyio.to_thread.run_sync(provider.vanish, gone)
     injections.append(Injection("vanished", time.time(), gone, "kill -9, no notice"))
     view.event(f"NODE VANISHED: {gone} (kill -9, no notice)")
@@ -313,57 +304,6 @@ async def _scenario(opts: DemoOptions, provider: Any, view: _View, injections: l
         view.event(f"PRICE SPIKE in {zone}: spot {0.97 * od:.2f} USD/h (on-demand {od:.2f})")
 
 
-# --- display ----------------------------------------------------------------------------------------
-
-
-def render(view: _View) -> Any:
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    j = view.job
-    t = time.time() - view.t0
-    head = Text(f"orchctl demo  t={t:5.1f}s  job {JOB_ID}: {j.get('phase', 'starting')}  generation "
-                f"{j.get('generation', 0)}  step {j.get('step', 0)}/{j.get('total_steps', view.opts.steps)}  "
-                f"committed {j.get('committed_step', 0)}  zone {j.get('zone') or '-'}  "
-                f"orchd cost ${j.get('cost_usd', 0) or 0:.4f}", style="bold")
-    table = Table(expand=False)
-    for col in ("node", "phase", "pool", "gen", "rank", "step", "loss", "hb age"):
-        table.add_column(col)
-    for n in view.nodes:
-        loss = view.loss.get(n["node_id"])
-        pool = str(n.get("pool", "")).split("/")
-        table.add_row(n["node_id"], n["phase"], "/".join(pool[2:3] + pool[4:5]), str(n.get("generation", "")),
-                      str(n.get("rank", "")), str(n.get("step", "")), f"{loss:.4f}" if loss is not None else "-",
-                      f"{n['heartbeat_age_s']:.1f}" if n.get("heartbeat_age_s") is not None else "-")
-    events = Text("\n".join(f"{ts - view.t0:6.1f}s  {msg}" for ts, msg in view.events[-8:]))
-    return Group(head, table, events)
-
-
-def format_report(r: dict[str, Any]) -> str:
-    lines = [
-        f"job {'SUCCEEDED' if r['job_succeeded'] else 'DID NOT SUCCEED'} in {r['wall_s']}s: "
-        f"{r['steps_completed']}/{r['total_steps']} steps, final loss {r['final_loss']}, "
-        f"{r['generations']} generations",
-        f"cost ${r['cost_usd']:.4f} (local cloud bill; orchd's estimate ${r['orchd_cost_estimate_usd']}) vs "
-        f"${r['on_demand_cost_usd']:.4f} for the same node-hours on-demand",
-        f"steps executed twice: {r['steps_executed_twice']}; sample order exact: {r['sample_order_exact']}",
-    ]
-    for p in r["preemptions"]:
-        lines.append(f"  preemption ({p['kind']}) of {p['node']}: lost_steps={p['lost_steps']} "
-                     f"recovery_s={p['recovery_s']} (generation {p.get('generation')} -> {p.get('next_generation')})")
-    for p in r.get("price_spikes", []):
-        lines.append(f"  price spike ({p['detail']}): generation {p.get('generation')} -> {p.get('next_generation')}, "
-                     f"lost_steps={p.get('lost_steps')}, first step after it {p.get('move_s')}s later")
-    lines += demo_tracking.format_lines(r.get("tracking"))
-    lines.append("  generations:")
-    for g in r["generation_table"]:
-        where = ", ".join(f"{n} {p}" for n, p in g["nodes"].items())
-        lines.append(f"    g{g['generation']}: world size {g['world_size']}, "
-                     f"steps {g['first_step']}-{g['last_step']} on {where}")
-    return "\n".join(lines) + "\n"
-
-
 # --- command line -----------------------------------------------------------------------------------
 
 
@@ -374,7 +314,12 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--steps", type=int, default=None, help="training steps (default 200, --fast 90)")
     s.add_argument("--fast", action="store_true", help="shorter run: fewer steps, shorter notice, no price spike")
     s.add_argument("--prices", choices=("fixed", "replay"), default="fixed")
-    s.add_argument("--state-dir", dest="demo_state_dir", default=None, help="keep everything here")
+    s.add_argument("--state-dir", dest="demo_state_dir", default=None,
+                   help="keep everything here (an empty or new directory, unless --resume or --fresh)")
+    again = s.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue the unfinished run in --state-dir (same options); says what it resumes")
+    again.add_argument("--fresh", action="store_true", help="clear the earlier run in --state-dir first")
     s.add_argument("--timeout", dest="demo_timeout", type=float, default=None)
     demo_tracking.add_arguments(s)
     s.set_defaults(run=run)
@@ -393,6 +338,11 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     return DemoOptions(**kw)
 
 
+def run_options(opts: DemoOptions) -> dict[str, Any]:
+    """The options that shape the run: a run is resumed only with the same ones."""
+    return {"steps": opts.steps, "notice_s": opts.notice_s, "spike": opts.spike, "prices": opts.prices}
+
+
 def run(args: argparse.Namespace) -> int:
     import importlib.util
 
@@ -403,6 +353,15 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
     if demo_tracking.refuse_without_package(opts.tracking):  # said why on stderr
         return 2
+    if opts.state_dir is not None:
+        try:
+            claim = statedir.claim(Path(opts.state_dir), command="orchctl demo", options=run_options(opts),
+                                   resume=bool(getattr(args, "resume", False)),
+                                   fresh=bool(getattr(args, "fresh", False)))
+        except statedir.StateDirError as e:
+            sys.stderr.write(f"orchctl demo: {e}\n")
+            return 2
+        sys.stderr.write(claim.message + "\n")
     tty = sys.stderr.isatty()
     live = None
     if tty:
@@ -413,15 +372,12 @@ def run(args: argparse.Namespace) -> int:
         live.start()
     last = [0.0]
 
-    def progress(view: _View) -> None:
+    def progress(view: View) -> None:
         if live is not None:
             live.update(render(view))
         elif time.time() - last[0] > 5:
             last[0] = time.time()
-            j = view.job
-            sys.stderr.write(f"[{time.time() - view.t0:5.1f}s] {j.get('phase', 'starting')} "
-                             f"gen {j.get('generation', 0)} step {j.get('step', 0)}/{opts.steps} "
-                             + (view.events[-1][1] if view.events else "") + "\n")
+            sys.stderr.write(status_line(view))
 
     stopped_by: list[int] = []
     try:
@@ -437,6 +393,9 @@ def run(args: argparse.Namespace) -> int:
         sig = stopped_by[0] if stopped_by else signal.SIGINT
         sys.stderr.write(f"orchctl demo: stopped by {signal.Signals(sig).name}; nodes, orchd and NATS stopped\n")
         return 128 + int(sig)
+    if opts.state_dir is not None:
+        ended = "succeeded" if result.report["job_succeeded"] else "did not succeed"
+        statedir.finish(Path(opts.state_dir), f"job {ended}")
     fmt = "json" if getattr(args, "json", False) else getattr(args, "output", "table")
     if fmt == "json":
         sys.stdout.write(json.dumps(result.report) + "\n")

@@ -7,7 +7,8 @@ about itself:
 - ``steps_completed``: distinct steps executed; ``final_loss``: the loss of the last step (its last
   execution, rank 0's record);
 - ``generations``: generations that executed at least one step;
-- per injected preemption (``kind`` notice | vanished, at wall time ``t``): the generation running at
+- per injected preemption (``kind`` notice | vanished, at wall time ``t``; a vanished on-demand node is
+  listed under ``node_failures`` instead, with the same figures: the cloud cannot preempt it): the generation running at
   ``t`` (the newest one whose first step is before ``t``), the next generation (the first whose first
   step is after ``t``), ``lost_steps`` = steps of the hit generation that the next generation executed
   again, ``recovery_s`` = the next generation's first step time - ``t``;
@@ -136,13 +137,15 @@ def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, tota
     for r in recs:
         executed_in[r.step].add(r.generation)
     twice = sorted(s for s, g in executed_in.items() if len(g) > 1)
-    preemptions = []
+    preemptions: list[dict] = []
+    failures: list[dict] = []
     for inj in sorted(injections, key=lambda i: i.ts):
         if inj.kind not in ("notice", "vanished"):
             continue
         hit = [g for g in gens if g.first_ts <= inj.ts]
         nxt = [g for g in gens if g.first_ts > inj.ts]
-        entry: dict = {"kind": inj.kind, "node": inj.node, "ts": round(inj.ts, 3)}
+        market = node_pools[inj.node].rsplit("/", 1)[-1] if inj.node in node_pools else None
+        entry: dict = {"kind": inj.kind, "node": inj.node, "ts": round(inj.ts, 3), "market": market}
         if hit and nxt:
             h, n = hit[-1], nxt[0]
             entry.update(generation=h.generation, next_generation=n.generation,
@@ -151,7 +154,8 @@ def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, tota
                          last_step_before=max(s for s in h.steps), first_step_after=n.first_step)
         else:
             entry.update(lost_steps=None, recovery_s=None)
-        preemptions.append(entry)
+        # an on-demand node that vanished failed: the cloud cannot preempt it (orchd does not count it either)
+        (failures if market == "on_demand" else preemptions).append(entry)
     spikes = []
     for inj in injections:
         if inj.kind != "price_spike":
@@ -171,6 +175,7 @@ def compute_report(recs: Sequence[Rec], injections: Sequence[Injection], *, tota
         "final_loss": round(losses[last], 6) if losses else None,
         "generations": len(gens),
         "preemptions": preemptions,
+        "node_failures": failures,
         "price_spikes": spikes,
         "steps_executed_twice": len(twice),
         "sample_order_exact": sample_order_exact(recs),

@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -61,7 +62,7 @@ from orchestrator.cli.common import (
 )
 from orchestrator.jobspec import JobSpecError, load_jobspec
 from orchestrator.settings import NatsSettings, SettingsError
-from wire.admin import KillNodeRequest, PreemptNodeRequest
+from wire.admin import MAX_NOTICE_S, KillNodeRequest, PreemptNodeRequest
 
 # --- pure formatting -------------------------------------------------------------------------------
 
@@ -73,6 +74,17 @@ _COLUMNS: dict[str, tuple[str, ...]] = {
     "entries": ("ts", "event", "action", "reason", "details"),
     "messages": ("seq", "ts", "subject", "reason", "deliveries", "size", "preview"),
 }
+
+
+def _notice_seconds(text: str) -> float:
+    """``--notice``: seconds within 0 .. MAX_NOTICE_S (a usage error, exit 2, otherwise)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0.0 <= v <= MAX_NOTICE_S:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be within 0 .. {MAX_NOTICE_S:g} seconds, got {text}")
+    return v
 
 
 def format_reply(kind: str, reply: Any, fmt: str) -> str:
@@ -146,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--reason", default="admin")
     s = nodes.add_parser("preempt", parents=[common], help="local nodes: inject a spot reclaim with a notice")
     s.add_argument("node_id")
-    s.add_argument("--notice", type=float, default=30.0, metavar="SECONDS", dest="notice_s",
+    s.add_argument("--notice", type=_notice_seconds, default=30.0, metavar="SECONDS", dest="notice_s",
                    help="seconds from the notice to the kill (default 30)")
     s = nodes.add_parser("kill", parents=[common], help="local nodes: kill every process of the node, no notice")
     s.add_argument("node_id")
@@ -198,7 +210,8 @@ def _completion(parser: argparse.ArgumentParser, shell: str) -> int:
 
 async def _run(args: argparse.Namespace, urls: list[str], ns: NatsSettings | None, out: Callable[[str], None]) -> int:
     fmt = getattr(args, "output", "table")
-    spec = load_jobspec(args.file) if (args.cmd, getattr(args, "verb", None)) == ("jobs", "submit") else None
+    submit = (args.cmd, getattr(args, "verb", None)) == ("jobs", "submit")
+    spec = load_jobspec(args.file, now=time.time()) if submit else None  # deadline_in: from now, once
     async with await AdminClient.connect(urls, timeout_s=args.timeout, nats_settings=ns) as c:
         cmd, verb = args.cmd, getattr(args, "verb", None)
 
@@ -321,6 +334,9 @@ def sweep_service_main(argv: list[str] | None = None) -> int:
     for opt in ("--server", "--config", "--state-dir", "--timeout"):
         g.add_argument(opt)
     known, rest = g.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if "--version" in rest:  # the program's own, as orchd, orchctl and orch-agent answer it
+        print(f"orch-sweep {package_version()}")
+        return EXIT_OK
     if "-h" in rest or "--help" in rest:  # the help below is `orchctl sweep run`'s: say what else is taken
         print("orch-sweep also takes orchctl's global options: --server URL, --config FILE, --state-dir DIR, "
               "--timeout S (where orchd is: see `orchctl --help`)\n")

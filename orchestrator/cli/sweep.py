@@ -44,6 +44,7 @@ from orchestrator.cli.common import (
     EXIT_OK,
     EXIT_UNREACHABLE,
     EXIT_USAGE,
+    format_time,
     render_kv,
     render_table,
     resolve_server,
@@ -173,7 +174,12 @@ def _storage_command(args: argparse.Namespace, fmt: str, write: Callable[[str], 
         spec, text = load_sweepspec(args.file)  # before the storage: a bad file fails without Optuna/DB
         store = SweepStore(_storage_url(args))
         sweep_id = args.sweep_id or slug_id(spec.name)
-        created = store.create(sweep_id, spec, text, time.time())
+        now = time.time()
+        created = store.create(sweep_id, spec, text, now)
+        if created and spec.deadline_ts is not None and spec.deadline_ts <= now:
+            sys.stderr.write(f"orchctl sweep: warning: the sweep's deadline {format_time(spec.deadline_ts)} has "
+                             "passed: no trial will start (orchd refuses them; the sweep finishes with "
+                             "sweep_deadline). A relative deadline (deadline_in = \"72h\") does not expire.\n")
         write(_dump({"sweep_id": sweep_id, "created": created}, fmt) if fmt != "table"
               else f"sweep {sweep_id} {'submitted' if created else 'already there (same file)'}\n")
         return EXIT_OK

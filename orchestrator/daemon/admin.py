@@ -229,7 +229,7 @@ class Handlers:
         try:
             await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=req.spec))
         except NotLeader as e:  # it may have been written all the same: a retry under another id would be a 2nd job
-            raise NotLeader(f"{e}; submit it again as job {job_id} (orchctl submit --id {job_id}): it may have"
+            raise NotLeader(f"{e}; submit it again as job {job_id} (orchctl jobs submit --id {job_id}): it may have"
                             " been written, and the same id cannot make a second job") from None
         if job_id not in self._state().jobs:
             clash = find_overlap(((j.job_id, j.spec.checkpoint.url) for j in self._state().jobs.values()),

@@ -172,8 +172,7 @@ class Controller:
         if running == 0:
             finished = sum(1 for t in trials if not store.is_running(t))
             if stop is not None or blocked or finished >= spec.trials:
-                reason = stop or blocked or "completed"
-                sw.finish(reason)
+                sw.finish(stop or blocked or ended_reason(trials))
                 res.state = "finished"
         return res
 
@@ -248,3 +247,14 @@ class Controller:
             sw.set(t, store.PRUNE_STEP, rung)  # recorded first: a crash before the cancel still ends PRUNED
             res.pruned.append(t.number)
             self._cancel(trial_job_id(sw.sweep_id, t.number), "pruned", res)
+
+
+def ended_reason(trials: list[Any]) -> str:
+    """Why a sweep whose trials all ended finished: ``completed`` when at least one trial completed;
+    ``all_trials_refused`` when orchd refused every trial's job at submit (their reasons say why);
+    ``no_trial_completed`` when every trial was pruned or failed otherwise."""
+    if any(t.state.name == "COMPLETE" for t in trials):
+        return "completed"
+    if trials and all(str(t.user_attrs.get(store.FAIL_REASON, "")).startswith("refused:") for t in trials):
+        return "all_trials_refused"
+    return "no_trial_completed"

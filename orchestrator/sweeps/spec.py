@@ -6,7 +6,7 @@ reading the file; no clock (a relative deadline is resolved by the caller with i
 File layout (config/sweeps/*.toml, docs/sweeps.md)::
 
     name, trials, parallelism, budget_usd, trial_budget_usd, deadline (TOML date-time / ISO-8601) or
-    deadline_ts (unix seconds) or deadline_in_s (from submission)
+    deadline_ts (unix seconds) or deadline_in_s (seconds from submission) or deadline_in ("72h", "3d")
     [objective]  direction (minimize | maximize), report_every_steps   - the trainer's reported loss
     [sampler]    kind (tpe | random), seed
     [pruner]     kind (none | median | successive_halving), startup_trials, warmup_steps,
@@ -28,7 +28,7 @@ from typing import Any, Final
 
 import msgspec
 
-from orchestrator.jobspec import SWEEP_ID_RE, build_jobspec, spec_problems
+from orchestrator.jobspec import SWEEP_ID_RE, build_jobspec, parse_duration, spec_problems
 from wire import JobSpec
 from wire.config import SettingsError
 
@@ -41,7 +41,8 @@ PRUNERS: Final = ("none", "median", "successive_halving")
 DIRECTIONS: Final = ("minimize", "maximize")
 MAX_TRIALS: Final = 10_000
 _TOP_KEYS: Final = frozenset({"name", "trials", "parallelism", "budget_usd", "trial_budget_usd", "deadline",
-                              "deadline_ts", "deadline_in_s", "objective", "sampler", "pruner", "space", "job"})
+                              "deadline_ts", "deadline_in_s", "deadline_in", "objective", "sampler", "pruner",
+                              "space", "job"})
 
 
 class SweepSpecError(SettingsError):
@@ -189,10 +190,16 @@ def _param(name: str, raw: Any, p: list[str]) -> Param | None:
 
 
 def _deadline(raw: Mapping[str, Any], p: list[str]) -> tuple[float | None, float | None]:
-    given = [k for k in ("deadline", "deadline_ts", "deadline_in_s") if k in raw]
+    given = [k for k in ("deadline", "deadline_ts", "deadline_in_s", "deadline_in") if k in raw]
     if len(given) > 1:
-        p.append(f"deadline: give one of deadline, deadline_ts, deadline_in_s, got {', '.join(given)}")
+        p.append(f"deadline: give one of deadline, deadline_ts, deadline_in_s, deadline_in, got {', '.join(given)}")
         return None, None
+    if "deadline_in" in raw:  # "72h", "3d": resolved once, when the sweep is submitted
+        try:
+            return None, parse_duration(raw["deadline_in"])
+        except ValueError as e:
+            p.append(f"deadline_in: {e}")
+            return None, None
     if "deadline" in raw:
         v = raw["deadline"]
         try:

@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 
+from orchestrator.cli import statedir
 from simulations.chaos import adversarial, fuzz, kill9, natsrestart, netns, partitions
 
 
@@ -95,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fuzz", type=int, default=100_000, help="fuzzed messages (default 100000; 0: none)")
     p.add_argument("--nats-restarts", type=int, default=1)
     p.add_argument("--max-kills", type=int, default=3, help="kill -9s per iteration, at most")
-    p.add_argument("--workdir", help="where servers and daemons keep their files (default: a temp dir)")
+    p.add_argument("--workdir", help="where servers and daemons keep their files (default: a temp dir; an empty "
+                   "or new directory, unless --fresh)")
+    p.add_argument("--fresh", action="store_true", help="clear the earlier run in --workdir first")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--adversarial", type=int, default=0, metavar="N",
                    help="run only the adversarial drill with N hostile messages (docs/chaos.md section 4)")
@@ -109,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sim-agents", action="store_true",
                    help="with --partitions: simulated agents (simhost.py) instead of orch-agent with ranks")
     a = p.parse_args(argv)
+    if a.workdir and not _claim_workdir(a):
+        return 2
     if a.partitions:
         return _partitions(a)
     if a.adversarial:
@@ -127,6 +132,18 @@ def main(argv: list[str] | None = None) -> int:
             if k not in ("rejected_by_reason", "fuzz_by_target", "fuzz_by_mutation"):
                 print(f"{k:24} {v}")
     return 0 if passed(out) else 1
+
+
+def _claim_workdir(a: argparse.Namespace) -> bool:
+    """--workdir belongs to this run: an empty or new directory, or an earlier run's with --fresh."""
+    try:
+        claim = statedir.claim(Path(a.workdir), command="python -m simulations.chaos", options={"seed": a.seed},
+                               fresh=a.fresh, resumable=False)
+    except statedir.StateDirError as e:
+        print(f"python -m simulations.chaos: {e}", file=sys.stderr)
+        return False
+    print(claim.message, file=sys.stderr)
+    return True
 
 
 def _partitions(a: argparse.Namespace) -> int:

@@ -57,9 +57,9 @@ def test_load_step_logs_tags_nodes_and_skips_torn_lines(tmp_path) -> None:
 def test_demo_display_and_text_report_render() -> None:
     from rich.console import Console
 
-    from orchestrator.cli.demo import DemoOptions, _View, format_report, render
+    from orchestrator.cli.demo import DemoOptions, View, format_report, render
 
-    view = _View(DemoOptions())
+    view = View(DemoOptions())
     console = Console(record=True, width=120)
     console.print(render(view))  # before the job exists
     view.job = {"phase": "running", "generation": 2, "step": 40, "total_steps": 200, "committed_step": 30,
@@ -88,3 +88,40 @@ def test_interrupted_step_is_not_a_sample_order_error() -> None:
     wrong = [Rec(1, 6, 1, 2, 1.0, (99,), 6.0, "n1")]
     assert not sample_order_exact(full + wrong + redo)
     assert not sample_order_exact(full + cut)  # step 6 never completed
+
+
+def test_a_vanished_on_demand_node_is_a_failure_not_a_preemption() -> None:
+    from orchestrator.cli.demo import DemoOptions, format_report
+
+    recs = _gen(1, range(1, 21), 3, 0.0) + _gen(2, range(21, 41), 2, 30.0) + _gen(3, range(31, 61), 3, 52.0)
+    inj = [Injection("notice", 19.5, "n2"), Injection("vanished", 45.2, "n1")]
+    pools = {"n0": "local-a/spot", "n1": "local-b/on_demand", "n2": "local-a/spot"}
+    r = compute_report(recs, inj, total_steps=60, node_pools=pools)
+    assert [(p["kind"], p["market"]) for p in r["preemptions"]] == [("notice", "spot")]
+    (failure,) = r["node_failures"]
+    assert (failure["kind"], failure["node"], failure["market"], failure["lost_steps"]) == ("vanished", "n1",
+                                                                                           "on_demand", 10)
+    r.update(job_succeeded=True, wall_s=60.0, cost_usd=0.01, on_demand_cost_usd=0.03, orchd_cost_estimate_usd=0.01)
+    text = format_report(r)
+    assert "preemption (vanished)" not in text and "node lost (vanished, on_demand: not a preemption) n1" in text
+    assert DemoOptions().steps == 200
+
+
+def test_the_display_says_why_the_step_goes_back_and_when_a_notice_is_due() -> None:
+    from orchestrator.cli.demo import DemoOptions, View
+
+    view = View(DemoOptions())
+    assert view.step_text() == "step -/200 (orchd starting)"
+    view.update({"phase": "placing", "generation": 0, "step": 0, "total_steps": 200, "target_nodes": 3},
+                [{"node_id": "demo-n1", "phase": "booting"}])
+    assert view.step_text() == "step -/200 (waiting for nodes: 0 of 3 up)"
+    view.update({"phase": "running", "generation": 1, "step": 81, "total_steps": 200, "committed_step": 66}, [])
+    assert view.step_text() == "step 81/200" and not view.events
+    view.notice("demo-n3", 20.0)
+    assert "demo-n3 killed in 20s" in view.notice_text() or "demo-n3 killed in 19s" in view.notice_text()
+    view.update({"phase": "running", "generation": 2, "step": 67, "total_steps": 200, "committed_step": 66}, [],
+                now=view.notices["demo-n3"] + 0.1)
+    said = [msg for _, msg in view.events]
+    assert any(m.startswith("step 81 -> 67: generation 2 resumed from the last committed checkpoint (step 66); "
+                            "steps 67-81 run again") for m in said), said
+    assert "notice deadline of demo-n3 passed: its VM is gone" in said and view.notice_text() == ""

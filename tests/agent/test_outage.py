@@ -109,3 +109,27 @@ async def test_orch_agent_process_exits_cleanly_on_sigterm_after_checkpoint(nats
     assert (tmp_path / "w" / "logs" / "j1" / "gen1-rank0.log").read_text().count("fake trainer") == 1
     await nc.close()
 
+
+
+async def test_no_goodbye_after_the_job_completed_here(nats_server: NatsServer, tmp_path) -> None:
+    """orchd releases a node once its job completed and forgets it: a NodeLeaving then would only be
+    refused as unknown_node (a line in `orchctl events` after every normal completion). A node that leaves
+    before completion still says so."""
+    nc = await nats.connect(nats_server.url)
+    await ensure_events_stream(nc)
+    cfg = AgentConfig(node_id="n-done", nats_urls=(nats_server.url,), work_dir=str(tmp_path / "n-done"),
+                      heartbeat_s=0.3)
+    async with running_agent(cfg) as agent:
+        assert (await send(nc, start_cmd("n-done", ckpt=str(tmp_path / "ck"), steps=3, step_time_s=0.02))).ok
+        await wait_for(lambda: agent.generations.job_completed, timeout_s=20)
+    events = await stream_events(nc, "n-done")
+    kinds = [type(e).__name__ for e in events]
+    assert "NodeLeaving" not in kinds, kinds
+    assert next(e for e in events if isinstance(e, RanksExited)).reason == "completed"
+    cfg = AgentConfig(node_id="n-mid", nats_urls=(nats_server.url,), work_dir=str(tmp_path / "n-mid"), heartbeat_s=0.3)
+    async with running_agent(cfg) as agent:
+        assert (await send(nc, start_cmd("n-mid", ckpt=str(tmp_path / "ck2"), step_time_s=0.05))).ok
+        await wait_for(lambda: agent.group is not None and agent.group.last_step >= 2, timeout_s=20)
+    kinds = [type(e).__name__ for e in await stream_events(nc, "n-mid")]
+    assert kinds[-1] == "NodeLeaving", kinds
+    await nc.close()

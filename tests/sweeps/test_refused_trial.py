@@ -18,7 +18,7 @@ import pytest
 
 import wire as ev
 from orchestrator.cli.client import AdminClient
-from orchestrator.cli.sweep import _AdminBridge
+from orchestrator.cli.sweep import _AdminBridge, format_show
 from orchestrator.sweeps.controller import Controller
 from orchestrator.sweeps.spec import parse_sweepspec
 from orchestrator.sweeps.store import SweepStore
@@ -59,6 +59,11 @@ async def test_a_refused_trial_fails_with_orchds_message_and_is_not_resubmitted(
         assert first.told == [(0, "fail")] and first.submitted == []
         assert len(submits) == 1  # not again on the next pass
         assert second.state == "finished", second
+        sw = SweepStore(f"sqlite:///{tmp_path / 'sweeps.db'}").open("refused")
+        assert sw.summary()["reason"] == "all_trials_refused"  # not "completed": none of them ran
+        shown = format_show(sw.summary(), sw.trial_rows(), None, "table")  # what `orchctl sweep show` prints
+        assert "all_trials_refused" in shown and "no completed trial yet" in shown
+        assert "it allows clouds [fake]," in shown and "orchd has [local] enabled" in shown, shown  # not markup
         (row,) = SweepStore(f"sqlite:///{tmp_path / 'sweeps.db'}").open("refused").trial_rows()
         assert row["state"] == "fail" and row["reason"] == f"refused: {REFUSAL}", row
     finally:

@@ -91,6 +91,16 @@ def test_the_shipped_example_is_valid():
     spec, _ = load_sweepspec(Path(__file__).resolve().parents[2] / "config" / "sweeps" / "gpt-lr.toml")
     assert (spec.trials, spec.parallelism, spec.share_usd()) == (16, 4, 25.0)
     assert [p.name for p in spec.space] == ["lr", "warmup_steps", "weight_decay"]
+    assert (spec.deadline_ts, spec.deadline_in_s) == (None, 72 * 3600.0)  # resolved once, at sweep submit
+    local, _ = load_sweepspec(Path(__file__).resolve().parents[2] / "config" / "sweeps" / "local-lr.toml")
+    assert local.template.clouds == ("local",) and local.deadline_in_s == 2 * 3600.0
+
+
+def test_deadline_in_is_a_duration():
+    assert parse_sweepspec(GOOD.replace("budget_usd = 20.0\n", "budget_usd = 20.0\ndeadline_in = \"1d\"\n",
+                                        1)).deadline_in_s == 86400.0
+    with pytest.raises(SweepSpecError, match="deadline_in: not a duration, got 'soon'"):
+        parse_sweepspec(GOOD.replace("budget_usd = 20.0\n", "budget_usd = 20.0\ndeadline_in = \"soon\"\n", 1))
 
 
 def test_a_sqlite_storage_in_a_missing_directory_says_so(tmp_path):

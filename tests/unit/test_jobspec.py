@@ -17,10 +17,11 @@ BASE = 'name = "j"\ntotal_steps = 10\ngpu_type = "A100"\n[checkpoint]\nurl = "fi
 
 
 def test_shipped_specs_load() -> None:
-    specs = {p.name: load_jobspec(p) for p in sorted(JOBS.iterdir())}
+    now = 1_900_000_000.0  # the submission time: the example's relative deadline never expires
+    specs = {p.name: load_jobspec(p, now=now) for p in sorted(JOBS.iterdir())}
     assert set(specs) == {"custom-command.yaml", "gpt-small-spot.toml", "local-demo.toml"}
     gpt = specs["gpt-small-spot.toml"]
-    assert gpt.deadline_ts == 1796083200.0  # 2026-12-01T00:00:00Z
+    assert gpt.deadline_ts == now + 72 * 3600  # deadline_in = "72h"
     assert gpt.trainer.args["size"] == "small" and gpt.trainer.command == ()
     assert (gpt.nodes, gpt.nodes_min, gpt.nodes_max, gpt.market) == (4, 2, 4, MarketPolicy.SPOT_WITH_FALLBACK)
     assert gpt.checkpoint == CheckpointPolicy(url="s3://my-bucket/ckpt/gpt-small", interval_s=900.0, keep=3)
@@ -81,7 +82,8 @@ def test_three_different_errors_are_all_reported() -> None:
     with pytest.raises(JobSpecError) as err:
         parse_jobspec(text, source="three.toml")
     assert err.value.problems == [
-        "colour: unknown key (known: best_effort, budget_usd, checkpoint, clouds, deadline, deadline_ts, gpu_type, "
+        "colour: unknown key (known: best_effort, budget_usd, checkpoint, clouds, deadline, deadline_in, deadline_ts, "
+        "gpu_type, "
         "gpus_per_node, instance_types, market, name, nodes, nodes_max, nodes_min, price, regions, "
         "step_time_s_estimate, total_steps, tracking, trainer, zones)",
         "total_steps: expected an integer, got 'many'",
@@ -221,3 +223,18 @@ def test_a_wire_spec_with_an_absurd_magnitude_is_refused(path: str, value: float
     node[leaf] = value
     spec = msgspec.convert(good, JobSpec, strict=False)
     assert [p.split(":")[0] for p in spec_problems(spec)] == [path]
+
+
+def test_a_relative_deadline_is_resolved_once_with_the_callers_now() -> None:
+    spec = parse_jobspec(BASE.replace("[checkpoint]", 'deadline_in = "1d12h"\n[checkpoint]'), now=1_800_000_000.0)
+    assert spec.deadline_ts == 1_800_000_000.0 + 36 * 3600
+    with pytest.raises(JobSpecError, match="deadline_in: a relative deadline is resolved at submission"):
+        parse_jobspec(BASE.replace("[checkpoint]", 'deadline_in = "72h"\n[checkpoint]'))
+    for bad, why in (("72", "not a duration, got .72."), ("3 weeks", "not a duration"), ("0s", ".0s. is out of range"),
+                     ("400d", ".400d. is out of range")):
+        with pytest.raises(JobSpecError, match=f"deadline_in: {why}"):
+            parse_jobspec(BASE.replace("[checkpoint]", f'deadline_in = "{bad}"\n[checkpoint]'), now=1e9)
+    with pytest.raises(JobSpecError, match="deadline: give one of deadline, deadline_ts, deadline_in, got deadline_ts, "
+                                           "deadline_in"):
+        parse_jobspec(BASE.replace("[checkpoint]", 'deadline_ts = 1900000000\ndeadline_in = "2h"\n[checkpoint]'),
+                      now=1e9)
