@@ -23,7 +23,8 @@ def _py(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_orch_sweep_answers_version() -> None:
-    p = _py("-c", "import sys; from orchestrator.cli.sweep import service_main; sys.exit(service_main())", "--version")
+    p = _py("-c", "import sys; from orchestrator.cli.main import sweep_service_main as m; sys.exit(m())",
+            "--version")
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == f"orch-sweep {importlib.metadata.version('spot-orchestrator')}"
 
