@@ -122,6 +122,9 @@ class DaemonSettings:
     """At most this many liveness records per batch, so a flush never stalls the decide loop."""
     lease_ttl_s: float = field(default=6.0, metadata={"gt": 0})
     """HA leader lease TTL; the revision is the fencing token."""
+    stall_after_s: float = field(default=20.0, metadata={"gt": 0})
+    """A leader whose decide loop made no progress this long (connected to NATS) stops feeding the systemd
+    watchdog, which then restarts it; keep it above ``lease_ttl_s`` and below the unit's ``WatchdogSec``."""
     ha: bool = False
     dead_after_deliveries: int = field(default=5, metadata={"gt": 1})
     """A JetStream message delivered this many times without an ack is parked in ``ORCH_DEAD``

@@ -39,7 +39,6 @@ from orchestrator.daemon.store import Store
 from orchestrator.daemon.tracking import TrackingReporter
 from orchestrator.settings import Settings
 from providers.base import CloudProvider
-from wire import sdnotify
 
 if TYPE_CHECKING:
     from nats.aio.msg import Msg
@@ -96,6 +95,8 @@ class Daemon:
         self._persisting: Set[str] = _NOTHING  # the dirty keys of the batch being persisted
         self._closed = False  # the final batch is taken (``finish``): ``submit`` refuses at once
         self._held: list[Msg] = []  # handed back while the pull loops ran: nak'ed by ``finish``
+        self.deciding = False  # the decide loop runs (a leader); False while starting or standing by
+        self.progress_ts = time.monotonic()  # the decide loop's last turn (``stalled_s``)
 
     # --- lifecycle (run.py) ------------------------------------------------------------------------
 
@@ -155,12 +156,32 @@ class Daemon:
 
     # --- the decide loop ---------------------------------------------------------------------------
 
+    def stalled_s(self) -> float:
+        """How long the decide loop has made no progress: 0 while it does not run (starting, standing by)
+        and while NATS is unreachable (an outage is not a stall: the lease and the retries handle it)."""
+        if not self.deciding or not self.connected:
+            return 0.0
+        return max(0.0, time.monotonic() - self.progress_ts)
+
+    def _progress(self) -> None:
+        self.progress_ts = time.monotonic()
+        self.metrics.decide_progress.set(time.time())
+
     async def decide_loop(self) -> None:
+        self.deciding = True
+        try:
+            await self._turns()
+        finally:
+            self.deciding = False
+
+    async def _turns(self) -> None:
+        """The decide loop's turns until stopped: wait, take, decide (urgent, Tick, heartbeats)."""
         tick_s = self.settings.daemon.tick_s
         next_tick = time.monotonic() + tick_s
         next_flush = time.monotonic() + self.settings.daemon.liveness_flush_s
         next_gauges = 0.0
         while not self._stop.is_set():
+            self._progress()  # each turn: the previous batch was decided and persisted, or there was none
             if self.intake.pending():  # more is buffered: one pass of the event loop (the bus's readers run)
                 await anyio.sleep(0)  # instead of a task group of two waiters per batch
             else:
@@ -174,7 +195,6 @@ class Daemon:
                 if time.monotonic() >= next_flush:
                     self.liveness.start_round()
                     next_flush = time.monotonic() + self.settings.daemon.liveness_flush_s
-                sdnotify.notify_watchdog()
             # Urgent first: notices, node events, executor results and admin intents are decided,
             # persisted and their commands dispatched before the Tick (O(jobs) in the core) and the
             # heartbeats taken with them.

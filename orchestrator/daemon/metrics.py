@@ -76,6 +76,11 @@ class Metrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r,
         )
         self.backlog = Gauge("orchd_event_backlog", "Messages pending in the ingestion consumers", registry=r)
+        self.decide_progress = Gauge(
+            "orchd_decide_progress_timestamp_seconds",
+            "When the decide loop last made progress (a batch decided, or nothing to decide); a leader whose "
+            "value stops moving is stalled (alert OrchdDecideLoopStalled; the systemd watchdog restarts it)",
+            registry=r)
         self.notice_to_command = Histogram(
             "orchd_notice_to_command_seconds", "Preemption notice publish to checkpoint command sent",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5), registry=r,

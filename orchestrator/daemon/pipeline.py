@@ -68,7 +68,7 @@ from orchestrator.daemon.admit import admit_heartbeat_batch, admit_js_batch
 from orchestrator.daemon.coreapi import CoreApi
 from orchestrator.daemon.executor import Executor
 from orchestrator.daemon.metrics import Metrics
-from orchestrator.daemon.records import Batch, Decided, Result, ShellItem, outbox_key
+from orchestrator.daemon.records import Batch, Decided, Result, ShellItem, bad_kv_key, outbox_key
 from orchestrator.daemon.store import Store
 
 log = structlog.get_logger("orchd")
@@ -107,6 +107,7 @@ class Outcome:
     failed: list[int] = field(default_factory=list)
     refused: list[int] = field(default_factory=list)
     ahead: list[int] = field(default_factory=list)
+    reasons: dict[int, str] = field(default_factory=dict)  # why a failed one failed: core_error, bad_key...
 
 
 class Decider:
@@ -209,6 +210,11 @@ class Decider:
             self._core_error(event, e)
             outcome.failed.append(i)
             return state
+        if d.dirty and (bad := _unstorable(d.dirty)) is not None:  # a permanent refusal: never retried
+            self._refuse_unstorable(event, *bad)
+            outcome.failed.append(i)
+            outcome.reasons[i] = bad[1]
+            return state
         out = self.out
         if d.dirty:
             out.dirty.update(d.dirty)
@@ -258,6 +264,11 @@ class Decider:
         if node is not None:
             self.metrics.preemptions.labels(node.pool.cloud, node.pool_name, "notice").inc()
 
+    def _refuse_unstorable(self, event: CoreEvent, key: str, reason: str) -> None:
+        self.metrics.rejected.labels(type(event).__name__, reason).inc()
+        log.error("decision_unstorable", event_type=type(event).__name__, reason=reason, key=key[:200],
+                  hint="a name that is not a token or dotted key reached the core; the event is parked")
+
     def _core_error(self, event: CoreEvent, e: Exception) -> None:
         self.metrics.rejected.labels(type(event).__name__, "core_error").inc()
         log.exception("decide_failed", event_type=type(event).__name__, error=repr(e))
@@ -281,6 +292,15 @@ def decide(batch: Batch, state: State, stages: Stages, executor: Executor | None
     decider = Decider(stages.core, state, metrics=stages.metrics, on_decision=stages.on_decision,
                       on_reject=stages.on_reject)
     return decide_batch(batch, decider, dead_after=stages.dead_after, retry_s=stages.retry_s, executor=executor)
+
+
+def _unstorable(keys: Collection[str]) -> tuple[str, str] | None:
+    """(key, reason) of the first record key the store could never write, or None."""
+    for key in keys:
+        reason = bad_kv_key(key)
+        if reason is not None:
+            return key, reason
+    return None
 
 
 def decide_batch(batch: Batch, decider: Decider, *, dead_after: int = bus.DEAD_AFTER_DELIVERIES,
@@ -335,7 +355,7 @@ def _decide_js(msgs: list[Msg], decider: Decider, dead_after: int, retry_s: floa
         elif i in refused:
             out.to_term.append(msg)
         elif i in failed:
-            out.to_park.append((msg, "core_error"))
+            out.to_park.append((msg, outcome.reasons.get(i, "core_error")))
         else:
             out.to_ack.append(msg)
 

@@ -9,6 +9,7 @@ Every other module of ``orchestrator.daemon`` may import this one, and it import
     ``NotLeader``, ``ShuttingDown``  why an admin intent got no decision (``loop``, ``admin``)
     ``encode_command``, ``decode_command``, ``outbox_key``, ``agent_command_kind``  a command's bytes,
                                outbox key and kind
+    ``bad_kv_key``, ``bad_subject``  why a key or subject can never be written (a permanent refusal)
 
 Pure data: no I/O, no NATS calls (``Msg`` appears only as a type).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -99,6 +101,31 @@ def encode_command(cmd: Command) -> bytes:
 def decode_command(data: bytes) -> Command:
     cmd: Command = _command_dec.decode(data)
     return cmd
+
+
+_KV_KEY = re.compile(r"[-/_=a-zA-Z0-9]+(\.[-/_=a-zA-Z0-9]+)*")
+MAX_KV_KEY = 1024
+
+
+def bad_kv_key(key: str) -> str | None:
+    """Why ``key`` cannot be a JetStream KV key (the NATS clients' key rule: ``[-/_=.a-zA-Z0-9]+``, no empty
+    part between dots; at most ``MAX_KV_KEY`` characters), or None. A write the server can never accept
+    is a permanent refusal: retrying it would stall the loop forever."""
+    if len(key) > MAX_KV_KEY:
+        return "key_too_long"
+    if _KV_KEY.fullmatch(key) is None:
+        return "bad_key"
+    return None
+
+
+def bad_subject(subject: str) -> str | None:
+    """Why ``subject`` cannot be published to (empty token, white space, a wildcard), or None."""
+    if not subject or len(subject) > MAX_KV_KEY + 64:
+        return "bad_subject"
+    for token in subject.split("."):
+        if not token or token in ("*", ">") or any(c.isspace() or not c.isprintable() for c in token):
+            return "bad_subject"
+    return None
 
 
 def agent_command_kind(c: ev.AgentCommand) -> str:

@@ -123,30 +123,63 @@ async def run_daemon(
         urls = await _start_embedded_nats(settings, res)
         d.nats_url = ",".join(urls)
         nc, ctl, hbc = await _connect(d, settings, urls, res)
-        topo = await _retrying(d, "ensure_topology", lambda: bus.ensure_topology(nc, settings.nats.stream_replicas))
-        _start_metrics(d, res)  # a standby serves /metrics too (orchd_up 0): HA alerts need both sides
-        try:
-            lease = await _take_lease(d, topo.js)
-        except ValueError as e:  # e.g. the lease bucket's TTL differs from daemon.lease_ttl_s
-            raise StartupError(f"leader lease: {e}") from None
-        if lease is None and settings.daemon.ha:
-            return d  # stopped while standing by
-        # The lease is renewed from here on: loading the state may wait out a stream leader election
-        # (seconds), longer than the lease TTL.
-        async with anyio.create_task_group() as lease_tg:
-            if lease is not None:
-                lease_tg.start_soon(lease.run, partial(_on_lease_change, d))
-            outbox = await _load_state(d, topo, ctl, tune_gc=tune_gc)
-            credentials: Credentials | None = res.callout_credentials or (
-                node_credentials(settings) if settings.credentials.enabled else None)
-            executor = d.executor = _start_executor(d, ctl, urls, lease, credentials)
-            await _serve(d, executor, topo.js, (nc, ctl, hbc), outbox, credentials, feeds=feeds,
-                         task_status=task_status)
-            lease_tg.cancel_scope.cancel()  # releases the lease (clean exit)
+        async with anyio.create_task_group() as watchdog_tg:
+            watchdog_tg.start_soon(_feed_watchdog, d)
+            await _lead_and_serve(d, settings, urls, res, (nc, ctl, hbc), feeds=feeds, tune_gc=tune_gc,
+                                  task_status=task_status)
+            watchdog_tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
             await _close(d, res)
     return d
+
+
+async def _lead_and_serve(d: Daemon, settings: Settings, urls: tuple[str, ...], res: _Resources,
+                          conns: tuple[Client, Client, Client], *, feeds: bool, tune_gc: bool,
+                          task_status: TaskStatus[Daemon]) -> None:
+    """Streams and KV, ``/metrics``, the lease (standing by until it is held), the state, the executor,
+    then ``_serve`` until stopped."""
+    nc, ctl, _hbc = conns
+    topo = await _retrying(d, "ensure_topology", lambda: bus.ensure_topology(nc, settings.nats.stream_replicas))
+    _start_metrics(d, res)  # a standby serves /metrics too (orchd_up 0): HA alerts need both sides
+    try:
+        lease = await _take_lease(d, topo.js)
+    except ValueError as e:  # e.g. the lease bucket's TTL differs from daemon.lease_ttl_s
+        raise StartupError(f"leader lease: {e}") from None
+    if lease is None and settings.daemon.ha:
+        return  # stopped while standing by
+    # The lease is renewed from here on: loading the state may wait out a stream leader election
+    # (seconds), longer than the lease TTL.
+    async with anyio.create_task_group() as lease_tg:
+        if lease is not None:
+            lease_tg.start_soon(lease.run, partial(_on_lease_change, d))
+        outbox = await _load_state(d, topo, ctl, tune_gc=tune_gc)
+        credentials: Credentials | None = res.callout_credentials or (
+            node_credentials(settings) if settings.credentials.enabled else None)
+        executor = d.executor = _start_executor(d, ctl, urls, lease, credentials)
+        await _serve(d, executor, topo.js, conns, outbox, credentials, feeds=feeds, task_status=task_status)
+        lease_tg.cancel_scope.cancel()  # releases the lease (clean exit)
+
+
+async def _feed_watchdog(d: Daemon) -> None:
+    """``WATCHDOG=1`` every half ``WatchdogSec`` from the event loop (a blocked loop stops the pings), but
+    only while the decide loop makes progress: starting, standing by and a NATS outage keep feeding it; a
+    leader whose loop has not turned for ``daemon.stall_after_s`` stops, and systemd restarts it."""
+    interval = sdnotify.watchdog_interval_s()
+    if interval is None:
+        return  # not under a systemd watchdog
+    bound = d.settings.daemon.stall_after_s
+    told = False
+    while True:
+        stalled = d.stalled_s()
+        if stalled <= bound:
+            sdnotify.notify_watchdog()
+            told = False
+        elif not told:
+            told = True
+            log.error("decide_loop_stalled", stalled_s=round(stalled, 1), bound_s=bound,
+                      hint="no batch decided while connected: the systemd watchdog will restart orchd")
+        await anyio.sleep(min(interval, max(0.1, bound / 4)))
 
 
 async def _start_embedded_nats(settings: Settings, res: _Resources) -> tuple[str, ...]:
@@ -184,7 +217,8 @@ async def _connect(d: Daemon, settings: Settings, urls: tuple[str, ...], res: _R
 async def _load_state(d: Daemon, topo: bus.Topology, ctl: Client, *, tune_gc: bool) -> dict[str, Command]:
     """The store, the state (only the leader reads: retried, a takeover may meet an election) and the
     outbox to execute again."""
-    store = d.store = Store(topo, writer=ctl)
+    rejected = d.metrics.rejected
+    store = d.store = Store(topo, writer=ctl, on_refused=lambda _subject, why: rejected.labels("store", why).inc())
     records, outbox = await _retrying(d, "load_state", store.load)
     d.restore(records)
     log.info("state_loaded", records=len(records), outbox=len(outbox), fencing_token=d.fencing_token)

@@ -37,7 +37,7 @@ from nats.js import JetStreamContext
 
 from orchestrator import bus
 from orchestrator.core.commands import Command
-from orchestrator.daemon.records import decode_command, encode_command
+from orchestrator.daemon.records import bad_subject, decode_command, encode_command
 
 log = structlog.get_logger("orchd.store")
 
@@ -59,11 +59,20 @@ def audit_subject(job_id: str | None) -> str:
 
 
 class Store:
-    def __init__(self, topo: bus.Topology, *, writer: Client | None = None, write_timeout_s: float = 5.0) -> None:
+    """orchd's persistence. A write is retried until stored while the store is unreachable or answers
+    that it cannot now (no reply, 503: an outage, an election); one it can never take (a subject or KV
+    key that is not one, a 4xx answer) is a permanent refusal: dropped, logged and given to
+    ``on_refused(subject, reason)`` (orchd counts it in ``orchd_messages_rejected_total{kind="store"}``),
+    never retried, so it cannot stall the loop."""
+
+    def __init__(self, topo: bus.Topology, *, writer: Client | None = None, write_timeout_s: float = 5.0,
+                 on_refused: Callable[[str, str], None] | None = None) -> None:
         self.topo = topo
         self.js = topo.js
         self.write_timeout_s = write_timeout_s
         self.writes = 0
+        self.refused = 0
+        self.on_refused = on_refused
         self._pipe = _Pipeline(writer or topo.nc)  # writer: a connection of its own (see daemon)
 
     async def load(self, timeout_s: float = 2.0) -> tuple[dict[str, bytes], dict[str, Command]]:
@@ -121,13 +130,22 @@ class Store:
         pending = items
         attempt = 0
         while pending:
-            failed = await self._pipe.write(pending, self.write_timeout_s)
-            self.writes += len(pending) - len(failed)
+            failed, refused = await self._pipe.write(pending, self.write_timeout_s)
+            self._refused(pending, refused)
+            self.writes += len(pending) - len(failed) - len(refused)
             pending = [pending[i] for i in failed]
             if pending:
                 attempt += 1
                 log.warning("store_write_retry", pending=len(pending), attempt=attempt)
                 await anyio.sleep(min(0.1 * 2**attempt, 2.0))
+
+    def _refused(self, items: Sequence[_Write], refused: Mapping[int, str]) -> None:
+        for i, reason in refused.items():
+            subject = items[i][0]
+            self.refused += 1
+            log.error("store_write_refused", subject=subject[:200], reason=reason)
+            if self.on_refused is not None:
+                self.on_refused(subject, reason)
 
     async def write_records_background(self, keys: set[str],
                                        encode: Callable[[tuple[str, ...]], Mapping[str, bytes]]) -> None:
@@ -149,9 +167,10 @@ class Store:
         attempt = 0
         while keys:
             order = sorted(keys)
-            failed = await self._pipe.write([item(k) for k in order], self.write_timeout_s,
-                                            yield_every=BACKGROUND_YIELD_EVERY)
-            self.writes += len(order) - len(failed)
+            failed, refused = await self._pipe.write([item(k) for k in order], self.write_timeout_s,
+                                                     yield_every=BACKGROUND_YIELD_EVERY)
+            self._refused([(state_pre + k, b"", None) for k in order], refused)
+            self.writes += len(order) - len(failed) - len(refused)
             keys = {order[i] for i in failed}
             if keys:
                 attempt += 1
@@ -225,11 +244,12 @@ async def _load_bucket(js: JetStreamContext, bucket: str, idle_timeout_s: float 
 
 
 class _Round:
-    __slots__ = ("pending", "failed", "done")
+    __slots__ = ("pending", "failed", "refused", "done")
 
     def __init__(self) -> None:
         self.pending: dict[str, int] = {}
         self.failed: set[int] = set()
+        self.refused: dict[int, str] = {}  # index -> why the server will never take it
         self.done = asyncio.Event()
 
 
@@ -256,15 +276,22 @@ class _Pipeline:
         if idx is None:
             return
         status = msg.headers.get("Status") if msg.headers else None
-        if (status and status != "200") or b'"error"' in msg.data[:64]:
-            rnd.failed.add(idx)
+        if status and status != "200":
+            rnd.failed.add(idx)  # no responders (503), a timeout: the store is not there now
+        elif b'"error"' in msg.data[:64]:
+            code = _error_code(msg.data)
+            if 400 <= code < 500 and code not in (408, 429):
+                rnd.refused[idx] = f"server_{code}"
+            else:
+                rnd.failed.add(idx)
         if not rnd.pending:
             rnd.done.set()
 
     async def write(self, items: Sequence[_Write | Callable[[], _Write | None]], timeout_s: float,
-                    yield_every: int = 0) -> list[int]:
+                    yield_every: int = 0) -> tuple[list[int], dict[int, str]]:
         """Publish every item (a callable one is encoded at its publish, and skipped when it gives None),
-        wait up to ``timeout_s`` for the acks; the indices of the items not stored, in order.
+        wait up to ``timeout_s`` for the acks: the indices of the items not stored, in order, and those
+        refused for good with why (a subject that is not one, never published; a 4xx answer).
         ``yield_every`` > 0: let the event loop run other tasks after each that many items (a background
         write must not hold the decide loop for a whole slice; each item is still encoded and queued with
         no await in between)."""
@@ -285,6 +312,10 @@ class _Pipeline:
                 if made is None:
                     continue
                 subject, data, headers = made
+                bad = bad_subject(subject)
+                if bad is not None:
+                    rnd.refused[i] = bad
+                    continue
                 token = f"{rid}-{i}"
                 rnd.pending[token] = i
                 try:
@@ -299,4 +330,13 @@ class _Pipeline:
             lost = set(rnd.pending.values()) | rnd.failed | failed_now
         finally:
             del self.rounds[rid]
-        return sorted(lost)
+        return sorted(lost), rnd.refused
+
+
+def _error_code(data: bytes) -> int:
+    """The code of a JetStream error reply (``{"error": {"code": 400, ...}}``), or 0."""
+    try:
+        err = msgspec.json.decode(data).get("error") or {}
+        return int(err.get("code", 0))
+    except (msgspec.DecodeError, AttributeError, TypeError, ValueError):
+        return 0

@@ -1,0 +1,107 @@
+"""One bad string cannot wedge orchd: a price tick or an admin submit whose name cannot become a KV key or
+a subject token is refused and counted, and a notice for a healthy job is still decided at once after it.
+
+A real orchd (in this process, the real core) with the fake cloud, on a real nats-server; a simulated
+agent acks commands. Before the fix, a tick for instance type "gpu evil" ended up in a KV key of orchd's
+state, the store refused the write and retried it forever, and the decide loop stopped for good.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+import msgspec
+import nats
+import pytest
+
+import wire as ev
+from orchestrator.daemon.run import run_daemon
+from simulations.fakecloud import FakeCloud
+from tests.integration import helpers as h
+
+pytestmark = pytest.mark.anyio
+
+HOSTILE_TYPES = ("gpu evil", "gpu..x", "x" * 5000, "gpu.", ".gpu", "gpu\tx")
+HOSTILE_IDS = ("rt job", "rt..job", "j" * 5000, "rt.job", "rt*", "rt>")
+
+
+async def _running_job(d, cloud, js, nc, agent, tmp_path, url) -> list:
+    await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL, 1.0, 3.0))
+    await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL_OD, 3.0, 3.0))
+    await h.wait_for(lambda: len(d.state.pools) == 2)
+    spec = tmp_path / "job.toml"
+    spec.write_text(h.JOB_TOML.format(nodes=2))
+    code, out, err = await h.actl(url, "jobs", "submit", str(spec), "--id", "healthy", "-o", "json")
+    assert code == 0, err
+    await h.wait_for(lambda: len(cloud.all_instances()) == 2)
+    for inst in cloud.all_instances():
+        reg = ev.NodeRegistered(id=f"reg-{inst.node_id}", node_id=inst.node_id, instance_id=inst.instance_id,
+                                pool=inst.pool, host="127.0.0.1", ts=time.time())
+        await h.publish_js(js, ev.subject_node_event(inst.node_id), reg)
+    starts = await h.wait_for(lambda: len(agent.of_kind(ev.StartGenerationCmd)) == 2
+                              and agent.of_kind(ev.StartGenerationCmd))
+    for c in starts:
+        hb = ev.Heartbeat(node_id=c.node_id, seq=1, ts=time.time(), state=ev.AgentState.TRAINING,
+                          job_id=c.job_id, generation=c.generation, step=5)
+        await nc.publish(ev.subject_heartbeat(c.node_id), ev.encode(hb))
+    await h.wait_for(lambda: d.state.jobs["healthy"].phase == "running")
+    return starts
+
+
+async def _notice_decided_s(js, agent, node_id: str, tag: str) -> float:
+    """Seconds from a notice for ``node_id`` to its checkpoint command at the agent."""
+    before = len(agent.of_kind(ev.CheckpointCmd))
+    t0 = time.monotonic()
+    notice = ev.PreemptionNotice(id=f"notice-{tag}", node_id=node_id, cloud="fake", deadline_ts=time.time() + 120,
+                                 observed_ts=time.time())
+    await h.publish_js(js, ev.subject_notice("fake", node_id), notice)
+    await h.wait_for(lambda: len(agent.of_kind(ev.CheckpointCmd)) > before, timeout=5.0)
+    return time.monotonic() - t0
+
+
+def _hostile_tick(instance_type: str, i: int) -> bytes:
+    """A tick whose instance type is ``instance_type`` (encoded by hand: the wire type may refuse it)."""
+    tick = msgspec.to_builtins(h.price(h.POOL, 0.5, 3.0))
+    tick["pool"]["instance_type"] = instance_type
+    tick["id"] = f"hostile-{i}"
+    return json.dumps(tick).encode()
+
+
+async def test_a_hostile_price_tick_or_job_id_never_wedges_the_loop(server, tmp_path) -> None:
+    url = server.url
+    settings = h.settings_for(tmp_path, url)
+    cloud = FakeCloud()
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    agent = await h.SimAgent(nc).start()
+    async with anyio.create_task_group() as tg:
+        d = await tg.start(lambda task_status: run_daemon(settings, {"fake": cloud}, task_status=task_status))
+        starts = await _running_job(d, cloud, js, nc, agent, tmp_path, url)
+        for i, bad in enumerate(HOSTILE_TYPES):
+            await js.publish(ev.subject_price("fake", "r1"), _hostile_tick(bad, i), headers={"Nats-Msg-Id": f"h{i}"})
+        spec = tmp_path / "job.toml"
+        for bad in HOSTILE_IDS:
+            code, _out, err = await h.actl(url, "jobs", "submit", str(spec), "--id", bad)
+            assert code != 0 and ("job id" in err or "job_id" in err), (bad[:20], code, err)
+        # the loop still decides: a notice for the healthy job gets its checkpoint command at once
+        assert await _notice_decided_s(js, agent, starts[0].node_id, "after") < 5.0
+        code, out, err = await h.actl(url, "jobs", "submit", str(spec), "--id", "after-attack", "-o", "json")
+        assert code == 0 and json.loads(out)["created"], err
+        assert all(bad not in p for p in d.state.pools for bad in HOSTILE_TYPES)
+        rejected = {k: v for k, v in _samples(d, "orchd_messages_rejected_total").items() if v}
+        assert sum(v for (kind, _reason), v in rejected.items() if kind in ("price", "PriceTick")) >= len(
+            HOSTILE_TYPES), rejected
+        assert sum(v for (kind, _reason), v in rejected.items() if kind == "admin") >= len(HOSTILE_IDS), rejected
+        d.request_stop()
+    await nc.close()
+
+
+def _samples(d, name: str) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], float] = {}
+    for metric in d.metrics.registry.collect():
+        for s in metric.samples:
+            if s.name == name:
+                out[(s.labels.get("kind", ""), s.labels.get("reason", ""))] = s.value
+    return out
