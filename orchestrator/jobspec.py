@@ -116,8 +116,11 @@ class PriceTable:
 class TrackingTable:
     """``[tracking]`` -> ``wire.TrackingSpec``: the job's MLflow run (docs/tracking.md)."""
 
-    uri: str
     experiment: str
+    server: str = ""
+    """A tracking server of orchd's config (``[tracking.servers]``); "" = its default."""
+    uri: str = ""
+    """Accepted only when it is the URI of one of orchd's tracking servers; name the server instead."""
     run_name: str = ""
     """"" = the job's name."""
 
@@ -207,7 +210,7 @@ class JobFile:
                               migrate_min_saving=p.migrate_min_saving),
             tracking=(msgspec.UNSET if self.tracking is None else
                       TrackingSpec(uri=self.tracking.uri, experiment=self.tracking.experiment,
-                                   run_name=self.tracking.run_name)),
+                                   run_name=self.tracking.run_name, server=self.tracking.server)),
             best_effort=True if self.best_effort else msgspec.UNSET,
         )
 
@@ -439,7 +442,12 @@ def _tracking_problems(spec: JobSpec) -> list[str]:
     t = spec.tracking
     if isinstance(t, msgspec.UnsetType):
         return p
-    if not t.uri.startswith(TRACKING_SCHEMES):
+    if t.server and not (len(t.server) <= 64 and all(c.isalnum() or c in "_-" for c in t.server)):
+        p.append(f"tracking.server: the name of a server of orchd's [tracking.servers] (letters, digits, '_', "
+                 f"'-'), got {t.server[:64]!r}")
+    if not t.uri:
+        pass  # the server's, set by orchd at submit
+    elif not t.uri.startswith(TRACKING_SCHEMES):
         p.append(f"tracking.uri: must start with one of {', '.join(TRACKING_SCHEMES)}, got {t.uri[:100]!r}")
     else:
         netloc = t.uri.split("://", 1)[1].split("/", 1)[0]

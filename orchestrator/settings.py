@@ -206,6 +206,25 @@ class CredentialsSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrackingServer:
+    uri: str
+    """The MLflow server's URI (http:// or https://, no user part: credentials come from orchd's
+    environment, MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN)."""
+    plain_http_credentials: bool = False
+    """Send orchd's MLflow credentials to this server over plain http (refused unless set: https only)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrackingSettings:
+    """``[tracking]``: the MLflow servers orchd may use (docs/tracking.md). A job spec names one of them
+    (``tracking.server``) or inherits ``default``; orchd never sends its credentials anywhere else."""
+
+    servers: Mapping[str, TrackingServer] = field(default_factory=dict)
+    default: str = ""
+    """The server of a spec's ``[tracking]`` that names none ("" = such a spec is refused)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     nats: NatsSettings = NatsSettings()
     daemon: DaemonSettings = DaemonSettings()
@@ -214,6 +233,7 @@ class Settings:
     log: LogSettings = LogSettings()
     providers: ProvidersSettings = ProvidersSettings()
     credentials: CredentialsSettings = CredentialsSettings()
+    tracking: TrackingSettings = TrackingSettings()
 
     @property
     def state_path(self) -> Path:
@@ -295,4 +315,22 @@ def _cross_checks(s: Settings) -> list[str]:
         for name in ("static_users_file", *needed):
             if not getattr(c, name):
                 out.append(f"credentials.{name}: required when credentials.enabled (mode {c.mode})")
+    return out + _tracking_checks(s.tracking)
+
+
+def _tracking_checks(t: TrackingSettings) -> list[str]:
+    out = []
+    for name, server in t.servers.items():
+        if not name or not all(ch.isalnum() or ch in "_-" for ch in name) or len(name) > 64:
+            out.append(f"tracking.servers.{name[:64]}: a server's name is letters, digits, '_' and '-' (1-64)")
+        scheme, _, rest = server.uri.partition("://")
+        host = rest.split("/", 1)[0]
+        if scheme not in ("http", "https") or not host:
+            out.append(f"tracking.servers.{name}.uri: an http:// or https:// URI with a host, got "
+                       f"{server.uri[:100]!r}")
+        elif "@" in host:  # never echo the secret back
+            out.append(f"tracking.servers.{name}.uri: must not carry credentials (user:password@host): orchd "
+                       "takes them from its environment (MLFLOW_TRACKING_USERNAME/PASSWORD or _TOKEN)")
+    if t.default and t.default not in t.servers:
+        out.append(f"tracking.default: {t.default!r} is not one of tracking.servers ({', '.join(sorted(t.servers))})")
     return out

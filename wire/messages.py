@@ -316,11 +316,14 @@ class PricePolicy(msgspec.Struct, frozen=True, kw_only=True):
 
 class TrackingSpec(msgspec.Struct, frozen=True, kw_only=True):
     """``[tracking]``: the MLflow run of a job (docs/tracking.md). Never credentials: orchd and the agents
-    take those from their own environment (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN)."""
+    take those from their own environment (MLFLOW_TRACKING_USERNAME/PASSWORD/TOKEN). The server is one
+    orchd's config lists (``[tracking.servers]``), by name or its default: orchd sets ``uri`` from it at
+    submit; a spec's own ``uri`` is accepted only when it is a listed server's."""
 
-    uri: str  # MLflow tracking URI (http://, https://)
+    uri: str = ""  # MLflow tracking URI (http://, https://), of the server named (set by orchd at submit)
     experiment: str  # experiment name; created by orchd when missing
     run_name: str = ""  # "" = the job's name
+    server: str = ""  # the name of a tracking server in orchd's config; "" = its default
 
 
 class JobSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -24,7 +24,7 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
 import msgspec
@@ -56,8 +56,10 @@ from orchestrator.daemon.summaries import (
     record_dict,
     sweep_summary,
 )
+from orchestrator.daemon.tracking import TrackingGate
 from orchestrator.daemon.tracking import submit_problems as tracking_submit_problems
 from orchestrator.daemon.view import DaemonView
+from wire.names import BadName, check_job_id
 from orchestrator.jobspec import spec_problems
 from wire.admin import (
     DeadLetter,
@@ -166,6 +168,17 @@ def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitabl
     return handler
 
 
+def job_id_problems(job_id: str | None) -> list[str]:
+    """A job id given with a submit must be a token (it becomes subject tokens and KV keys)."""
+    if job_id is None:
+        return []
+    try:
+        check_job_id(job_id)
+    except BadName as e:
+        return [str(e)]
+    return []
+
+
 def _one_line(text: str) -> str:
     """Header values cannot hold newlines; the payload carries the full message."""
     return " ".join(text.split())[:1000]
@@ -217,33 +230,44 @@ class Handlers:
         )
 
     async def jobs_submit(self, req: ev.SubmitJobRequest) -> ev.SubmitJobReply:
-        problems = spec_problems(req.spec) + tracking_submit_problems(req.spec)
-        if problems:
-            raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems), "invalid_spec")
-        problems = submit_problems(req.spec, self._state().meta.config, time.time(), clouds=self.d.providers)
-        if problems:  # no enabled cloud / catalog entry can run it, or its deadline is out of reach
-            raise AdminFailure(400, "job cannot run:\n" + "\n".join(f"  - {p}" for p in problems), "infeasible")
-        job_id = req.job_id or new_job_id(req.spec, secrets.token_hex(3))
+        spec = self._checked_spec(req)
+        job_id = req.job_id or new_job_id(spec, secrets.token_hex(3))
         if job_id in self._state().jobs:
             return ev.SubmitJobReply(job_id=job_id, created=False)
         try:
-            await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=req.spec))
+            await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=spec))
         except NotLeader as e:  # it may have been written all the same: a retry under another id would be a 2nd job
             raise NotLeader(f"{e}; submit it again as job {job_id} (orchctl jobs submit --id {job_id}): it may have"
                             " been written, and the same id cannot make a second job") from None
         if job_id not in self._state().jobs:
-            clash = find_overlap(((j.job_id, j.spec.checkpoint.url) for j in self._state().jobs.values()),
-                                 req.spec.checkpoint.url)
-            if clash is not None:  # the core's reason (audit submit_refused), said again from the same rule
-                raise AdminFailure(409, _overlap_message(job_id, clash, self._state().jobs[clash.job_id]),
-                                   "checkpoint_root_overlap")
-            closed = sweep_refusal(self._state(), req.spec, time.time())
-            if closed is not None:  # the core's reason (audit submit_refused), said again from the same rule
-                raise AdminFailure(409, f"job {job_id!r} refused: {closed[1]}", "sweep_closed")
-            raise AdminFailure(409, f"the core did not accept job {job_id!r} (see orchctl explain {job_id})")
-        late = deadline_problem(req.spec, self._state().meta.config, time.time()) if req.spec.best_effort else None
-        log.info("job_submitted", job=job_id, name=req.spec.name, **({"best_effort": late} if late else {}))
+            self._refusal(job_id, spec)
+        late = deadline_problem(spec, self._state().meta.config, time.time()) if spec.best_effort else None
+        log.info("job_submitted", job=job_id, name=spec.name, **({"best_effort": late} if late else {}))
         return ev.SubmitJobReply(job_id=job_id, created=True)
+
+    def _checked_spec(self, req: ev.SubmitJobRequest) -> ev.JobSpec:
+        """The spec to submit (its tracking server resolved), or a 400 that lists every problem."""
+        spec, tracked = TrackingGate(self.d.settings.tracking).resolve(req.spec)
+        problems = job_id_problems(req.job_id) + spec_problems(req.spec) + tracking_submit_problems(req.spec)
+        problems += tracked
+        if problems:
+            raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems), "invalid_spec")
+        problems = submit_problems(spec, self._state().meta.config, time.time(), clouds=self.d.providers)
+        if problems:  # no enabled cloud / catalog entry can run it, or its deadline is out of reach
+            raise AdminFailure(400, "job cannot run:\n" + "\n".join(f"  - {p}" for p in problems), "infeasible")
+        return spec
+
+    def _refusal(self, job_id: str, spec: ev.JobSpec) -> NoReturn:
+        """Why the core did not take the job, said again from the core's own rules (its audit has it too)."""
+        state = self._state()
+        clash = find_overlap(((j.job_id, j.spec.checkpoint.url) for j in state.jobs.values()), spec.checkpoint.url)
+        if clash is not None:
+            raise AdminFailure(409, _overlap_message(job_id, clash, state.jobs[clash.job_id]),
+                               "checkpoint_root_overlap")
+        closed = sweep_refusal(state, spec, time.time())
+        if closed is not None:
+            raise AdminFailure(409, f"job {job_id!r} refused: {closed[1]}", "sweep_closed")
+        raise AdminFailure(409, f"the core did not accept job {job_id!r} (see orchctl explain {job_id})")
 
     async def jobs_list(self, req: ev.ListJobsRequest) -> ev.JobsReply:
         state, now = self._state(), time.time()

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar, TypeVarTuple
 
 import anyio
+import msgspec
 import nats.errors
 import structlog
 from anyio.abc import TaskGroup, TaskStatus
@@ -85,10 +86,14 @@ class Executor:
     credentials: Credentials | None = None
     """Per-node NATS credentials (orchestrator/credentials.py): enrolment tokens into the launch's
     bootstrap, revoked on NodeGone and for launch nodes that got no instance. None: no credentials."""
+    tracking_gate: tracking.TrackingGate = field(init=False)
     _tg: TaskGroup | None = None
     _limiters: dict[str, anyio.CapacityLimiter] = field(default_factory=dict)
     in_flight: set[str] = field(default_factory=set)
     _notice_ts: dict[str, float] = field(default_factory=dict)  # checkpoint cmd_id -> its notice's publish ts
+
+    def __post_init__(self) -> None:
+        self.tracking_gate = tracking.TrackingGate(self.settings.tracking)
 
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
@@ -258,6 +263,12 @@ class Executor:
 
     async def _tracking_run(self, cmd: CreateTrackingRun) -> tuple[CoreEvent, ...]:
         """Create (or find) the job's MLflow run; an outage or a missing package is retried, never fatal."""
+        why = self.tracking_gate.refusal(cmd.uri)
+        if why is not None:  # never contacted with orchd's credentials: the job runs untracked
+            self.metrics.rejected.labels("tracking", why).inc()
+            log.warning("tracking_server_refused", job=cmd.job_id, reason=why,
+                        hint="the job runs untracked: its server is not one of [tracking.servers]")
+            return ()
         xs = self.settings.executor
         delay = xs.retry_base_s
         while True:
@@ -273,6 +284,17 @@ class Executor:
             await anyio.sleep(delay)
             delay = min(delay * 2, max(xs.retry_max_s, xs.retry_base_s))
 
+    def _untracked(self, c: ev.AgentCommand) -> ev.AgentCommand:
+        """A generation start whose trainer would log to a tracking server orchd's config does not list:
+        without the trainer's tracking variables (the agent's credentials go nowhere else either)."""
+        if not isinstance(c, ev.StartGenerationCmd):
+            return c
+        uri = c.trainer.env.get("MLFLOW_TRACKING_URI")
+        if uri is None or self.tracking_gate.refusal(uri) != "server_not_listed":
+            return c
+        env = {k: v for k, v in c.trainer.env.items() if k not in tracking.TRAINER_ENV}
+        return msgspec.structs.replace(c, trainer=msgspec.structs.replace(c.trainer, env=env))
+
     def _sent(self, cmd_id: str) -> None:
         """A command's first send: the notice-to-command latency, when it answers a notice."""
         ts = self._notice_ts.pop(cmd_id, None)
@@ -280,7 +302,7 @@ class Executor:
             self.metrics.notice_to_command.observe(max(0.0, time.time() - ts))
 
     async def _send(self, cmd: SendToAgent) -> tuple[CoreEvent, ...]:
-        c = cmd.command
+        c = self._untracked(cmd.command)
         subject = ev.subject_command(c.node_id)
         payload = ev.encode(c)
         ds = self.settings.daemon

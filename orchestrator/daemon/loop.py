@@ -36,7 +36,7 @@ from orchestrator.daemon.observe import MetricsObserver
 from orchestrator.daemon.ratelimit import SenderLimiter
 from orchestrator.daemon.records import Batch, Decided, NotLeader, ShellItem, ShuttingDown
 from orchestrator.daemon.store import Store
-from orchestrator.daemon.tracking import TrackingReporter
+from orchestrator.daemon.tracking import TrackingGate, TrackingReporter
 from orchestrator.settings import Settings
 from providers.base import CloudProvider
 
@@ -88,7 +88,9 @@ class Daemon:
                                        retry_s=pipeline.retry_ahead_s(bus.ack_wait_s(d.lease_ttl_s)))
         self.liveness = LivenessFlusher(self._write_liveness, settings.daemon.liveness_flush_max)
         self.observer = MetricsObserver(metrics)  # the metrics the state does not hold (observe.py)
-        self.tracking = TrackingReporter(self.observer)  # orchd's figures to tracked jobs' MLflow runs
+        gate = TrackingGate(settings.tracking)  # only the servers of [tracking.servers] get orchd's credentials
+        self.tracking = TrackingReporter(self.observer, refusal=gate.refusal,  # figures to tracked jobs' runs
+                                         on_refused=lambda why: metrics.rejected.labels("tracking", why).inc())
         self._stop = stop if stop is not None else anyio.Event()  # the caller's: signals arrive while standing by
         self.exit_code = 0
         self._reaper: Reaper | None = None

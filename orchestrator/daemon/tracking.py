@@ -16,7 +16,13 @@ Role (docs/tracking.md):
   decide loop. Pools and preemptions are counted from what this orchd saw since it started leading.
 
 Credentials: never in a spec or the state. The MLflow client reads MLFLOW_TRACKING_USERNAME/PASSWORD or
-MLFLOW_TRACKING_TOKEN from orchd's own environment; nothing here logs a URI's user part or a header.
+MLFLOW_TRACKING_TOKEN from orchd's own environment; nothing here logs a URI's user part or a header. They go
+only to the servers orchd's config lists (``TrackingGate``): a spec names one (``tracking.server``) or
+inherits the default, and orchd sets its URI at submit; a URI no listed server has (a job stored before the
+list, a sweep template) is never contacted - not by ``create_run``, not by the reporter, not by the
+trainer (its MLflow variables are left out of the start command) - and the job runs untracked, with a
+warning and a count (``orchd_messages_rejected_total{kind="tracking"}``). A plain-http server gets orchd's
+credentials only when its entry says ``plain_http_credentials = true``.
 
 Concurrency contract: ``after_batch`` runs on the decide loop's task (no I/O, no waiting); ``run`` is a task
 of its own whose MLflow calls run in worker threads; ``create_run`` is called in a worker thread.
@@ -34,6 +40,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,8 +56,11 @@ from orchestrator.core.inputs import NodeGone
 from orchestrator.core.tracking import JOB_TAG
 from orchestrator.daemon.observe import MetricsObserver
 from orchestrator.daemon.records import Decided
+from orchestrator.settings import TrackingSettings
 
 log = structlog.get_logger("orchd.tracking")
+
+CLUSTER_TAG = "orch.cluster"
 
 PACKAGE_HINT = "pip install 'spot-orchestrator[tracking]' (the mlflow-skinny package)"
 _HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
@@ -60,6 +70,61 @@ it would print a link to stdout when a run ends (``orchctl demo --json`` owns st
 operator did not set them."""
 _END_STATUS = {JobPhase.SUCCEEDED: "FINISHED", JobPhase.FAILED: "FAILED", JobPhase.CANCELLED: "KILLED"}
 _LOST_REASONS = ("provider_missing", "provider_terminated", "agent_disconnected")
+
+
+CREDENTIAL_ENV = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+TRAINER_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_RUN_ID", "ORCH_TRACKING")
+"""The variables that make a trainer log to a tracking server (``orchestrator.core.tracking.trainer_spec``)."""
+
+
+class TrackingGate:
+    """Where orchd may use its MLflow credentials: the servers of ``[tracking.servers]``, by URI."""
+
+    def __init__(self, settings: TrackingSettings, env: Mapping[str, str] | None = None) -> None:
+        self.settings = settings
+        self.by_uri = {_norm(s.uri): name for name, s in settings.servers.items()}
+        env = os.environ if env is None else env
+        self.credentials = any(env.get(k) for k in CREDENTIAL_ENV)
+
+    def resolve(self, spec: ev.JobSpec) -> tuple[ev.JobSpec, list[str]]:
+        """``spec`` with its tracking server's name and URI set (from its ``server``, its ``uri`` when that
+        is a listed server's, or the default), or the problems that keep it from being tracked."""
+        t = spec.tracking
+        if isinstance(t, msgspec.UnsetType):
+            return spec, []
+        servers = self.settings.servers
+        known = ", ".join(sorted(servers)) or "none: this orchd's config lists no [tracking.servers]"
+        if t.server:
+            name = t.server if t.server in servers else None
+            if name is None:
+                return spec, [f"tracking.server: {t.server[:64]!r} is not a tracking server of this orchd "
+                              f"(known: {known})"]
+        elif t.uri:
+            name = self.by_uri.get(_norm(t.uri))
+            if name is None:
+                return spec, ["tracking.uri: a job names its tracking server by name (tracking.server = one of "
+                              f"{known}), never by a URI of its own: orchd would send it its credentials"]
+        else:
+            name = self.settings.default or None
+            if name is None:
+                return spec, [f"tracking: names no server and this orchd has no tracking.default (known: {known})"]
+        resolved = msgspec.structs.replace(t, server=name, uri=servers[name].uri)
+        return msgspec.structs.replace(spec, tracking=resolved), []
+
+    def refusal(self, uri: str) -> str | None:
+        """Why orchd may not talk to ``uri`` with its credentials (``server_not_listed``,
+        ``plain_http_credentials``), or None."""
+        name = self.by_uri.get(_norm(uri))
+        if name is None:
+            return "server_not_listed"
+        server = self.settings.servers[name]
+        if self.credentials and server.uri.startswith("http://") and not server.plain_http_credentials:
+            return "plain_http_credentials"
+        return None
+
+
+def _norm(uri: str) -> str:
+    return uri.strip().rstrip("/")
 
 
 def mlflow_available() -> bool:
@@ -82,7 +147,8 @@ def _client(uri: str) -> Any:
 
 
 def create_run(cmd: CreateTrackingRun, cluster_id: str = "") -> str:
-    """The job's run id: the run tagged with its job id in the experiment, else a new one (blocking)."""
+    """The job's run id: the run tagged with its job id (and this cluster's id: a server shared with
+    another cluster may hold a run of a job of the same id) in the experiment, else a new one (blocking)."""
     from mlflow.exceptions import MlflowException
 
     client = _client(cmd.uri)
@@ -98,13 +164,14 @@ def create_run(cmd: CreateTrackingRun, cluster_id: str = "") -> str:
     else:
         exp_id = exp.experiment_id
     job_id = str(cmd.job_id)
-    if "'" not in job_id:
-        found = client.search_runs([exp_id], filter_string=f"tags.`{JOB_TAG}` = '{job_id}'", max_results=1)
+    if "'" not in job_id and "'" not in cluster_id:
+        where = f"tags.`{JOB_TAG}` = '{job_id}'" + (f" and tags.`{CLUSTER_TAG}` = '{cluster_id}'" if cluster_id else "")
+        found = client.search_runs([exp_id], filter_string=where, max_results=1)
         if found:
             return str(found[0].info.run_id)
     tags = {JOB_TAG: job_id}
     if cluster_id:
-        tags["orch.cluster"] = cluster_id
+        tags[CLUSTER_TAG] = cluster_id
     run = client.create_run(exp_id, run_name=cmd.run_name, tags=tags)
     return str(run.info.run_id)
 
@@ -211,8 +278,13 @@ def log_final_checkpoint(client: Any, run_id: str, job_id: str, url: str, step: 
 class TrackingReporter:
     """Queue the newest summary of each tracked job after every batch; send them from ``run``."""
 
-    def __init__(self, observer: MetricsObserver | None = None, *, retry_max_s: float = 60.0) -> None:
+    def __init__(self, observer: MetricsObserver | None = None, *, retry_max_s: float = 60.0,
+                 refusal: Callable[[str], str | None] | None = None,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.observer = observer
+        self.refusal = refusal  # ``TrackingGate.refusal``: a summary for a server it refuses is never sent
+        self.on_refused = on_refused  # counted once per job (reason)
+        self.refused: set[str] = set()
         self.retry_max_s = retry_max_s
         self.pending: dict[str, Summary] = {}
         self.sent: dict[str, Summary] = {}
@@ -246,10 +318,24 @@ class TrackingReporter:
             track = self.observer.jobs.get(jid) if self.observer is not None else None
             goodput = track.goodput(job_step(after, jid)) if track is not None else None
             s = summarize(after, job, self.seen.setdefault(jid, _Seen()), goodput, now)
+            if s is not None and self._refused(s):
+                continue
             if s is not None and not s.same_figures(self.pending.get(jid) or self.sent.get(jid)):
                 self.pending[jid] = s
                 if self._wake is not None:
                     self._wake.set()
+
+    def _refused(self, s: Summary) -> bool:
+        why = self.refusal(s.uri) if self.refusal is not None else None
+        if why is None:
+            return False
+        if s.job_id not in self.refused:
+            self.refused.add(s.job_id)
+            log.warning("tracking_server_refused", job=s.job_id, reason=why,
+                        hint="the job runs untracked: its server is not one of [tracking.servers]")
+            if self.on_refused is not None:
+                self.on_refused(why)
+        return True
 
     async def run(self) -> None:
         """Send pending summaries, the newest of each job; back off while the server is unreachable."""
