@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from wire.names import BadName, check_token
 from wire.config import (
     SettingsError,
     from_env,
@@ -274,6 +275,10 @@ def _with_credentials_directory(s: Settings, env: Mapping[str, str], problems: l
 
 def _cross_checks(s: Settings) -> list[str]:
     out = []
+    try:  # instances are tagged with it and MLflow runs carry it: a token (wire.names)
+        check_token("daemon.cluster_id", s.daemon.cluster_id)
+    except BadName as e:
+        out.append(str(e))
     if s.nats.password and not s.nats.user:
         out.append("nats.password: given (in the settings or as credential nats.password) but nats.user is "
                    "empty: name the user it belongs to")
