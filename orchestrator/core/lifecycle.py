@@ -33,6 +33,7 @@ from orchestrator.core.model import (
 from orchestrator.core.placement import Alternative, alternatives, markets_for, probed, ranked, zone_of
 from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds, transfer_cost_usd
 from orchestrator.core.roots import start_from
+from orchestrator.core.sweep_budget import SWEEP_BUDGET, others_hold_nodes, sweep_affordable, sweep_of
 from orchestrator.core.tx import Tx
 from wire.messages import AbandonGenerationCmd, CheckpointCmd, NodeId, StartGenerationCmd
 
@@ -107,12 +108,32 @@ def budget_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, alts: tuple[Alte
     return job
 
 
+def sweep_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, figures: dict[str, float],
+                  alts: tuple[Alternative, ...] = ()) -> Job:
+    """A launch the sweep's reserved budget cannot carry (sweep_budget.py): the job waits while another job
+    of the sweep holds nodes (what they reserved may come free), else one that cannot run stops (sweep_budget)."""
+    if job.reason != "launch_refused_sweep_budget":
+        tx.record(job.job_id, "launch_refused", SWEEP_BUDGET, alts, pool=ps.pool.name, count=count, figures=figures)
+        job = tx.update_job(job, reason="launch_refused_sweep_budget")
+    usable = sum(1 for n in job_nodes(tx, job) if acceptable(job, n, suspect_ok=True))
+    if job.phase not in (J.PENDING, J.PLACING, J.RESIZING) or usable >= max(job.spec.nodes_min, 1) or (
+            others_hold_nodes(tx, job)):
+        return job
+    sid = sweep_of(job.spec)
+    tx.record(job.job_id, "stop", SWEEP_BUDGET, sweep_id=sid, figures=figures)
+    job = terminate_all(tx, job, SWEEP_BUDGET)
+    return tx.job_phase(job, J.STOPPED, reason=SWEEP_BUDGET, intent=Intent.NONE)
+
+
 def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple[Alternative, ...] = ()) -> Job:
     if count <= 0:
         return job
     n = affordable(tx, job, ps, count)
     if n == 0:
         return budget_blocked(tx, job, ps, count, alts)
+    n, figures = sweep_affordable(tx, job, ps, n)
+    if n == 0 and figures is not None:
+        return sweep_blocked(tx, job, ps, count, figures, alts)
     count = n
     token = tx.new_launch_token(job.job_id)
     ids: list[NodeId] = []
