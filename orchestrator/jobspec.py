@@ -414,11 +414,11 @@ def _name_problems(spec: JobSpec) -> list[str]:
     """The names a spec places the job by (clouds, regions, zones: tokens; instance types: dotted keys,
     ``wire.names``): a name no pool can have is refused here with the field, not matched never."""
     p: list[str] = []
-    for field, values, check in (("clouds", spec.clouds, check_token), ("regions", spec.regions, check_token),
-                                 ("zones", spec.zones, check_token), ("instance_types", spec.instance_types, check_key)):
+    for name, values, check in (("clouds", spec.clouds, check_token), ("regions", spec.regions, check_token),
+                                ("zones", spec.zones, check_token), ("instance_types", spec.instance_types, check_key)):
         for i, value in enumerate(values):
             try:
-                check(f"{field}[{i}]", value)
+                check(f"{name}[{i}]", value)
             except BadName as e:
                 p.append(str(e))
     return p

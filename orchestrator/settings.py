@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from wire.names import BadName, check_token
 from wire.config import (
     SettingsError,
     from_env,
@@ -39,6 +38,7 @@ from wire.config import (
     read_toml,
     without_problems,
 )
+from wire.names import BadName, check_token
 
 __all__ = ["Settings", "SettingsError", "load_settings", "settings_and_problems"]
 

@@ -142,7 +142,8 @@ def pool_problems(providers: Mapping[str, CloudProvider]) -> list[str]:
                 out.append(str(e))
                 continue
             if pool.cloud != provider.cloud:
-                out.append(f"providers.{name}.pools[{i}]: cloud {pool.cloud!r} is not the provider's ({provider.cloud!r})")
+                out.append(f"providers.{name}.pools[{i}]: cloud {pool.cloud!r} is not the provider's "
+                           f"({provider.cloud!r})")
     return out
 
 

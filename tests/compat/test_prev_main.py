@@ -200,7 +200,8 @@ def test_store_load_reads_the_old_buckets_from_jetstream(nats_server: Any) -> No
     assert records == state_kv
     assert {k: encode_command(c) for k, c in outbox.items()} == outbox_kv
     state = default_core(load_settings(None, env={})).restore(records)
-    assert state.jobs[CAPTURE.JOB_ID].committed_step == 200 and len(state.nodes) == len(_json("state/expected.json")["nodes"])
+    assert state.jobs[CAPTURE.JOB_ID].committed_step == 200
+    assert len(state.nodes) == len(_json("state/expected.json")["nodes"])
 
 
 # --- configs --------------------------------------------------------------------------------------------

@@ -78,5 +78,5 @@ def test_a_plugin_that_declares_nothing_or_bad_names_is_reported_and_never_a_wil
     assert problems[0].startswith("providers.acme: declares no pools")
     assert "providers.evil.pools[0].instance_type: has an empty part" in problems[1]
     assert "providers.evil.pools[1].region: contains white space" in problems[2]
-    assert "providers.evil.pools[2]: cloud 'other' is not the provider's ('evil')" == problems[3]
+    assert problems[3] == "providers.evil.pools[2]: cloud 'other' is not the provider's ('evil')"
     assert len(problems) == 4
