@@ -80,3 +80,13 @@ def test_a_plugin_that_declares_nothing_or_bad_names_is_reported_and_never_a_wil
     assert "providers.evil.pools[1].region: contains white space" in problems[2]
     assert problems[3] == "providers.evil.pools[2]: cloud 'other' is not the provider's ('evil')"
     assert len(problems) == 4
+
+
+def test_a_stored_wildcard_entry_matches_nothing() -> None:
+    """The previous release stored "fake/*" in the meta record's config (tests/fixtures/prev_main): it still
+    loads, and matches no pool."""
+    from orchestrator.core import CoreConfig
+
+    cfg = CoreConfig(known_instance_types=("fake/*", "fake/gpu.small"))
+    assert cfg.knows(h.POOL) and not cfg.knows(INVENTED)
+    assert not CoreConfig(known_instance_types=("fake/*",)).knows(h.POOL)
