@@ -19,7 +19,7 @@ import msgspec
 
 from orchestrator.core import tracking
 from orchestrator.core.commands import Launch, Terminate
-from orchestrator.core.costs import burn_usd_h, cost_now, node_cost_usd, progress_step, worst_burn_usd_h
+from orchestrator.core.costs import affordable, cost_now, node_cost_usd, progress_step
 from orchestrator.core.model import (
     GEN_PHASES,
     TERMINAL_JOB_PHASES,
@@ -31,7 +31,7 @@ from orchestrator.core.model import (
     PoolStats,
 )
 from orchestrator.core.placement import Alternative, alternatives, markets_for, probed, ranked, zone_of
-from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds, transfer_cost_usd
+from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, transfer_cost_usd
 from orchestrator.core.roots import start_from
 from orchestrator.core.sweep_budget import SWEEP_BUDGET, others_hold_nodes, sweep_affordable, sweep_of
 from orchestrator.core.tx import Tx
@@ -72,26 +72,6 @@ def members_alive(tx: Tx, job: Job) -> list[Node]:
 
 
 # --- nodes --------------------------------------------------------------------------------------
-
-
-def affordable(tx: Tx, job: Job, ps: PoolStats, count: int) -> int:
-    """How many of ``count`` new nodes in ``ps`` the budget can still carry through boot, one checkpoint
-    and termination (termination tail at the worst price, like check_budget)."""
-    budget = job.spec.budget_usd
-    if budget is None or count <= 0:
-        return max(count, 0)
-    cfg = tx.cfg
-    cost = cost_now(tx, job)
-    worst0, burn0 = worst_burn_usd_h(tx, job), burn_usd_h(tx, job)
-    price = ps.price_usd_h or 0.0
-    worst_price = max(price, ps.on_demand_usd_h or 0.0)
-    for c in range(count, 0, -1):
-        need = (worst0 + c * worst_price) * cfg.terminate_s + (burn0 + c * price) * (
-            save_seconds(job) + 2 * cfg.tick_s + cfg.boot_s_estimate
-        )
-        if cost + need / 3600.0 < budget:
-            return c
-    return 0
 
 
 def budget_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, alts: tuple[Alternative, ...] = ()) -> Job:

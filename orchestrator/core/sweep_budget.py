@@ -12,7 +12,7 @@ module keeps a launch from going over it in the first place (docs/sweeps.md, "Bu
 - **This launch**: ``count`` new nodes in pool ``ps``, the same way as a requested node.
 
 ``sweep_affordable`` is how many of ``count`` nodes fit: spent + committed + this launch below the cap.
-``lifecycle.launch`` takes the lower of it and the job's own budget (``lifecycle.affordable``); the rest
+``lifecycle.launch`` takes the lower of it and the job's own budget (``costs.affordable``); the rest
 waits (audit ``launch_refused`` / ``sweep_budget``), or, when no other job of the sweep holds a node (so
 nothing it reserved can come free), the job stops with reason ``sweep_budget`` - the sweep is closed.
 
