@@ -83,9 +83,12 @@ STREAM_NOTES: dict[str, str] = {
                       f"original subject, reason and delivery count in the headers `{bus.HDR_DEAD_SUBJECT}`, "
                       f"`{bus.HDR_DEAD_REASON}`, `{bus.HDR_DEAD_DELIVERIES}`; read by `orchctl dead list`, "
                       "republished by `orchctl dead replay SEQ`"),
-    agent.logship.LOGS_STREAM: ("trainer log lines; created by orchd when missing (an existing stream, maybe "
-                                "configured by an operator, is left as is); agents only publish to it, an agent "
-                                "on an open server also creates it; read by `orchctl logs`"),
+    agent.logship.LOGS_STREAM: ("trainer log lines; at most "
+                                f"{agent.logship.LOGS_PER_SUBJECT:,} lines per subject (one node of one job, "
+                                "the oldest go first) and "
+                                f"{agent.logship.LOGS_MAX_MSG_BYTES // 1024} KiB a message; created by orchd when "
+                                "missing, an existing one is brought to this config at orchd's start; agents only "
+                                "publish to it, an agent on an open server also creates it; read by `orchctl logs`"),
 }
 
 KV_NOTES: dict[str, str] = {

@@ -215,7 +215,8 @@ async def ensure_topology(nc: Client, replicas: int = 1) -> Topology:
     dead = _stream_config(STREAM_DEAD, [f"{SUBJECT_DEAD_PREFIX}.>"], DEAD_MAX_AGE_S, replicas)
     dead.max_bytes = DEAD_MAX_BYTES  # bounded: a flood of poison cannot fill the disk, the oldest go
     await _ensure_stream(js, STREAM_DEAD, dead)
-    await ensure_logs_stream(nc, replicas=replicas)  # agents publish their logs with no $JS.API rights
+    # agents publish their logs with no $JS.API rights; an older stream gets today's per-subject limits
+    await ensure_logs_stream(nc, replicas=replicas, update=True)
     state_kv = await _ensure_kv(js, KV_STATE, replicas)
     outbox_kv = await _ensure_kv(js, KV_OUTBOX, replicas)
     return Topology(nc=nc, js=js, state_kv=state_kv, outbox_kv=outbox_kv)

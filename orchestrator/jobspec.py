@@ -51,6 +51,7 @@ from orchestrator.core.roots import relation
 from trainer.contract import trainer_args_problems
 from wire import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrackingSpec, TrainerSpec
 from wire.config import SettingsError, load_dataclass, merge, problem_path, without_problems
+from wire.names import BadName, check_key, check_token
 
 __all__ = ["SPEC_CHECKS", "JobSpecError", "JobFile", "build_jobspec", "load_jobspec", "parse_jobspec",
            "spec_problems"]
@@ -466,7 +467,22 @@ def _tracking_problems(spec: JobSpec) -> list[str]:
     return p
 
 
-SPEC_CHECKS: tuple[SpecCheck, ...] = (_field_problems, _trainer_problems, _sweep_problems, _tracking_problems)
+def _name_problems(spec: JobSpec) -> list[str]:
+    """The names a spec places the job by (clouds, regions, zones: tokens; instance types: dotted keys,
+    ``wire.names``): a name no pool can have is refused here with the field, not matched never."""
+    p: list[str] = []
+    for name, values, check in (("clouds", spec.clouds, check_token), ("regions", spec.regions, check_token),
+                                ("zones", spec.zones, check_token), ("instance_types", spec.instance_types, check_key)):
+        for i, value in enumerate(values):
+            try:
+                check(f"{name}[{i}]", value)
+            except BadName as e:
+                p.append(str(e))
+    return p
+
+
+SPEC_CHECKS: tuple[SpecCheck, ...] = (_field_problems, _trainer_problems, _sweep_problems, _tracking_problems,
+                                      _name_problems)
 """The checks ``spec_problems`` runs, in this order, all of them on every spec. A further rule on the spec
 alone is one more entry here. A check that needs orchd's state (e.g. checkpoint-root ownership or feasibility
 against the pools) is a ``SpecCheck`` bound to that state which orchd's submit path appends to these."""

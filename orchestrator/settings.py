@@ -38,6 +38,7 @@ from wire.config import (
     read_toml,
     without_problems,
 )
+from wire.names import BadName, check_token
 
 __all__ = ["Settings", "SettingsError", "load_settings", "settings_and_problems"]
 
@@ -297,6 +298,10 @@ def _with_credentials_directory(s: Settings, env: Mapping[str, str], problems: l
 
 def _cross_checks(s: Settings) -> list[str]:
     out = []
+    try:  # instances are tagged with it and MLflow runs carry it: a token (wire.names)
+        check_token("daemon.cluster_id", s.daemon.cluster_id)
+    except BadName as e:
+        out.append(str(e))
     if s.nats.password and not s.nats.user:
         out.append("nats.password: given (in the settings or as credential nats.password) but nats.user is "
                    "empty: name the user it belongs to")

@@ -7,6 +7,11 @@ JSON file and a journal beside it (one line per call), so they survive a restart
 drills count duplicates on the cloud side, from the files with ``read_fake_file``). Optional
 ``prices = [{pool..., price_usd_h, on_demand_usd_h}]``.
 
+Its pools (``pools()``, what orchd may launch: registry.known_instance_types): the list it was built with
+(``pools=``), else its catalog - every instance type of ``CATALOG_TYPES`` in region ``r1`` (zones
+``r1a``-``r1c``), spot and on-demand - plus the pools of its configured ``prices``. An instance type
+outside them is never a launch target, however it is quoted.
+
 Role: a `CloudProvider` that behaves like a cloud at the API edge: it enforces idempotency tokens (the
 same token twice returns the first call's instances), fulfils launches partially when capacity is
 short, can inject capacity errors and transient failures per pool, and can preempt instances. Leaks and
@@ -50,6 +55,10 @@ from wire.config import load_checked
 
 log = structlog.get_logger("orch.simulations.fakecloud")
 
+CATALOG_TYPES = ("gpu.small", "gpu.alt", "gpu.a", "gpu.x1")
+"""The instance types the fake cloud offers when it is built without a pool list."""
+CATALOG_ZONES = ("r1a", "r1b", "r1c")
+
 __all__ = ["FakeCloud", "FakeConfig", "FileFakeCloud", "TransientError", "from_settings", "journal_path",
            "load_fake_file", "read_fake_file"]
 
@@ -67,9 +76,8 @@ class FakeCloud:
         pools: Sequence[PoolKey] | None = None,
     ) -> None:
         self.cloud = cloud
-        if pools is not None:  # a configured catalog, like a real provider's: only these pools are launchable
-            listed = tuple(pools)
-            self.pools = lambda: list(listed)
+        # what it offers, like a real provider's catalog: only these pools are launchable (module doc)
+        self._listed = tuple(pools) if pools is not None else None
         self._clock = clock or time.time
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -83,6 +91,15 @@ class FakeCloud:
         self._fail_next: dict[PoolKey, list[type[ProviderError]]] = {}
         self.launch_calls = 0
         self.terminate_calls = 0
+
+    def pools(self) -> list[PoolKey]:
+        if self._listed is not None:
+            return list(self._listed)
+        catalog = [PoolKey(cloud=self.cloud, region="r1", zone=z, instance_type=t, market=m)
+                   for t in CATALOG_TYPES for z in CATALOG_ZONES for m in (Market.SPOT, Market.ON_DEMAND)]
+        with self._lock:
+            priced = [p for p in self.prices_usd_h if p not in catalog]
+        return catalog + priced
 
     # --- fault injection -------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from orchestrator.core import Command, CoreConfig, CoreEvent, JobPhase, State, decide
@@ -105,6 +106,9 @@ class World(CloudModel):
     ) -> None:
         super().__init__(sc, job, wp or WorldParams(), config=config, record=record, max_overrun=max_overrun,
                          capacity_hints=capacity_hints, draws=draws, scores=scores)
+        # the core knows the world's pools, as orchd knows its providers' (registry.known_instance_types)
+        known = tuple(sorted({f"{z.cloud}/{z.instance_type}" for z in sc.zones}))
+        self.cfg = msgspec.structs.replace(self.cfg, known_instance_types=known)
         self.state = State.empty(self.cfg)
         # job progress
         self.gen = 0

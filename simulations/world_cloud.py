@@ -6,8 +6,10 @@ draws (``simulations.worldparams``); every policy's job driver (``world.World`` 
 code and meet the same draws:
 
   market      PriceTick per zone's spot pool at each trace tick where its price or capacity score
-              changed; the score is a noisy placement-like score in [0.1, 1.0] from past ticks only
-              (``capacity_hints=False`` sends none). The on-demand pool of each zone rides on it.
+              changed, and again at the next trace tick (a fresh quote, as a polling feed gives: the
+              core confirms a price only on a second observation, confirm.py); the score is a noisy
+              placement-like score in [0.1, 1.0] from past ticks only (``capacity_hints=False`` sends
+              none). The on-demand pool of each zone rides on it.
   Launch      spot: NodeLaunched when the zone has room for the nodes in this tick and the shared
               capacity-error draw lets it through, else LaunchFailed(capacity); on-demand always
               succeeds. NodeRegistered after a launch delay sampled from the shared draws.
@@ -119,6 +121,7 @@ class CloudModel:
         ]
         self.zone_of_name = {z.name: i for i, z in enumerate(sc.zones)}
         self.last_hint: list[tuple[float, float] | None] = [None] * len(sc.zones)
+        self.requote = [False] * len(sc.zones)  # quoted a change at the last trace tick: quote it again
         # accounting
         self.cost = 0.0
         self.billed_s = 0.0
@@ -313,6 +316,10 @@ class CloudModel:
             hint = float(hints[z])
             if self.last_hint[z] != (price, hint):
                 self.last_hint[z] = (price, hint)
+                self.publish_price(z, pk, price, hint)
+                self.requote[z] = True
+            elif self.requote[z]:
+                self.requote[z] = False
                 self.publish_price(z, pk, price, hint)
         for z, spot in self.spot_by_zone().items():
             cap = self.capacity(z, k) if self.usable[z, t] else 0

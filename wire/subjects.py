@@ -15,37 +15,36 @@ from __future__ import annotations
 
 from typing import Final
 
+from wire.names import check_token
 
-def _token(value: str) -> str:
-    """A subject token from an id: dots, spaces and wildcards are not allowed in tokens."""
-    bad = set(". *>\t\r\n")
-    if not value or any(c in bad for c in value):
-        raise ValueError(f"not usable as a NATS subject token: {value!r}")
-    return value
+
+def _token(value: str, field: str = "subject token") -> str:
+    """A subject token from an id (``wire.names``: letters, digits, ``_``, ``-``); else ``BadName``."""
+    return check_token(field, value)
 
 
 def subject_price(cloud: str, region: str) -> str:
-    return f"orch.price.{_token(cloud)}.{_token(region)}"
+    return f"orch.price.{_token(cloud, 'cloud')}.{_token(region, 'region')}"
 
 
 def subject_notice(cloud: str, node: str) -> str:
-    return f"orch.notice.{_token(cloud)}.{_token(node)}"
+    return f"orch.notice.{_token(cloud, 'cloud')}.{_token(node, 'node id')}"
 
 
 def subject_heartbeat(node: str) -> str:
-    return f"orch.node.{_token(node)}.hb"
+    return f"orch.node.{_token(node, 'node id')}.hb"
 
 
 def subject_node_event(node: str) -> str:
-    return f"orch.node.{_token(node)}.event"
+    return f"orch.node.{_token(node, 'node id')}.event"
 
 
 def subject_command(node: str) -> str:
-    return f"orch.cmd.{_token(node)}"
+    return f"orch.cmd.{_token(node, 'node id')}"
 
 
 def subject_logs(job: str, node: str) -> str:
-    return f"orch.logs.{_token(job)}.{_token(node)}"
+    return f"orch.logs.{_token(job, 'job id')}.{_token(node, 'node id')}"
 
 
 SUBJECT_ADMIN_PREFIX: Final = "orch.admin.v1"

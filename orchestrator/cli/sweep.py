@@ -208,8 +208,9 @@ def _storage_command(args: argparse.Namespace, fmt: str, write: Callable[[str], 
 
 
 async def _cancel_running(args: argparse.Namespace, sw: Any) -> int:
+    """Cancel the running trials' jobs: only a job orchd holds as a job of this sweep (its sweep id), never
+    one merely named like a trial."""
     from orchestrator.sweeps import store as st
-    from orchestrator.sweeps.spec import trial_job_id
 
     urls, ns = resolve_server(args)
     n = 0
@@ -219,8 +220,11 @@ async def _cancel_running(args: argparse.Namespace, sw: Any) -> int:
                 continue
             if st.STOP not in t.user_attrs:
                 sw.set(t, st.STOP, "sweep_cancelled")
+            job_id = st.job_id_of(sw.sweep_id, t)
             try:
-                await c.cancel(trial_job_id(sw.sweep_id, t.number), "sweep_cancelled")
+                if not st.is_trial_of(sw.sweep_id, (await c.job(job_id)).summary):
+                    continue  # another job under the trial's name: not this sweep's to cancel
+                await c.cancel(job_id, "sweep_cancelled")
                 n += 1
             except AdminError as e:
                 if e.code != 404:

@@ -1,15 +1,17 @@
-"""Price confirmation: two signals before a price moves money.
+"""Price confirmation: two observations before a price moves money.
 
 Role: apply an observed pool price (from a ``PriceTick``) to the pool's *confirmed* price
-(``PoolStats.price_usd_h`` / ``on_demand_usd_h``) only once it has held for ``CoreConfig.confirm_s()``.
+(``PoolStats.price_usd_h`` / ``on_demand_usd_h``) only once a second observation agrees with it.
 
 Rule (docs/core.md, "Price confirmation"):
 - a price that differs from the confirmed one becomes *pending* (``seen_*`` fields) with one audit
   record ``price_unconfirmed`` (once per pool per change; ticks within ``PRICE_TOLERANCE`` of the
   pending price do not restart it or audit again);
-- it is confirmed by the first PriceTick within tolerance of it, or the first Tick, at least
-  ``confirm_s`` after it was first seen, provided no tick in between left the tolerance (such a tick
-  restarts the pending price; a tick back at the confirmed price drops it);
+- it is confirmed only by a second PriceTick within tolerance of it, at least ``confirm_s`` after it
+  was first seen, with no tick in between outside the tolerance (such a tick restarts the pending
+  price; a tick back at the confirmed price drops it). Time alone never confirms: a Tick does not, so
+  one tick followed by silence moves nothing however long the silence lasts. The shell may fetch a
+  fresh quote from the provider once a pending price is due and feed it in as a PriceTick;
 - the first price of a new pool is confirmed at once when the pool is known (``known``: its instance
   type is listed in ``CoreConfig.known_instance_types``, or without a list, the cloud already has a
   priced pool of that type, or the cloud is new - its first feed round); else it is pending and only a
@@ -107,8 +109,10 @@ def observe(tx: Tx, name: str, pt: PriceTick, market: Market, price: float, od: 
         not isinstance(seen_ts, msgspec.UnsetType) and not isinstance(seen_usd, msgspec.UnsetType)
         and not isinstance(seen_od, msgspec.UnsetType) and close(seen_usd, price) and close(seen_od, od)
     ):
-        if now - seen_ts >= confirm_s:
-            return _apply(tx, name, ps, price, od, seen_ts)
+        if now - seen_ts >= confirm_s:  # the second observation
+            rise = _apply(tx, name, ps, price, od, seen_ts)
+            tx.record(None, "price_confirmed", "second_tick", pool=name, price_usd_h=price, since_ts=seen_ts)
+            return rise
         return False  # still pending: neither restarted nor audited again
     tx.put_pool(name, _replace(ps, seen_usd_h=price, seen_od_usd_h=od, seen_ts=now))
     tx.record(None, "price_unconfirmed", "price_changed", pool=name, price_usd_h=price, on_demand_usd_h=od,
@@ -116,20 +120,7 @@ def observe(tx: Tx, name: str, pt: PriceTick, market: Market, price: float, od: 
     return False
 
 
-def confirm_due(tx: Tx) -> None:
-    """On a Tick: confirm every pending price that has held for ``confirm_s`` (no tick left its
-    tolerance since it was first seen: such a tick would have restarted or dropped it)."""
-    confirm_s, now = tx.cfg.confirm_s(), tx.now
-    due = [  # a pool never priced (an unknown type) waits for a second PriceTick instead
-        name for name, ps in tx.pools.items()
-        if not isinstance(ps.seen_ts, msgspec.UnsetType) and now - ps.seen_ts >= confirm_s
-        and ps.price_usd_h is not None
-    ]
-    for name in sorted(due):
-        ps = tx.pools[name]
-        if isinstance(ps.seen_usd_h, msgspec.UnsetType) or isinstance(ps.seen_od_usd_h, msgspec.UnsetType) or (
-            isinstance(ps.seen_ts, msgspec.UnsetType)
-        ):
-            continue
-        _apply(tx, name, ps, ps.seen_usd_h, ps.seen_od_usd_h, ps.seen_ts)
-        tx.record(None, "price_confirmed", "held", pool=name, price_usd_h=ps.seen_usd_h, since_ts=ps.seen_ts)
+def due(ps: PoolStats, confirm_s: float, now: float) -> bool:
+    """A pending price that a second agreeing PriceTick would confirm now: the moment for the shell to
+    fetch a fresh quote of this pool (the core never confirms on time alone)."""
+    return not isinstance(ps.seen_ts, msgspec.UnsetType) and now - ps.seen_ts >= confirm_s

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import msgspec
 
 from orchestrator.core.model import Job, Node, NodePhase, PoolStats
-from orchestrator.core.pricing import MAX_DURATION_S, pool_cum_usd, record_exposure
+from orchestrator.core.pricing import MAX_DURATION_S, pool_cum_usd, record_exposure, save_seconds
 from orchestrator.core.tx import Tx
 
 N = NodePhase
@@ -88,3 +88,23 @@ def billing_start(tx: Tx, node: Node) -> dict[str, float]:
         return {"cost0": 0.0}
     tx.put_pool(node.pool_name, msgspec.structs.replace(ps, **record_exposure(ps, tx.cfg, tx.now, 1, False)))
     return {"cost0": pool_cum_usd(ps, tx.now)}
+
+
+def affordable(tx: Tx, job: Job, ps: PoolStats, count: int) -> int:
+    """How many of ``count`` new nodes in ``ps`` the budget can still carry through boot, one checkpoint
+    and termination (termination tail at the worst price, like check_budget)."""
+    budget = job.spec.budget_usd
+    if budget is None or count <= 0:
+        return max(count, 0)
+    cfg = tx.cfg
+    cost = cost_now(tx, job)
+    worst0, burn0 = worst_burn_usd_h(tx, job), burn_usd_h(tx, job)
+    price = ps.price_usd_h or 0.0
+    worst_price = max(price, ps.on_demand_usd_h or 0.0)
+    for c in range(count, 0, -1):
+        need = (worst0 + c * worst_price) * cfg.terminate_s + (burn0 + c * price) * (
+            save_seconds(job) + 2 * cfg.tick_s + cfg.boot_s_estimate
+        )
+        if cost + need / 3600.0 < budget:
+            return c
+    return 0

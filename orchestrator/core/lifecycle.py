@@ -19,7 +19,7 @@ import msgspec
 
 from orchestrator.core import tracking
 from orchestrator.core.commands import Launch, Terminate
-from orchestrator.core.costs import burn_usd_h, cost_now, node_cost_usd, progress_step, worst_burn_usd_h
+from orchestrator.core.costs import affordable, cost_now, node_cost_usd, progress_step
 from orchestrator.core.model import (
     GEN_PHASES,
     TERMINAL_JOB_PHASES,
@@ -31,8 +31,9 @@ from orchestrator.core.model import (
     PoolStats,
 )
 from orchestrator.core.placement import Alternative, alternatives, markets_for, probed, ranked, zone_of
-from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, save_seconds, transfer_cost_usd
+from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, transfer_cost_usd
 from orchestrator.core.roots import start_from
+from orchestrator.core.sweep_budget import SWEEP_BUDGET, others_hold_nodes, sweep_affordable, sweep_of
 from orchestrator.core.tx import Tx
 from wire.messages import AbandonGenerationCmd, CheckpointCmd, NodeId, StartGenerationCmd
 
@@ -73,26 +74,6 @@ def members_alive(tx: Tx, job: Job) -> list[Node]:
 # --- nodes --------------------------------------------------------------------------------------
 
 
-def affordable(tx: Tx, job: Job, ps: PoolStats, count: int) -> int:
-    """How many of ``count`` new nodes in ``ps`` the budget can still carry through boot, one checkpoint
-    and termination (termination tail at the worst price, like check_budget)."""
-    budget = job.spec.budget_usd
-    if budget is None or count <= 0:
-        return max(count, 0)
-    cfg = tx.cfg
-    cost = cost_now(tx, job)
-    worst0, burn0 = worst_burn_usd_h(tx, job), burn_usd_h(tx, job)
-    price = ps.price_usd_h or 0.0
-    worst_price = max(price, ps.on_demand_usd_h or 0.0)
-    for c in range(count, 0, -1):
-        need = (worst0 + c * worst_price) * cfg.terminate_s + (burn0 + c * price) * (
-            save_seconds(job) + 2 * cfg.tick_s + cfg.boot_s_estimate
-        )
-        if cost + need / 3600.0 < budget:
-            return c
-    return 0
-
-
 def budget_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, alts: tuple[Alternative, ...] = ()) -> Job:
     """A launch the budget cannot carry. A job that cannot run without it stops (stopped, budget)
     instead of waiting forever; a running job goes on with what it has."""
@@ -107,12 +88,32 @@ def budget_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, alts: tuple[Alte
     return job
 
 
+def sweep_blocked(tx: Tx, job: Job, ps: PoolStats, count: int, figures: dict[str, float],
+                  alts: tuple[Alternative, ...] = ()) -> Job:
+    """A launch the sweep's reserved budget cannot carry (sweep_budget.py): the job waits while another job
+    of the sweep holds nodes (what they reserved may come free), else one that cannot run stops (sweep_budget)."""
+    if job.reason != "launch_refused_sweep_budget":
+        tx.record(job.job_id, "launch_refused", SWEEP_BUDGET, alts, pool=ps.pool.name, count=count, figures=figures)
+        job = tx.update_job(job, reason="launch_refused_sweep_budget")
+    usable = sum(1 for n in job_nodes(tx, job) if acceptable(job, n, suspect_ok=True))
+    if job.phase not in (J.PENDING, J.PLACING, J.RESIZING) or usable >= max(job.spec.nodes_min, 1) or (
+            others_hold_nodes(tx, job)):
+        return job
+    sid = sweep_of(job.spec)
+    tx.record(job.job_id, "stop", SWEEP_BUDGET, sweep_id=sid, figures=figures)
+    job = terminate_all(tx, job, SWEEP_BUDGET)
+    return tx.job_phase(job, J.STOPPED, reason=SWEEP_BUDGET, intent=Intent.NONE)
+
+
 def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple[Alternative, ...] = ()) -> Job:
     if count <= 0:
         return job
     n = affordable(tx, job, ps, count)
     if n == 0:
         return budget_blocked(tx, job, ps, count, alts)
+    n, figures = sweep_affordable(tx, job, ps, n)
+    if n == 0 and figures is not None:
+        return sweep_blocked(tx, job, ps, count, figures, alts)
     count = n
     token = tx.new_launch_token(job.job_id)
     ids: list[NodeId] = []

@@ -182,9 +182,9 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     # tick in between within PRICE_TOLERANCE of it) for ``confirm_s()`` (UNSET = DEFAULT_PRICE_CONFIRM_S;
     # 0 = at once). Pause, migration, scale-up, cost accrual and budgets see confirmed prices only.
     price_confirm_s: float | msgspec.UnsetType = msgspec.UNSET
-    # "cloud/instance_type" entries the providers can launch (the catalog and configuration of orchd's
-    # clouds; "cloud/*" for a provider without a fixed list). When set, a pool of any other instance type
-    # is never a launch target. UNSET = no list.
+    # "cloud/instance_type" entries the providers can launch (the pools orchd's providers declare, the
+    # simulator's world's pools). When set, a pool of any other instance type is never a launch target;
+    # an entry "cloud/*" (written by an older release) matches nothing. UNSET = no list (core tests).
     known_instance_types: tuple[str, ...] | msgspec.UnsetType = msgspec.UNSET
     # Restart hold: after a generation ends by the trainer's doing (a counted exit, or exit 0 before
     # total_steps) or by a storage error (not counted), the next generation waits base x 2^k seconds (k =
@@ -230,10 +230,10 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
         return DEFAULT_PRICE_CONFIRM_S if isinstance(v, msgspec.UnsetType) else v
 
     def knows(self, pool: PoolKey) -> bool:
-        """The pool's instance type is one the providers can launch (always, without a list)."""
+        """The pool's instance type is one the providers can launch (always, without a list). No wildcard:
+        an entry "cloud/*" never matches (no instance type is named "*")."""
         known = self.known_instance_types
-        return (isinstance(known, msgspec.UnsetType) or f"{pool.cloud}/{pool.instance_type}" in known
-                or f"{pool.cloud}/*" in known)
+        return isinstance(known, msgspec.UnsetType) or f"{pool.cloud}/{pool.instance_type}" in known
 
     def price_ceiling_usd_h(self) -> float:
         v = self.max_price_usd_h

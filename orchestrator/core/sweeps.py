@@ -28,68 +28,26 @@ Pure: no I/O, no clock (``tx.now``).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Final
 
-import msgspec
-
 from orchestrator.core import lifecycle as lc
-from orchestrator.core.costs import burn_usd_h, cost_now, worst_burn_usd_h
+from orchestrator.core.costs import burn_usd_h, worst_burn_usd_h
 from orchestrator.core.model import TERMINAL_JOB_PHASES, Intent, Job, JobPhase
 from orchestrator.core.pricing import save_seconds
 from orchestrator.core.state import State
+from orchestrator.core.sweep_budget import SWEEP_BUDGET, SweepCap, cap_of, members, sweep_cost_usd, sweep_of
 from orchestrator.core.tx import Tx
 from wire.messages import JobSpec
 
+__all__ = ["SWEEP_BUDGET", "SWEEP_DEADLINE", "SweepCap", "cap_of", "closed_reason", "members", "on_tick",
+           "refusal_view", "submit_refusal", "sweep_cost_usd", "sweep_of"]
+
 J = JobPhase
-SWEEP_BUDGET: Final = "sweep_budget"
 SWEEP_DEADLINE: Final = "sweep_deadline"
 _INTENTS: Final = {SWEEP_BUDGET: Intent.SWEEP_BUDGET, SWEEP_DEADLINE: Intent.SWEEP_DEADLINE}
 # a running checkpoint with one of these intents keeps it (the job ends as asked: cancelled, or stopped
 # at its own budget); any other intent (preemption, pause, drain, ...) is replaced by the sweep's stop
 _KEEP: Final = frozenset({Intent.CANCEL, Intent.BUDGET, Intent.SWEEP_BUDGET, Intent.SWEEP_DEADLINE})
-
-
-@dataclass(frozen=True, slots=True)
-class SweepCap:
-    budget_usd: float | None
-    deadline_ts: float | None
-
-
-def sweep_of(spec: JobSpec) -> str | None:
-    sid = spec.sweep_id
-    return None if isinstance(sid, msgspec.UnsetType) else sid
-
-
-def _value(v: float | msgspec.UnsetType) -> float | None:
-    if isinstance(v, msgspec.UnsetType | bool) or not isinstance(v, int | float):
-        return None
-    return float(v) if math.isfinite(v) and v > 0 else None
-
-
-def cap_of(specs: Iterable[JobSpec]) -> SweepCap:
-    """The sweep's cap: the smallest budget and the earliest deadline any of its jobs carries."""
-    budgets: list[float] = []
-    deadlines: list[float] = []
-    for spec in specs:
-        if (b := _value(spec.sweep_budget_usd)) is not None:
-            budgets.append(b)
-        if (d := _value(spec.sweep_deadline_ts)) is not None:
-            deadlines.append(d)
-    return SweepCap(min(budgets, default=None), min(deadlines, default=None))
-
-
-def members(tx: Tx, sweep_id: str) -> list[Job]:
-    """Every job (any phase) of the sweep, in job id order, from the index of the sweeps' jobs
-    (timers.py): no scan of the other jobs."""
-    jobs = tx.jobs
-    return [jobs[jid] for jid in sorted(tx.timers.sweeps.get(sweep_id, ()))]
-
-
-def sweep_cost_usd(tx: Tx, jobs: Iterable[Job]) -> float:
-    return sum((cost_now(tx, j) for j in jobs), 0.0)
 
 
 def _stopping(job: Job) -> str | None:

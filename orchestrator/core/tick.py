@@ -23,7 +23,6 @@ import msgspec
 
 from orchestrator.core import lifecycle as lc
 from orchestrator.core import sweeps
-from orchestrator.core.confirm import confirm_due
 from orchestrator.core.model import Job, JobPhase, Node, NodePhase
 from orchestrator.core.placement import launch_failed, reopens
 from orchestrator.core.policy import ACTIVE, job_tick, steady, suspect
@@ -36,11 +35,10 @@ _replace = msgspec.structs.replace
 
 
 def on_tick(tx: Tx) -> None:
-    """Act on what is due: pending prices, node timeouts, then every job whose Tick may do something, in
+    """Act on what is due: node timeouts, then every job whose Tick may do something, in
     job id order. What may be due comes from the index (timers.py): a quiet job (a running one between
     price evaluations, a waiting one no pool can place) is not visited at all."""
     cfg, now = tx.cfg, tx.now
-    confirm_due(tx)
     detect = tx.meta.bus_connected and now >= tx.meta.detect_paused_until
     touched: set[str] = set()
     due, other = _due_nodes(tx, detect)

@@ -23,8 +23,8 @@ the base is a record field, so an entry never depends on the configuration):
 - ``sweeps``: every job of each sweep (any phase), and the sweeps that may still have an unfinished job
   (``open_sweeps``): the sweep pass of a Tick (sweeps.py) visits only those, never the other jobs.
 
-Pools are few (they do not grow with jobs or nodes): the Tick still checks every pool for a pending
-price to confirm (confirm.confirm_due), and the index keeps no queue for them.
+Pools are few (they do not grow with jobs or nodes) and a pending price is confirmed only by a second
+PriceTick (confirm.py), never by a Tick: the index keeps no queue for them.
 
 Jobs are *awake* (ticked on every Tick, as before) or *asleep*. A job falls asleep only after a Tick
 that did nothing to it (no record, command or audit entry changed), and only in the situations where

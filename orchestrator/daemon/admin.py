@@ -59,7 +59,6 @@ from orchestrator.daemon.summaries import (
 from orchestrator.daemon.tracking import TrackingGate
 from orchestrator.daemon.tracking import submit_problems as tracking_submit_problems
 from orchestrator.daemon.view import DaemonView
-from wire.names import BadName, check_job_id
 from orchestrator.jobspec import spec_problems
 from wire.admin import (
     DeadLetter,
@@ -69,6 +68,7 @@ from wire.admin import (
     KillNodeRequest,
     PreemptNodeRequest,
 )
+from wire.names import BadName, check_job_id
 
 log = structlog.get_logger("orchd.admin")
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from orchestrator.settings import FeedSettings, ProvidersSettings, Settings, SettingsError
 from providers.base import CloudProvider
+from wire.names import BadName, check_pool_key
 
 PROVIDERS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "aws": ("providers.aws", ("boto3", "botocore"), "aws"),
@@ -116,15 +117,48 @@ def feed_plan(settings: Settings, providers: Mapping[str, CloudProvider]) -> lis
     return out
 
 
+def listed_pools(provider: CloudProvider) -> list[Any] | None:
+    """The pools a provider declares (``pools()``, its catalog and configuration; for a plugin, what its
+    table lists), or None when it declares none."""
+    pools = getattr(provider, "pools", None) or getattr(getattr(provider, "config", None), "pools", None)
+    return list(pools()) if callable(pools) else None
+
+
+def pool_problems(providers: Mapping[str, CloudProvider]) -> list[str]:
+    """Every problem of the providers' pool lists, for orchd's start-up report: a provider that declares
+    none (its pools would never be launch targets), a pool of another cloud, a name that is no token /
+    dotted key (``wire.names``)."""
+    out: list[str] = []
+    for name, provider in providers.items():
+        pools = listed_pools(provider)
+        if pools is None:
+            out.append(f"providers.{name}: declares no pools (no pools() and no configured list): none of its "
+                       "instance types is ever a launch target; list them in its table")
+            continue
+        for i, pool in enumerate(pools):
+            try:
+                check_pool_key(f"providers.{name}.pools[{i}]", pool)
+            except BadName as e:
+                out.append(str(e))
+                continue
+            if pool.cloud != provider.cloud:
+                out.append(f"providers.{name}.pools[{i}]: cloud {pool.cloud!r} is not the provider's "
+                           f"({provider.cloud!r})")
+    return out
+
+
 def known_instance_types(providers: Mapping[str, CloudProvider]) -> tuple[str, ...] | None:
     """The "cloud/instance_type" entries these providers can launch (``CoreConfig.known_instance_types``):
-    a pool of any other type is never a launch target. A provider without a fixed list of pools (the
-    fake cloud of the tests, a plugin) contributes "cloud/*". None without providers (no list: any pool)."""
+    exactly the pools each provider declares (``listed_pools``) whose names are valid and of its own cloud.
+    A provider that declares none contributes nothing - never a wildcard: a pool nobody listed is never a
+    launch target (``pool_problems`` says so at start-up). None without providers (no list)."""
     out: set[str] = set()
     for provider in providers.values():
-        pools = getattr(provider, "pools", None) or getattr(getattr(provider, "config", None), "pools", None)
-        if callable(pools):  # a configured list, possibly empty: exactly those types
-            out.update(f"{p.cloud}/{p.instance_type}" for p in pools())
-        else:
-            out.add(f"{provider.cloud}/*")
+        for pool in listed_pools(provider) or ():
+            try:
+                check_pool_key("pool", pool)
+            except BadName:
+                continue
+            if pool.cloud == provider.cloud:
+                out.add(f"{pool.cloud}/{pool.instance_type}")
     return tuple(sorted(out)) if providers else None

@@ -7,6 +7,10 @@ on, so a controller (or orchd) that crashed anywhere resumes by running the next
 - a RUNNING trial's job id is ``trial_job_id(sweep, number)`` - the same on every try - and its job spec
   is rebuilt from the trial's parameters; a trial without a job (a crash between ``ask`` and the submit)
   is submitted again, and orchd's submit with a known id creates nothing (idempotent);
+- a trial is bound to its job by the sweep id orchd holds in the job's record, never by the name: a job
+  with the trial's id whose sweep id is not this sweep's (submitted by someone else, before or after) is
+  neither adopted, reported nor cancelled; the trial gets a fresh job id (``store.JOB_ID``, recorded
+  before its submit, so a crash in between reuses it) and runs under that;
 - the newest heartbeat loss of the job's rank 0 becomes the intermediate value at the highest multiple of
   ``report_every_steps`` its step reached (once per step: a step re-run after a lost node reports
   nothing); the pruner decides on it; a pruned trial is recorded (``orch.prune_step``) *before* its job
@@ -31,6 +35,7 @@ in a worker thread. One controller per storage acts at a time: the service holds
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
@@ -90,6 +95,7 @@ class PassResult:
     state: str = "running"
     error: str = ""
     closed: str = ""  # orchd closed the sweep (ORCHD_STOPS)
+    foreign: list[str] = field(default_factory=list)  # trial job ids held by jobs not of this sweep: left alone
 
 
 def orchd_stop(trials: Any) -> str | None:
@@ -178,9 +184,14 @@ class Controller:
 
     def _trial(self, sw: store.Sweep, t: Any, stop: str | None, res: PassResult) -> None:
         spec: SweepSpec = sw.spec
-        job_id = trial_job_id(sw.sweep_id, t.number)
+        job_id = store.job_id_of(sw.sweep_id, t)
         ua = t.user_attrs
         job = self.orchd.job(job_id)
+        if job is not None and not store.is_trial_of(sw.sweep_id, job.get("summary")):
+            res.foreign.append(job_id)  # someone else's job: never adopted, reported or cancelled
+            job_id = f"{trial_job_id(sw.sweep_id, t.number)}-{secrets.token_hex(3)}"
+            sw.set(t, store.JOB_ID, job_id)
+            job = None
         if job is None:
             if store.PRUNE_STEP in ua:  # pruned; the job is gone (or never reached orchd)
                 sw.tell(t, "pruned", res)
@@ -246,7 +257,7 @@ class Controller:
         if sw.should_prune(fresh):
             sw.set(t, store.PRUNE_STEP, rung)  # recorded first: a crash before the cancel still ends PRUNED
             res.pruned.append(t.number)
-            self._cancel(trial_job_id(sw.sweep_id, t.number), "pruned", res)
+            self._cancel(store.job_id_of(sw.sweep_id, t), "pruned", res)
 
 
 def ended_reason(trials: list[Any]) -> str:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
-from orchestrator.sweeps.spec import SweepSpec, SweepSpecError, check_sweep_id, parse_sweepspec
+from orchestrator.sweeps.spec import SweepSpec, SweepSpecError, check_sweep_id, parse_sweepspec, trial_job_id
 
 if TYPE_CHECKING:
     import optuna
@@ -35,6 +35,21 @@ REASON: Final = "orch.reason"
 # trial user attributes
 PRUNE_STEP: Final = "orch.prune_step"
 STOP: Final = "orch.stop"
+JOB_ID: Final = "orch.job_id"
+"""The trial's job id when it is not ``trial_job_id(sweep, number)``: that id was taken by a job that is
+not of this sweep (``job_id_of``), so the trial runs under a fresh one, recorded before its submit."""
+
+
+def job_id_of(sweep_id: str, t: Any) -> str:
+    """The job id of trial ``t``: its recorded one (``JOB_ID``) or ``trial_job_id(sweep_id, number)``."""
+    jid = t.user_attrs.get(JOB_ID)
+    return jid if isinstance(jid, str) and jid else trial_job_id(sweep_id, t.number)
+
+
+def is_trial_of(sweep_id: str, summary: Mapping[str, Any] | None) -> bool:
+    """Whether orchd's summary of a job says it is a job of sweep ``sweep_id`` (its ``sweep_id`` in the
+    state, set at submit): a job merely named like a trial is not."""
+    return summary is not None and summary.get("sweep_id") == sweep_id
 SHARE: Final = "orch.budget_usd"
 PHASE: Final = "orch.phase"
 STEP: Final = "orch.step"
@@ -268,14 +283,13 @@ class Sweep:
         }
 
     def trial_rows(self) -> list[dict[str, Any]]:
-        from orchestrator.sweeps.spec import trial_job_id
 
         rows = []
         for t in self.study.get_trials(deepcopy=False):
             ua = t.user_attrs
             iv = t.intermediate_values
             rows.append({
-                "trial": t.number, "job_id": trial_job_id(self.sweep_id, t.number), "state": t.state.name.lower(),
+                "trial": t.number, "job_id": job_id_of(self.sweep_id, t), "state": t.state.name.lower(),
                 "value": t.value if t.value is not None and math.isfinite(t.value) else None,
                 "params": dict(t.params), "job_phase": ua.get(PHASE), "step": ua.get(STEP),
                 "last_report": (max(iv), iv[max(iv)]) if iv else None, "pruned_at": ua.get(PRUNE_STEP),

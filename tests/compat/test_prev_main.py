@@ -1,4 +1,4 @@
-"""State, configs and checkpoints written by the previous main (6168e31) still load with today's code.
+"""State, configs and checkpoints written by the previous main (cdee5b1) still load with today's code.
 
 The fixtures in tests/fixtures/prev_main/ were produced by the old tree itself (see README.txt there and
 capture.py, which also holds the continuation events and the checkpoint digest procedure used here):
@@ -8,7 +8,7 @@ capture.py, which also holds the continuation events and the checkpoint digest p
   ``CoreApi.restore`` = ``state_from_records`` + today's config), compared with what the old code read
   from them, re-encoded byte for byte, and decided on: today's core makes the same decisions from that
   state as the old core did.
-- configs: config/orchd.example.toml, config/clouds/*.toml, config/jobs/* of 6168e31 and some ORCH_*
+- configs: config/orchd.example.toml, config/clouds/*.toml, config/jobs/*, config/sweeps/* of cdee5b1 and some ORCH_*
   overrides give the values the old loaders gave; the cloud tables build their providers.
 - checkpoint: a committed 2-rank DCP checkpoint of the old GPT trainer verifies, loads with the same
   model digest, and today's trainer resumes it with the losses the old trainer computed.
@@ -42,8 +42,9 @@ from orchestrator.daemon.coreapi import default_core
 from orchestrator.daemon.records import decode_command, encode_command, outbox_key
 from orchestrator.daemon.registry import PROVIDERS, build_providers
 from orchestrator.daemon.store import Store
-from orchestrator.jobspec import JobSpecError, load_jobspec
+from orchestrator.jobspec import load_jobspec
 from orchestrator.settings import load_settings
+from orchestrator.sweeps.spec import load_sweepspec
 
 REPO = Path(__file__).resolve().parents[2]
 FIX = REPO / "tests" / "fixtures" / "prev_main"
@@ -84,26 +85,13 @@ def expected_state() -> dict[str, Any]:
 
 def test_state_records_decode_to_what_the_old_code_read(expected_state: dict[str, Any]) -> None:
     state = state_from_records(_kv(bus.KV_STATE))
-    assert sorted(state.jobs.keys()) == sorted(expected_state["jobs"]) == [CAPTURE.JOB_ID, CAPTURE.PENDING_JOB_ID]
+    assert sorted(state.jobs.keys()) == sorted(expected_state["jobs"])
     for job_id, want in expected_state["jobs"].items():
-        job = state.jobs[job_id]
-        got = {
-            "phase": str(job.phase), "intent": str(job.intent), "generation": job.generation, "step": job.step,
-            "job_step": job_step(state, job_id), "committed_step": job.committed_step,
-            "committed_url": job.committed_url, "target_nodes": job.target_nodes, "zone": job.zone,
-            "nodes": list(job.nodes), "gen_nodes": list(job.gen_nodes), "spec": msgspec.to_builtins(job.spec),
-        }
-        assert _as_json(got) == want, job_id
+        assert _as_json(CAPTURE.job_view(state, state.jobs[job_id], job_step, msgspec.to_builtins)) == want, job_id
     assert sorted(state.nodes.keys()) == sorted(expected_state["nodes"])
     for node_id, want in expected_state["nodes"].items():
-        n = state.nodes[node_id]
-        got = {"job_id": n.job_id, "phase": str(n.phase), "pool_name": n.pool_name, "instance_id": n.instance_id,
-               "generation": n.generation, "rank": n.rank, "step": n.step, "loss": n.loss, "host": n.host,
-               "noticed": n.notice_deadline is not None}
-        assert got == want, node_id
-    pools = {name: {"price_usd_h": p.price_usd_h, "on_demand_usd_h": p.on_demand_usd_h, "live": p.live,
-                    "capacity_hint": p.capacity_hint} for name, p in state.pools.items()}
-    assert pools == expected_state["pools"]
+        assert CAPTURE.node_view(state.nodes[node_id]) == want, node_id
+    assert {name: CAPTURE.pool_view(p) for name, p in state.pools.items()} == expected_state["pools"]
     meta = expected_state["meta"]
     assert (state.meta.fencing_token, state.meta.node_seq, state.meta.launch_seq) == (
         meta["fencing_token"], meta["node_seq"], meta["launch_seq"])
@@ -113,8 +101,16 @@ def test_state_records_decode_to_what_the_old_code_read(expected_state: dict[str
     # the scenario the old orchd went through, spelled out
     job = state.jobs[CAPTURE.JOB_ID]
     assert (str(job.phase), job.committed_step, job_step(state, job.job_id)) == ("checkpointing", 200, 230)
-    assert sorted(str(n.phase) for n in state.nodes.values()) == ["booting", "noticed", "running"]
+    assert sorted(str(state.nodes[n].phase) for n in job.nodes) == ["booting", "noticed", "running"]
     assert str(state.jobs[CAPTURE.PENDING_JOB_ID].phase) == "pending"
+    trials = sorted((j for j in state.jobs.values() if j.spec.sweep_id == CAPTURE.SWEEP_ID), key=lambda j: j.job_id)
+    assert [j.job_id for j in trials] == [f"{CAPTURE.SWEEP_ID}-t{n:04d}" for n in range(CAPTURE.SWEEP_TRIALS)]
+    assert all(j.spec.sweep_budget_usd == 5.0 and isinstance(j.spec.sweep_deadline_ts, float) for j in trials)
+    tracked = state.jobs[CAPTURE.TRACKED_JOB_ID]
+    assert isinstance(tracked.tracking_run_id, str) and tracked.tracking_run_id
+    assert not isinstance(tracked.spec.tracking, msgspec.UnsetType) and tracked.spec.tracking.experiment == "compat"
+    probing = [p for p in state.pools.values() if isinstance(p.probe_until, float)]
+    assert [p.pool.instance_type for p in probing] == ["gpu.t4"] and probing[0].failures >= 2
 
 
 def test_state_records_re_encode_to_the_same_bytes() -> None:
@@ -205,7 +201,8 @@ def test_store_load_reads_the_old_buckets_from_jetstream(nats_server: Any) -> No
     assert records == state_kv
     assert {k: encode_command(c) for k, c in outbox.items()} == outbox_kv
     state = default_core(load_settings(None, env={})).restore(records)
-    assert state.jobs[CAPTURE.JOB_ID].committed_step == 200 and len(state.nodes) == 3
+    assert state.jobs[CAPTURE.JOB_ID].committed_step == 200
+    assert len(state.nodes) == len(_json("state/expected.json")["nodes"])
 
 
 # --- configs --------------------------------------------------------------------------------------------
@@ -230,7 +227,10 @@ def _subset(new: Any, old: Any, path: str = "") -> list[str]:
     return [] if new == old else [f"{path}: {new!r} != {old!r}"]
 
 
-@pytest.mark.parametrize("rel", [r for r in CAPTURE.CONFIG_FILES if not r.startswith("config/jobs/")])
+SETTINGS_FILES = [r for r in CAPTURE.CONFIG_FILES if not r.startswith(("config/jobs/", "config/sweeps/"))]
+
+
+@pytest.mark.parametrize("rel", SETTINGS_FILES)
 def test_settings_files_load_to_the_old_values(rel: str, expected_config: dict[str, Any]) -> None:
     settings = load_settings(_fixture_path(rel), env={})
     assert _subset(_as_json(dataclasses.asdict(settings)), expected_config["settings"][rel]) == []
@@ -243,24 +243,19 @@ def test_env_overrides_load_to_the_old_values(case: str, expected_config: dict[s
     assert _subset(_as_json(dataclasses.asdict(settings)), want["settings"]) == []
 
 
-# Accepted by the old release but never runnable (the built-in trainer refused these arguments after launch):
-# refused when loaded now, each argument named.
-REFUSED_NOW = {"config/jobs/local-demo.toml": ["trainer.args.batch_size", "trainer.args.model"],
-               "config/jobs/gpt-small-spot.toml": ["trainer.config"]}
-
-
 @pytest.mark.parametrize("rel", [r for r in CAPTURE.CONFIG_FILES if r.startswith("config/jobs/")])
 def test_job_specs_load_to_the_old_values(rel: str, expected_config: dict[str, Any]) -> None:
-    if rel in REFUSED_NOW:
-        with pytest.raises(JobSpecError) as e:
-            load_jobspec(_fixture_path(rel))
-        assert [p.split(":")[0] for p in e.value.problems] == REFUSED_NOW[rel]
-        return
     spec = load_jobspec(_fixture_path(rel))
     assert _subset(_as_json(msgspec.to_builtins(spec)), expected_config["jobs"][rel]) == []
 
 
-@pytest.mark.parametrize("rel", [r for r in CAPTURE.CONFIG_FILES if not r.startswith("config/jobs/")])
+@pytest.mark.parametrize("rel", [r for r in CAPTURE.CONFIG_FILES if r.startswith("config/sweeps/")])
+def test_sweep_files_load_to_the_old_values(rel: str, expected_config: dict[str, Any]) -> None:
+    spec, _text = load_sweepspec(_fixture_path(rel))
+    assert _subset(_as_json(msgspec.to_builtins(spec)), expected_config["sweeps"][rel]) == []
+
+
+@pytest.mark.parametrize("rel", SETTINGS_FILES)
 def test_provider_tables_build_their_providers(rel: str) -> None:
     settings = load_settings(_fixture_path(rel), env={})
     missing = [name for name in settings.providers.enabled if not all(map(_installed, PROVIDERS[name][1]))]

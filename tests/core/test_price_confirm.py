@@ -199,14 +199,30 @@ def test_a_new_pool_is_a_move_target_only_after_its_price_held() -> None:
 # --- prices that hold -------------------------------------------------------------------------------
 
 
+def test_one_tick_and_silence_moves_nothing() -> None:
+    """One tick of a known pool at 0.01 $/h (from 1.3), no tick after it: time alone never confirms it,
+    however long; the second agreeing tick does, and only then does the job move."""
+    drv, ids = running(CoreConfig(price_confirm_s=60.0), spot=1.3)
+    drv(price(C, 1.3))
+    run_for(drv, ids, 700.0, dt=20.0)  # C held long enough to be a migration target
+    drv(price(C, 0.01), dt=1)
+    out = run_for(drv, ids, 3600.0, dt=20.0)
+    assert money_moves(out) == [] and drv.state.pools[C.name].price_usd_h == 1.3
+    drv(price(C, 0.01))  # a second observation that agrees
+    assert drv.state.pools[C.name].price_usd_h == 0.01
+    assert audits(drv, "price_confirmed")[-1].reason == "second_tick"
+
+
 def test_a_rise_that_holds_pauses_after_price_confirm_s() -> None:
     drv, ids = running(CoreConfig(price_confirm_s=30.0))
     drv(price(A, 29.0), dt=10)
     seen = drv.now
     early = run_for(drv, ids, 25.0)
-    drv(price(A, 29.1))  # within the tolerance: neither restarted nor audited again
-    early += run_for(drv, ids, 4.0, dt=1.0)
+    drv(price(A, 29.1))  # within the tolerance, too early: neither restarted, confirmed nor audited again
+    early += run_for(drv, ids, 15.0, dt=1.0)  # past price_confirm_s: time alone confirms nothing
     assert money_moves(early) == [] and len(audits(drv, "price_unconfirmed")) == 1
+    assert drv.state.pools[A.name].price_usd_h == 10.0
+    drv(price(A, 29.0))  # the second observation, after price_confirm_s
     later = run_for(drv, ids, 10.0)
     assert [c.reason for c in money_moves(later)] == ["price_pause"]
     ps = drv.state.pools[A.name]
@@ -219,8 +235,10 @@ def test_a_price_that_keeps_changing_restarts_the_confirmation() -> None:
     run_for(drv, ids, 50.0)
     drv(price(A, 20.0))  # outside the tolerance: a new pending price from now
     run_for(drv, ids, 50.0)
+    drv(price(A, 20.0))  # agrees, but only 50 s after it was first seen
     assert drv.state.pools[A.name].price_usd_h == 10.0
     run_for(drv, ids, 15.0)
+    drv(price(A, 20.0))
     assert drv.state.pools[A.name].price_usd_h == 20.0
     assert [a.details["price_usd_h"] for a in audits(drv, "price_unconfirmed")] == [29.0, 20.0]
 
@@ -230,6 +248,7 @@ def test_cost_accrues_at_the_confirmed_price() -> None:
     t0, c0 = drv.now, job_cost_usd(drv.state, "j1", drv.now)
     drv(price(A, 20.0))
     run_for(drv, ids, 60.0)
+    drv(price(A, 20.0))  # the second observation confirms it (billed from now on)
     t1, c1 = drv.now, job_cost_usd(drv.state, "j1", drv.now)
     assert abs((c1 - c0) - 10.0 * (t1 - t0) / 3600.0) < 1e-9  # the pending 20 $/h was not billed
     run_for(drv, ids, 60.0)

@@ -102,11 +102,11 @@ def test_the_sweep_budget_stops_every_trial_checkpoint_first_and_closes_the_swee
 
 def test_hard_stop_when_the_checkpoint_hangs() -> None:
     drv = drv_with_price(10.0)
-    start(drv, "sw-t0000", trial(0, sweep_budget_usd=1.0))
+    start(drv, "sw-t0000", trial(0, sweep_budget_usd=2.0))
     ticks_until(drv, lambda: drv.job("sw-t0000").phase == JobPhase.STOPPED)
     assert drv.job("sw-t0000").reason == "sweep_budget" and not drv.state.nodes
     assert any(a.reason == "sweep_budget_hard_stop" for d in drv.decisions for a in d.audit)
-    assert sweep_cost(drv) <= 1.0
+    assert sweep_cost(drv) <= 2.0
 
 
 def test_the_deadline_stops_running_and_waiting_trials_and_refuses_new_ones() -> None:
@@ -130,12 +130,12 @@ def test_the_deadline_stops_running_and_waiting_trials_and_refuses_new_ones() ->
 
 def test_a_later_submit_cannot_raise_the_cap() -> None:
     drv = drv_with_price(10.0)
-    start(drv, "sw-t0000", trial(0, sweep_budget_usd=1.0, sweep_deadline_ts=T0 + 3600))
+    start(drv, "sw-t0000", trial(0, sweep_budget_usd=2.0, sweep_deadline_ts=T0 + 3600))
     # a hostile admin claims the sweep with a much bigger budget and a later deadline: the smallest holds
     start(drv, "evil", trial(9, sweep_budget_usd=1e6, sweep_deadline_ts=T0 + 10 * 86400))
     ticks_until(drv, lambda: drv.job("evil").intent == Intent.SWEEP_BUDGET or drv.job("evil").phase
                 == JobPhase.STOPPED)
-    assert drv.now < T0 + 600 and sweep_cost(drv) < 1.0
+    assert drv.now < T0 + 600 and sweep_cost(drv) < 2.0
     assert drv.job("sw-t0000").intent == Intent.SWEEP_BUDGET or drv.job("sw-t0000").phase == JobPhase.STOPPED
     # a smaller deadline from a later job lowers it (stopping sooner is always allowed: so is a cancel)
     drv2 = drv_with_price(10.0)
@@ -147,7 +147,7 @@ def test_a_later_submit_cannot_raise_the_cap() -> None:
 
 def test_jobs_of_other_sweeps_and_without_caps_are_not_touched() -> None:
     drv = drv_with_price(10.0)
-    start(drv, "a-t0000", trial(0, sweep="a", sweep_budget_usd=0.5))
+    start(drv, "a-t0000", trial(0, sweep="a", sweep_budget_usd=2.0))
     start(drv, "b-t0000", trial(0, sweep="b"))  # a sweep without caps: never stopped by the core
     ticks_until(drv, lambda: drv.job("a-t0000").phase == JobPhase.STOPPED
                 or drv.job("a-t0000").intent == Intent.SWEEP_BUDGET)
@@ -182,11 +182,48 @@ def test_the_core_ignores_values_that_are_not_positive(value: float) -> None:
 
 def test_the_stop_survives_the_records() -> None:
     drv = drv_with_price(10.0)
-    start(drv, "sw-t0000", trial(0, sweep_budget_usd=1.0))
+    start(drv, "sw-t0000", trial(0, sweep_budget_usd=2.0))
     ticks_until(drv, lambda: drv.job("sw-t0000").intent == Intent.SWEEP_BUDGET)
     again = state_from_records(state_to_records(drv.state))
     assert again.jobs["sw-t0000"].intent == Intent.SWEEP_BUDGET
-    assert again.jobs["sw-t0000"].spec.sweep_budget_usd == 1.0
+    assert again.jobs["sw-t0000"].spec.sweep_budget_usd == 2.0
     d = Driver(again, now=drv.now)(JobSubmitted(job_id="sw-t0001", spec=trial(1)))
     assert [a.reason for a in d.audit if a.action == "submit_refused"] == ["sweep_budget"]
     assert not cmds(d, Terminate)
+
+
+def test_a_launch_reserves_the_sweeps_budget() -> None:
+    """A trial launches only if what the sweep spent, what its live trials are committed to (boot, one
+    checkpoint, two Ticks, the termination tail - a node launched and not billed yet included) and this
+    launch fit the cap; the others wait while a trial holds nodes, and stop (sweep_budget) once none does."""
+    drv = drv_with_price(10.0)
+    for n in range(3):  # submitted in a row, no node billed yet: the requested nodes are reserved too
+        drv(JobSubmitted(job_id=f"sw-t000{n}", spec=trial(n, sweep_budget_usd=1.5)))
+    launched = [j for j in ("sw-t0000", "sw-t0001", "sw-t0002") if drv.job(j).nodes]
+    assert launched == ["sw-t0000"]
+    for j in ("sw-t0001", "sw-t0002"):
+        assert drv.job(j).phase == JobPhase.PENDING and drv.job(j).reason == "launch_refused_sweep_budget"
+    refused = [a for d in drv.decisions for a in d.audit if a.action == "launch_refused"]
+    assert {a.reason for a in refused} == {"sweep_budget"} and refused[0].details["figures"]["budget_usd"] == 1.5
+    (nid,) = drv.job("sw-t0000").nodes
+    drv.register([nid])
+    drv(GenerationStarted(id="g-0", node_id=nid, job_id="sw-t0000", generation=1, first_step=1, ts=drv.now), dt=1)
+    ticks_until(drv, lambda: all(drv.job(f"sw-t000{n}").phase == JobPhase.STOPPED for n in range(3)))
+    assert [drv.job(f"sw-t000{n}").reason for n in range(3)] == ["sweep_budget"] * 3
+    assert not any(drv.job(j).nodes for j in ("sw-t0001", "sw-t0002"))  # never launched
+    assert sweep_cost(drv) <= 1.5
+
+
+@pytest.mark.parametrize("budget", [0.02, 1e-6])
+def test_a_budget_below_one_nodes_commitment_launches_nothing(budget: float) -> None:
+    """The attack: a sweep whose budget cannot carry one node's termination tail (0.02 USD, 3 trials).
+    Nothing launches: the first trial stops at once with sweep_budget, which closes the sweep, so the
+    others are refused at submit; nothing is spent."""
+    drv = drv_with_price(10.0)
+    refused = []
+    for n in range(3):
+        d = drv(JobSubmitted(job_id=f"sw-t000{n}", spec=trial(n, sweep_budget_usd=budget)))
+        refused += [a.reason for a in d.audit if a.action == "submit_refused"]
+    assert not drv.state.nodes and sweep_cost(drv) == 0.0
+    assert (drv.job("sw-t0000").phase, drv.job("sw-t0000").reason) == (JobPhase.STOPPED, "sweep_budget")
+    assert refused == ["sweep_budget", "sweep_budget"] and list(drv.state.jobs) == ["sw-t0000"]

@@ -29,7 +29,8 @@ from tests.sweeps.world import sweep_world
 
 pytestmark = pytest.mark.timeout(180)
 # 1 $/h a node (on-demand 3 $/h: the termination tail orchd reserves is 0.05 $ a node): two trials, with
-# no budget of their own (no trial_budget_usd), reach the stop a few seconds after both bill
+# no budget of their own (no trial_budget_usd), reach the stop a few seconds after both bill. A launch
+# reserves boot (2 s here), a checkpoint, two Ticks and the tail (core/sweep_budget.py): both fit in it.
 BUDGET = 0.106
 
 
@@ -41,7 +42,7 @@ async def _until(cond, timeout_s: float = 60.0, every: float = 0.2) -> None:
 
 async def _scenario(tmp, url: str) -> None:
     # the termination tail BUDGET is sized for
-    async with sweep_world(tmp, url, "caps", daemon_extra="terminate_billing_s = 60.0") as w:
+    async with sweep_world(tmp, url, "caps", daemon_extra="terminate_billing_s = 60.0\nboot_estimate_s = 2.0") as w:
         client, storage = w.client, w.storage
         text = sweep_file(trials=4, parallelism=2, nodes=1, total_steps=4000, pruner="none", seed=3,
                           checkpoint_root=f"file://{tmp / 'ckpt'}", every=10, budget_usd=BUDGET)
