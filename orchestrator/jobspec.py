@@ -211,7 +211,8 @@ class JobFile:
                               migrate_min_saving=p.migrate_min_saving),
             tracking=(msgspec.UNSET if self.tracking is None else
                       TrackingSpec(uri=self.tracking.uri, experiment=self.tracking.experiment,
-                                   run_name=self.tracking.run_name, server=self.tracking.server)),
+                                   run_name=self.tracking.run_name,
+                                   server=self.tracking.server or msgspec.UNSET)),
             best_effort=True if self.best_effort else msgspec.UNSET,
         )
 
@@ -443,7 +444,7 @@ def _tracking_problems(spec: JobSpec) -> list[str]:
     t = spec.tracking
     if isinstance(t, msgspec.UnsetType):
         return p
-    if t.server and not (len(t.server) <= 64 and all(c.isalnum() or c in "_-" for c in t.server)):
+    if isinstance(t.server, str) and not (0 < len(t.server) <= 64 and all(c.isalnum() or c in "_-" for c in t.server)):
         p.append(f"tracking.server: the name of a server of orchd's [tracking.servers] (letters, digits, '_', "
                  f"'-'), got {t.server[:64]!r}")
     if not t.uri:

@@ -323,7 +323,7 @@ class TrackingSpec(msgspec.Struct, frozen=True, kw_only=True):
     uri: str = ""  # MLflow tracking URI (http://, https://), of the server named (set by orchd at submit)
     experiment: str  # experiment name; created by orchd when missing
     run_name: str = ""  # "" = the job's name
-    server: str = ""  # the name of a tracking server in orchd's config; "" = its default
+    server: str | msgspec.UnsetType = msgspec.UNSET  # a tracking server of orchd's config; unset: its default
 
 
 class JobSpec(msgspec.Struct, frozen=True, kw_only=True):

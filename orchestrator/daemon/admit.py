@@ -28,6 +28,7 @@ from orchestrator import bus
 from orchestrator.core.model import CoreConfig
 from orchestrator.core.pricing import MAX_DURATION_S
 from orchestrator.daemon.metrics import Metrics
+from wire.names import is_key, is_token
 
 log = structlog.get_logger("orchd")
 
@@ -104,11 +105,15 @@ def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent)
     non-finite prices, times, steps, generations; prices above ``MAX_PRICE_USD_H``, spot above
     ``MAX_SPOT_OVER_ON_DEMAND`` x the tick's on-demand price; steps above ``MAX_STEP``, generations above
     ``MAX_GENERATION``, save times beyond ``MAX_DURATION_S``; capacity hints outside 0..1;
-    gpus_per_node outside 1..64, a non-zero price below ``MIN_PRICE_USD_H``) and empty ids -> ``bad_value``.
+    gpus_per_node outside 1..64, a non-zero price below ``MIN_PRICE_USD_H``) and empty ids -> ``bad_value``;
+    a name that is not a token (node, job, cloud, region, zone) or a dotted key (an instance type: the
+    rules of ``wire.names``, what a subject token and a KV key can hold) -> ``bad_name``.
     A notice is never refused for its timestamps.
     Pure and cheap: called once per message by the decide pipeline
     (``screen_js``)."""
     parts = subject.split(".")
+    if not _names_ok(msg):
+        return "bad_name"
     if isinstance(msg, ev.PriceTick):
         p = msg.pool
         if len(parts) != 4 or parts[2] != p.cloud or parts[3] != p.region:
@@ -148,6 +153,20 @@ def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent)
             and _finite(msg.deadline_margin_s, lo=-MAX_DURATION_S, hi=MAX_DURATION_S, optional=True)):
         return "bad_value"
     return None
+
+
+def _names_ok(msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent) -> bool:
+    """Every name of ``msg`` that can become a subject token or a KV key is one (``wire.names``)."""
+    pool = getattr(msg, "pool", None)
+    if pool is not None and not (is_token(pool.cloud) and is_token(pool.region) and is_token(pool.zone)
+                                 and is_key(pool.instance_type)):
+        return False
+    if isinstance(msg, ev.PriceTick):
+        return True
+    if not is_token(msg.node_id) or (isinstance(msg, ev.PreemptionNotice) and not is_token(msg.cloud)):
+        return False
+    job_id = getattr(msg, "job_id", None)
+    return job_id is None or is_token(job_id)
 
 
 def screen_hb(subject: str, hb: ev.Heartbeat) -> str | None:

@@ -94,7 +94,7 @@ class TrackingGate:
             return spec, []
         servers = self.settings.servers
         known = ", ".join(sorted(servers)) or "none: this orchd's config lists no [tracking.servers]"
-        if t.server:
+        if isinstance(t.server, str) and t.server:
             name = t.server if t.server in servers else None
             if name is None:
                 return spec, [f"tracking.server: {t.server[:64]!r} is not a tracking server of this orchd "

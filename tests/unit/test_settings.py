@@ -107,8 +107,8 @@ def test_logging_survives_a_closed_stream_and_redacts_secrets(tmp_path: Path) ->
 def test_env_string_field_keeps_digits_and_commas() -> None:
     s = load_settings(None, env={"ORCH_DAEMON__CLUSTER_ID": "2024"})
     assert s.daemon.cluster_id == "2024"  # not the integer 2024 ("expected a string" before)
-    s = load_settings(None, env={"ORCH_DAEMON__CLUSTER_ID": "a,b", "ORCH_NATS__USER": "true"})
-    assert s.daemon.cluster_id == "a,b" and s.nats.user == "true"  # a comma splits only a list field
+    s = load_settings(None, env={"ORCH_DAEMON__STATE_DIR": "a,b", "ORCH_NATS__USER": "true"})
+    assert s.daemon.state_dir == "a,b" and s.nats.user == "true"  # a comma splits only a list field
 
 
 def test_env_list_fields_split_on_commas() -> None:
