@@ -85,7 +85,10 @@ class NatsSettings:
 class DaemonSettings:
     state_dir: str = "./var/orchd"
     cluster_id: str = "orch-default"
-    """Tag put on every instance this deployment launches; the reaper only touches these."""
+    """This deployment's identity: the tag on every instance it launches (the reaper only touches these),
+    its MLflow runs and its checkpoint roots. Kept in the state once set: a new state takes this value when
+    it is set here, else a unique generated one (``orch-<12 hex digits>``, never this shared default); a
+    state of an older release keeps the value it ran with; a state's own identity wins over this one."""
     heartbeat_interval_s: float = field(default=2.0, metadata={"gt": 0})
     heartbeat_timeout_s: float = field(default=10.0, metadata={"gt": 0})
     tick_s: float = field(default=1.0, metadata={"gt": 0})

@@ -168,6 +168,7 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
     tracked = demo_tracking.Tracked(opts.tracking, state_dir)
     try:
         spec = await anyio.to_thread.run_sync(tracked.start, spec)  # the job's MLflow run (demo_tracking.py)
+        settings = tracked.settings(settings)
         result = await _run_and_report(opts, state_dir, settings, provider, view, injections, spec, finished,
                                        progress)
         result.report.update(await anyio.to_thread.run_sync(tracked.report, JOB_ID))

@@ -65,6 +65,18 @@ class Tracked:
 
         return msgspec.structs.replace(spec, tracking=TrackingSpec(uri=self.uri, experiment=EXPERIMENT))
 
+    def settings(self, settings: Any) -> Any:
+        """orchd's settings with the demo's tracking server listed as its default ([tracking.servers]): the
+        only server orchd sends its MLflow credentials to (none over plain http)."""
+        if not self.tracking:
+            return settings
+        import dataclasses
+
+        from orchestrator.settings import TrackingServer, TrackingSettings
+
+        return dataclasses.replace(settings, tracking=TrackingSettings(
+            servers={"demo": TrackingServer(uri=self.uri)}, default="demo"))
+
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()

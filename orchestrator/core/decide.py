@@ -125,6 +125,9 @@ def decide(state: State, event: CoreEvent, now: float) -> Decision:
         case LeaseChanged():
             if event.revision != tx.meta.fencing_token:
                 tx.put_meta(fencing_token=event.revision)
+            if event.cluster_id and isinstance(tx.meta.cluster_id, msgspec.UnsetType):
+                tx.put_meta(cluster_id=event.cluster_id)
+                tx.record(None, "cluster_id", "recorded", cluster_id=event.cluster_id)
         case _:
             assert_never(event)
     return tx.decision()

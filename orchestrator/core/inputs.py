@@ -93,9 +93,12 @@ class BusState(_Internal, frozen=True, kw_only=True, tag="bus_state"):
 
 
 class LeaseChanged(_Internal, frozen=True, kw_only=True, tag="lease_changed"):
-    """This daemon holds the leader lease at ``revision`` (the fencing token every command carries)."""
+    """This daemon holds the leader lease at ``revision`` (the fencing token every command carries);
+    ``cluster_id``: the deployment's identity as the shell resolved it (recorded in the meta record when it
+    holds none; one already recorded is kept)."""
 
     revision: int
+    cluster_id: str = ""
 
 
 class TrackingRunCreated(_Internal, frozen=True, kw_only=True, tag="tracking_run_created"):

@@ -371,6 +371,9 @@ class Meta(msgspec.Struct, frozen=True, kw_only=True):
     bus_connected: bool = True
     detect_paused_until: float = 0.0  # failure detection off until then (bus outage, restart)
     budget_jobs: tuple[JobId, ...] = ()  # non-terminal jobs with a budget (re-checked on price rises)
+    # This deployment's identity, kept once set (the shell generates it for a new state): it tags the
+    # instances, MLflow runs and checkpoint roots this cluster makes. Unset in states of older releases.
+    cluster_id: str | msgspec.UnsetType = msgspec.UNSET
 
 
 DEFAULT_CONFIG: Final = CoreConfig()

@@ -13,6 +13,8 @@ handlers read the immutable value). Producers reach the loop only through ``Daem
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Mapping, Set
 from typing import TYPE_CHECKING
@@ -37,7 +39,7 @@ from orchestrator.daemon.ratelimit import SenderLimiter
 from orchestrator.daemon.records import Batch, Decided, NotLeader, ShellItem, ShuttingDown
 from orchestrator.daemon.store import Store
 from orchestrator.daemon.tracking import TrackingGate, TrackingReporter
-from orchestrator.settings import Settings
+from orchestrator.settings import DaemonSettings, Settings
 from providers.base import CloudProvider
 
 if TYPE_CHECKING:
@@ -113,9 +115,16 @@ class Daemon:
         await self._stop.wait()
 
     def restore(self, records: Mapping[str, bytes]) -> None:
-        """The state loaded from KV (empty: a fresh state); ``LeaseChanged`` is the first event decided."""
+        """The state loaded from KV (empty: a fresh state) and the cluster's identity (``cluster_identity``:
+        ``settings.daemon.cluster_id`` is this run's from here on); ``LeaseChanged`` is the first event
+        decided (it records the identity in a state that holds none)."""
         self.state = self.core.restore(records) if records else self.core.empty_state()
-        self.intake.put_shell(ShellItem(LeaseChanged(revision=self.fencing_token)))
+        cluster = cluster_identity(self.state, bool(records), self.settings.daemon.cluster_id)
+        if cluster != self.settings.daemon.cluster_id:
+            self.settings = dataclasses.replace(self.settings, daemon=dataclasses.replace(
+                self.settings.daemon, cluster_id=cluster))
+        log.info("cluster_identity", cluster_id=cluster)
+        self.intake.put_shell(ShellItem(LeaseChanged(revision=self.fencing_token, cluster_id=cluster)))
 
     def attach_background(self, tg: TaskGroup) -> None:
         """The task group that runs background work of the loop (liveness flush slices, the backlog poll)."""
@@ -350,6 +359,25 @@ class Daemon:
             return core.state_to_records(state, [k for k in ks if k not in persisting] if persisting else ks)
 
         await store.write_records_background(keys, encode)
+
+
+DEFAULT_CLUSTER_ID = DaemonSettings().cluster_id
+
+
+def cluster_identity(state: State, had_records: bool, configured: str) -> str:
+    """The cluster's identity, generated once and kept in the state: the one the state holds; else, for a
+    state written by an older release, ``configured`` (its instances and runs carry that tag already); else
+    ``configured`` when the operator set one; else a new unique ``orch-<12 hex digits>`` (never the shared
+    default, so two clusters never claim each other's instances, runs or checkpoint roots)."""
+    stored = state.meta.cluster_id
+    if isinstance(stored, str) and stored:
+        if configured not in (stored, DEFAULT_CLUSTER_ID):
+            log.warning("cluster_id_kept", stored=stored, configured=configured,
+                        hint="the state's identity wins: its instances and runs carry it")
+        return stored
+    if had_records or configured != DEFAULT_CLUSTER_ID:
+        return configured
+    return f"orch-{secrets.token_hex(6)}"
 
 
 async def _first(*waiters: Callable[[], Awaitable[object]]) -> None:

@@ -196,7 +196,7 @@ interval_s = 2
 command = ["{sys.executable}", "{TRAINER}"]
 args = {{ step_time_s = 0.1, trace = "{trace}" }}
 [tracking]
-uri = "{uri}"
+server = "e2e"
 experiment = "e2e"
 """)
     return path
@@ -220,7 +220,7 @@ def _last_logged(client: Any, run_id: str) -> int:
 @pytest.mark.anyio
 async def test_tracked_job_vanished_and_preempted_nodes_each_step_once(
         server: Any, tmp_path: Path, mlflow_server: LocalMlflowServer) -> None:
-    orchd = LocalOrchd(tmp_path, server.url)
+    orchd = LocalOrchd(tmp_path, server.url, extra=f'[tracking.servers.e2e]\nuri = "{mlflow_server.uri}"\n')
     await anyio.to_thread.run_sync(orchd.start)
     try:
         await anyio.to_thread.run_sync(lambda: _run_tracked(orchd, tmp_path, mlflow_server.uri))
@@ -316,3 +316,15 @@ def test_final_checkpoint_is_the_runs_output_once(mlflow_server: LocalMlflowServ
     found = client.search_logged_models(experiment_ids=[run.info.experiment_id],
                                         filter_string=f"source_run_id = '{run2}'")
     assert len(found) == 1
+
+
+def test_the_run_lookup_never_adopts_another_clusters_run(mlflow_server: LocalMlflowServer) -> None:
+    """Two clusters on one tracking server, a job of the same id on each: each gets its own run; each finds
+    its own again after a crash (the lookup filters by the job and the cluster)."""
+    cmd = CreateTrackingRun(job_id="shared-id", uri=mlflow_server.uri, experiment="clusters", run_name="s")
+    theirs = create_run(cmd, "orch-other-cluster")
+    ours = create_run(cmd, "orch-this-cluster")
+    assert ours != theirs
+    assert create_run(cmd, "orch-this-cluster") == ours and create_run(cmd, "orch-other-cluster") == theirs
+    tags = MlflowClient(mlflow_server.uri).get_run(ours).data.tags
+    assert tags["orch.cluster"] == "orch-this-cluster" and tags["orch.job_id"] == "shared-id"
