@@ -38,7 +38,6 @@ from typing import IO, Any, cast
 import crc32c
 import fsspec
 import torch
-from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFS
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -48,23 +47,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.utils.serialization import config as _torch_save_config
 
-from trainer import contract
+from trainer import contract, storage
 
 COMMIT_MARKER = contract.CHECKPOINT_COMMIT_MARKER
 FORMAT_VERSION = 2  # 2: job_id in the marker, extra state as __extra_<rank>.pt (no pickle); 1 still loads
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 
 
-def is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def local_path(url: str) -> str:
-    return url[len("file://") :] if url.startswith("file://") else url
-
-
-def join(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])
+is_local, local_path, join, _path = storage.is_local, storage.local_path, storage.join, storage.path_of
 
 
 def step_dir(root_url: str, step: int) -> str:
@@ -77,14 +67,7 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> fsspec.AbstractFileSystem:
-    fs, _ = url_to_fs(local_path(url) if is_local(url) else url, **(storage_options or {}))
-    return fs
-
-
-def _path(url: str) -> str:
-    """The path fsspec filesystems take (no scheme for local paths)."""
-    return local_path(url) if is_local(url) else url
+filesystem = storage.filesystem
 
 
 # --- writing --------------------------------------------------------------------------------------
@@ -257,7 +240,7 @@ class CommitWriter(FileSystemWriter):
         self.fs = cast(FileSystem, self.hashing_fs)
         target = local_path(dir_url) if local else dir_url  # the base class mangled "s3://" into a Path
         hfs = self.hashing_fs
-        self.path = hfs.init_path(target) if local else hfs.init_path(target, **(storage_options or {}))
+        self.path = hfs.init_path(target) if local else hfs.init_path(target, **storage.prepare(dir_url, storage_options))
         hfs.mkdir(self.path)
 
     def write_extra(self, name: str, payload: bytes) -> None:
@@ -302,8 +285,10 @@ class CommitWriter(FileSystemWriter):
         with _no_zip_crc32():
             out = _write_items(stream, name, items, planner)
         fs = cast(Any, self.hashing_fs.inner).fs
-        s3 = "s3" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol)
-        opts = {"chunksize": self.part_size, "max_concurrency": self.upload_concurrency} if s3 else {}
+        kind = storage.scheme(str(path))  # per store: s3 multipart and az blocks in parallel, gs resumable chunks
+        opts: dict[str, Any] = {"s3": {"chunksize": self.part_size, "max_concurrency": self.upload_concurrency},
+                                "az": {"max_concurrency": self.upload_concurrency},
+                                "gs": {"chunksize": self.part_size}}.get(kind, {})
         fs.pipe_file(str(path), buf.getvalue(), **opts)
         self.sink.record(name, stream.size, stream.crc)
         return out
@@ -317,7 +302,7 @@ class CommitWriter(FileSystemWriter):
 def make_reader(dir_url: str, storage_options: dict[str, Any] | None = None) -> FileSystemReader:
     if is_local(dir_url):
         return FileSystemReader(local_path(dir_url))
-    return FsspecReader(dir_url, **(storage_options or {}))
+    return FsspecReader(dir_url, **storage.prepare(dir_url, storage_options))
 
 
 # --- commit, verify, list, rotate ------------------------------------------------------------------
@@ -338,22 +323,33 @@ def commit(dir_url: str, world_size: int, meta: dict[str, Any],
     body = json.dumps(marker, sort_keys=True).encode()
     if (problem := parse_marker(body, dir_url)[1]) is not None:  # never commit what a loader would refuse
         raise RuntimeError(f"refusing to commit {dir_url}: {problem}")
-    target = join(base, COMMIT_MARKER)
-    if is_local(dir_url):
-        tmp = f"{target}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        dfd = os.open(base, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    else:
-        fs.pipe_file(target, body)  # a single PUT: atomic on object stores
+    _write_marker(dir_url, body, meta.get("job_id"), storage_options)
     return marker
+
+
+def _write_marker(dir_url: str, body: bytes, job_id: str | None, storage_options: dict[str, Any] | None) -> None:
+    """The commit marker, created only if absent (one atomic create on every store), then read back: the
+    commit counts only once the store returns these bytes. A marker already there is replaced only when it
+    is this job's own (the same step saved again); another job's committed checkpoint is never touched."""
+    target = join(dir_url, COMMIT_MARKER)
+    if not storage.create_if_absent(target, body, storage_options):
+        existing, _ = marker_problem(dir_url, storage_options)
+        owner = (existing or {}).get("job_id")
+        if existing is not None and owner is not None and owner != job_id:
+            raise RuntimeError(f"refusing to commit {dir_url}: it holds a committed checkpoint of job {owner!r}")
+        if is_local(dir_url):
+            tmp = f"{local_path(target)}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, local_path(target))
+        else:
+            filesystem(dir_url, storage_options).pipe_file(target, body)  # one PUT: atomic on object stores
+    fs = filesystem(dir_url, storage_options)
+    with fs.open(_path(target), "rb") as f:
+        if f.read() != body:
+            raise RuntimeError(f"commit marker of {dir_url} reads back different bytes: not committed")
 
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$|^\.metadata$")
