@@ -96,7 +96,8 @@ class StoreProxy:
                 self.send_response(status)
                 for k, v in headers:
                     self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
+                if not any(k.lower() == "content-length" for k, _ in headers):
+                    self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)
@@ -122,7 +123,7 @@ class StoreProxy:
             data = resp.read()
             own = f"{self.upstream.hostname}:{self.upstream.port}"
             back = [(k, v.replace(own, self.url.split("//", 1)[1])) for k, v in resp.getheaders()
-                    if k.lower() not in _HOP]
+                    if k.lower() not in _HOP or (method == "HEAD" and k.lower() == "content-length")]
             return resp.status, back, data
         finally:
             conn.close()

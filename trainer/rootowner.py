@@ -102,7 +102,7 @@ def _nesting_problem(root: str, fs: Any) -> str | None:
         if body is not None:
             return f"checkpoint root {root} lies inside the root {anc} of {parse_owner(body, anc).describe()}"
     base = storage.path_of(root).rstrip("/")
-    fs.invalidate_cache(base)
+    storage.forget(fs, base)
     try:
         found = fs.find(base)
     except FileNotFoundError:
@@ -122,7 +122,7 @@ def _legacy_problem(root: str, fs: Any, job_id: str, adopt: bool) -> str | None:
     """A root of the previous release (no marker): whose committed checkpoints does it hold?"""
     base = storage.path_of(root).rstrip("/")
     try:
-        entries = fs.ls(base, detail=False)
+        entries = storage.listing(fs, base)
     except FileNotFoundError:
         return None
     owners: set[str | None] = set()

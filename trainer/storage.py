@@ -140,6 +140,18 @@ def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> fsspe
     return fs
 
 
+def listing(fs: fsspec.AbstractFileSystem, path: str) -> list[str]:
+    """The names under ``path`` as the store has them now: fsspec's listing cache (adlfs, s3fs, gcsfs keep one
+    per filesystem instance, shared by every user in the process) would hide files written or deleted since."""
+    forget(fs, path)
+    return list(fs.ls(path, detail=False))
+
+
+def forget(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Drop fsspec's cached listings of ``path`` (adlfs keys its cache by the path without the scheme only)."""
+    fs.invalidate_cache(fs._strip_protocol(path))
+
+
 def credential_problem(e: BaseException) -> str | None:
     """What credential was missing, when ``e`` (or its cause) is an SDK's credential error."""
     seen: BaseException | None = e

@@ -17,9 +17,8 @@ reads them): local files start writeback as they grow and are fsynced by their t
 files are uploaded in one go (s3: multipart, parts in parallel). torch.save's own zip CRC32 (redundant)
 is off in those threads. The writer is picklable: sync, thread- and process-based async saves alike.
 
-Storage goes through fsspec (``s3://``, ``gs://``, ``az://``, ...); ``file://`` URLs and plain paths use
-torch's local FileSystem (fsync per file when ``sync_files``). Concurrency: the checksum sink is
-lock-protected (writer threads); everything else is called from one thread.
+Stores: trainer.storage (``s3://``, ``gs://``, ``az://`` via fsspec; ``file://`` and plain paths via torch's local
+FileSystem, fsync per file). Concurrency: only the checksum sink is shared (writer threads; locked).
 """
 
 from __future__ import annotations
@@ -54,7 +53,8 @@ FORMAT_VERSION = 2  # 2: job_id in the marker, extra state as __extra_<rank>.pt 
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 
 
-is_local, local_path, join, _path = storage.is_local, storage.local_path, storage.join, storage.path_of
+is_local, local_path, join, _path, filesystem = (storage.is_local, storage.local_path, storage.join, storage.path_of,
+                                                 storage.filesystem)
 
 
 def step_dir(root_url: str, step: int) -> str:
@@ -65,9 +65,6 @@ def step_of(name: str) -> int | None:
     """The step of a checkpoint directory name (``step_000000120`` -> 120), None for any other name."""
     m = _STEP_DIR.match(name)
     return int(m.group(1)) if m else None
-
-
-filesystem = storage.filesystem
 
 
 # --- writing --------------------------------------------------------------------------------------
@@ -148,7 +145,14 @@ class _HashingFS(FileSystemBase):
         return self.inner.concat_path(path, suffix)
 
     def rename(self, path: Any, new_path: Any) -> None:
-        self.inner.rename(path, new_path)
+        """DCP renames only its small ``.metadata.tmp``: on object stores one read and one write (a rename is a
+        copy and a delete there anyway, and gcsfs's move API is missing from some stores and emulators)."""
+        if not isinstance(self.inner, _FsspecFS):
+            self.inner.rename(path, new_path)
+            return
+        fs = cast(Any, self.inner).fs
+        fs.pipe_file(str(new_path), fs.cat_file(str(path)))
+        fs.rm_file(str(path))
 
     def init_path(self, path: Any, **kwargs: Any) -> Any:
         return self.inner.init_path(path, **kwargs)
@@ -421,7 +425,7 @@ def _file_crc(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, int]:
 
 def _unlisted(fs: fsspec.AbstractFileSystem, base: str, files: dict[str, Any]) -> list[str]:
     """Files the loader would read (DCP data and metadata, extra state) that the marker does not cover."""
-    names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(base, detail=False)]
+    names = [e.rstrip("/").rsplit("/", 1)[-1] for e in storage.listing(fs, base)]
     return sorted(n for n in names if (n == ".metadata" or n.endswith(".distcp") or n.startswith("__extra_"))
                   and n not in files)
 
@@ -456,7 +460,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
     fs = filesystem(root_url, storage_options)
     root = _path(root_url)
     try:
-        entries = fs.ls(root, detail=False)
+        entries = storage.listing(fs, root)
     except FileNotFoundError:
         return []
     out = []
@@ -464,6 +468,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         if m := _STEP_DIR.match(name):
             d = join(root_url, name)
+            storage.forget(fs, _path(d))  # the marker as the store has it now
             out.append((int(m.group(1)), d, fs.exists(join(_path(d), COMMIT_MARKER))))
     return sorted(out)
 
