@@ -104,7 +104,12 @@ class StoreProxy:
 
             do_GET = do_POST = do_PUT = do_DELETE = do_PATCH = do_HEAD = _do
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), _H)
+        class _Server(ThreadingHTTPServer):
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                if not isinstance(sys.exc_info()[1], ConnectionError):  # clients hanging up are normal
+                    super().handle_error(request, client_address)
+
+        self.httpd = _Server(("127.0.0.1", 0), _H)
         self.httpd.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
