@@ -263,8 +263,9 @@ ROOT_CHECK_TIMEOUT_S = 30.0
 
 async def root_problem(cmd: StartGenerationCmd) -> str | None:
     """Why the generation may not write its checkpoint root (another job's or cluster's, inside or above
-    another root): checked before any rank starts. A store this node cannot read (yet) is left to the
-    trainer, which claims the root before its first write and fails clearly."""
+    another root, holding another named job's checkpoints): checked before any rank starts. Whether a root
+    of the previous release with checkpoints of no named job may be adopted is left to the trainer's claim
+    (it knows whether it resumes) and to orchd's check at submit; so is a store this node cannot read."""
     if not cmd.checkpoint_url:
         return None
     options = cmd.trainer.args.get("storage_options")
@@ -274,7 +275,7 @@ async def root_problem(cmd: StartGenerationCmd) -> str | None:
             return await anyio.to_thread.run_sync(
                 lambda: rootowner.problem(cmd.checkpoint_url, cmd.job_id or "job", cluster,
                                           options if isinstance(options, dict) else None,
-                                          adopt=bool(cmd.resume_from)),
+                                          adopt=True),
                 abandon_on_cancel=True)
     except rootowner.RootOwned as e:
         return str(e)
