@@ -178,7 +178,7 @@ def main() -> None:
     ap.add_argument("--emulator", action="store_true", help="start --url's emulator on loopback first")
     a = ap.parse_args()
     if a.url:
-        from benchmarks.checkpoint_objstore import run
+        from checkpoint_objstore import run  # benchmarks/checkpoint_objstore.py, beside this script
 
         out = run(a, model_for(a.state_gib, a.seq_len))
         print(json.dumps(out) if a.json else "\n".join(f"{k:>18}: {v}" for k, v in out.items()), flush=True)

@@ -199,10 +199,10 @@ class Store:
 
 
 def start_s3(bucket: str = "ckpt-bucket") -> Store:
+    import logging
+
     import boto3
     from moto.server import ThreadedMotoServer
-
-    import logging
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

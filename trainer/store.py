@@ -145,8 +145,7 @@ class _HashingFS(FileSystemBase):
         return self.inner.concat_path(path, suffix)
 
     def rename(self, path: Any, new_path: Any) -> None:
-        """DCP renames only its small ``.metadata.tmp``: on object stores one read and one write (a rename is a
-        copy and a delete there anyway, and gcsfs's move API is missing from some stores and emulators)."""
+        """DCP renames only its small ``.metadata.tmp``: on object stores a read and a write (no move API needed)."""
         if not isinstance(self.inner, _FsspecFS):
             self.inner.rename(path, new_path)
             return
@@ -243,9 +242,9 @@ class CommitWriter(FileSystemWriter):
         # FileSystemWriter declares ``fs`` as its local FileSystem but calls only FileSystemBase methods
         self.fs = cast(FileSystem, self.hashing_fs)
         target = local_path(dir_url) if local else dir_url  # the base class mangled "s3://" into a Path
-        hfs = self.hashing_fs
-        self.path = hfs.init_path(target) if local else hfs.init_path(target, **storage.prepare(dir_url, storage_options))
-        hfs.mkdir(self.path)
+        opts = {} if local else storage.prepare(dir_url, storage_options)
+        self.path = self.hashing_fs.init_path(target, **opts)
+        self.hashing_fs.mkdir(self.path)
 
     def write_extra(self, name: str, payload: bytes) -> None:
         """A small side file (extra state), checksummed like the DCP files."""

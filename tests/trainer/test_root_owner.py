@@ -161,4 +161,5 @@ def test_missing_credentials_name_the_store(monkeypatch: pytest.MonkeyPatch, tmp
     monkeypatch.setenv("GCE_METADATA_IP", "127.0.0.1:9")
     problem = rootowner.check_root_at_submit("gs://ckpt/job", "job-a", "c1", {"gs": {"skip_instance_cache": True}})
     assert problem is not None and problem.startswith("checkpoint store gs://ckpt/job: no Google credentials"), problem
-    assert "mixes per-scheme entries" in (rootowner.check_root_at_submit("gs://b/j", "j", "c", {"gs": {}, "x": 1}) or "")
+    mixed = rootowner.check_root_at_submit("gs://b/j", "j", "c", {"gs": {}, "x": 1})
+    assert "mixes per-scheme entries" in (mixed or "")

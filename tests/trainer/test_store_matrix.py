@@ -90,7 +90,8 @@ def test_save_commit_verify_rotate_resume(backend: Store) -> None:
     model2, opt2 = _model(seed=1)
     extra = fresh.load(d, model2, opt2)
     assert extra["step"] == 4 and extra["data"] == {"next": 4}
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(), strict=True))
+    pairs = zip(model.state_dict().values(), model2.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
     assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], opt2.state_dict()["state"][0]["exp_avg"])
 
 
