@@ -20,12 +20,14 @@ once every rank is spawned). Report callbacks come from the rank reader tasks an
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 import anyio.abc
+import anyio.to_thread
 import msgspec
 import structlog
 
@@ -34,7 +36,7 @@ from agent.logship import LogShipper
 from agent.outbox import NodePublisher
 from agent.ranks import RankGroup, resume_step
 from agent.warm import WarmPool
-from trainer import contract
+from trainer import contract, rootowner
 from wire import (
     AbandonGenerationCmd,
     AgentState,
@@ -109,6 +111,9 @@ class GenerationRunner:
                 await old.done.wait()
         if self._tg is None or self._logs is None:
             raise RuntimeError("generation runner not attached to the agent's task group")
+        if (owned := await root_problem(cmd)) is not None:
+            log.error("checkpoint_root_refused", job_id=job, generation=cmd.generation, error=owned)
+            return f"{contract.ROOT_OWNED_REASON}: {owned}"
         group = self._new_group(cmd, self._logs)
         self.group = group
         self.state = AgentState.STARTING
@@ -254,3 +259,29 @@ class GenerationRunner:
                  save_s=report.save_s, deadline_margin_s=report.deadline_margin_s)
         if report.emergency:
             self.on_emergency_end()
+
+
+ROOT_CHECK_TIMEOUT_S = 30.0
+
+
+async def root_problem(cmd: StartGenerationCmd) -> str | None:
+    """Why the generation may not write its checkpoint root (another job's or cluster's, inside or above
+    another root, holding another named job's checkpoints): checked before any rank starts. Whether a root
+    of the previous release with checkpoints of no named job may be adopted is left to the trainer's claim
+    (it knows whether it resumes) and to orchd's check at submit; so is a store this node cannot read."""
+    if not cmd.checkpoint_url:
+        return None
+    options = cmd.trainer.args.get("storage_options")
+    cluster = cmd.cluster_id or os.environ.get(contract.ENV_CLUSTER_ID, "")
+    try:
+        with anyio.fail_after(ROOT_CHECK_TIMEOUT_S):
+            return await anyio.to_thread.run_sync(
+                lambda: rootowner.problem(cmd.checkpoint_url, cmd.job_id or "job", cluster,
+                                          options if isinstance(options, dict) else None,
+                                          adopt=True),
+                abandon_on_cancel=True)
+    except rootowner.RootOwned as e:
+        return str(e)
+    except Exception as e:
+        log.warning("checkpoint_root_unchecked", url=cmd.checkpoint_url, error=f"{type(e).__name__}: {e}")
+        return None

@@ -166,6 +166,8 @@ class RankGroup:
         if c.checkpoint_interval_s is not None:
             env[contract.ENV_CKPT_INTERVAL_S] = str(c.checkpoint_interval_s)
         env.update(c.trainer.env)  # the job's own settings win (e.g. ORCH_COLLECTIVE_TIMEOUT_S)
+        # but not over the cluster's identity (it names the owner of the checkpoint root): orchd's, else the agent's
+        env[contract.ENV_CLUSTER_ID] = c.cluster_id or os.environ.get(contract.ENV_CLUSTER_ID, "")
         return env
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> GenerationResult:

@@ -1,6 +1,9 @@
 """Checkpoint benchmark: save/load throughput vs the disk's own write rate, async blocking, emergency time.
 
     python benchmarks/checkpoint.py --json [--dir /path/on/the/disk] [--state-gib 1.0] [--threads 4] [--pairs 5]
+    python benchmarks/checkpoint.py --json --url gs://bucket/prefix [--emulator | --storage-options JSON]
+
+With --url (s3://, gs://, az://) the figures are the object store's: see benchmarks/checkpoint_objstore.py.
 
 One process (world size 1, gloo), a GPT whose parameters + AdamW state are >= --state-gib. Measured in
 the same run, on the same directory, with the same fsync policy and parallelism (the save fsyncs every
@@ -170,7 +173,16 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=5, help="paired rounds emergency save vs best DCP")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--url", default=None, help="an object store (s3://, gs://, az://): its figures instead")
+    ap.add_argument("--storage-options", default=None, help="JSON fsspec options for --url (endpoints)")
+    ap.add_argument("--emulator", action="store_true", help="start --url's emulator on loopback first")
     a = ap.parse_args()
+    if a.url:
+        from checkpoint_objstore import run  # benchmarks/checkpoint_objstore.py, beside this script
+
+        out = run(a, model_for(a.state_gib, a.seq_len))
+        print(json.dumps(out) if a.json else "\n".join(f"{k:>18}: {v}" for k, v in out.items()), flush=True)
+        os._exit(0)  # skip process-group teardown
 
     base = Path(a.dir) if a.dir else Path(tempfile.mkdtemp(prefix="ckpt-bench-"))
     base.mkdir(parents=True, exist_ok=True)

@@ -11,11 +11,15 @@ import os
 import shutil
 import signal
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from orchestrator.natsserver import NatsServer
+
+if TYPE_CHECKING:
+    from tests.storage_emulators import Store
 
 IN_CI = os.environ.get("ORCH_CI") == "1"
 
@@ -62,3 +66,28 @@ def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer
 @pytest.fixture
 def nats_url(nats_server: NatsServer) -> str:
     return nats_server.url
+
+
+@pytest.fixture(scope="session")
+def object_stores() -> Iterator[Callable[[str], Store]]:
+    """``get(kind)``: the s3 (moto), gs (gcp-storage-emulator) or az (Azurite) store, started on first use
+    on loopback and kept for the session; skipped where the emulator is missing, except in CI."""
+    from tests import storage_emulators
+
+    started: dict[str, Store] = {}
+
+    def get(kind: str) -> Store:
+        if kind not in started:
+            try:
+                started[kind] = storage_emulators.start(kind)
+            except FileNotFoundError as e:
+                if IN_CI:
+                    pytest.fail(f"the {kind} emulator ({e}) is required in CI but not installed (.ci/run installs it)")
+                pytest.skip(f"the {kind} emulator is not installed: {e}")
+        return started[kind]
+
+    try:
+        yield get
+    finally:
+        for store in started.values():
+            store.stop()

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from trainer import contract, extra_state, store
+from trainer import contract, extra_state, rootowner, store
 from trainer import dist as tdist
 from trainer.dist import DistInfo
 from trainer.extra_state import rng_state, set_rng_state
@@ -145,6 +145,30 @@ class CheckpointManager:
         self.stager = ReusingStager()
         self.last_committed_step: int | None = None
         self.job_id = job_id  # written into every commit marker; another job's checkpoint is refused
+
+    # --- the root ----------------------------------------------------------------------------------
+
+    def claim_root(self, cluster_id: str, *, adopt: bool) -> None:
+        """Collective, before the first write: rank 0 claims the root for this job of ``cluster_id``
+        (trainer.rootowner); every rank raises RootOwned when it is another's, StorageError when the store
+        could not be read. Without a job id nothing is claimed, but a root owned by a job is refused."""
+        outcome: list[Any] = [None]
+        if self.info.rank == 0:
+            try:
+                if self.job_id:
+                    rootowner.claim(self.root, self.job_id, cluster_id, self.storage_options, adopt=adopt)
+                elif (owner := rootowner.read_owner(self.root, self.storage_options)) is not None:
+                    raise rootowner.RootOwned(f"checkpoint root {self.root} owned by {owner.describe()} "
+                                              f"(this trainer has no {contract.ENV_JOB_ID})")
+            except rootowner.RootOwned as e:
+                outcome[0] = ("owned", str(e))
+            except Exception as e:
+                outcome[0] = ("store", f"{contract.STORAGE_ERROR_REASON}: {type(e).__name__}: {e}")
+        if self.info.world_size > 1:
+            dist.broadcast_object_list(outcome, src=0, group=self.info.ckpt_group)
+        if outcome[0] is not None:
+            kind, text = outcome[0]
+            raise rootowner.RootOwned(text) if kind == "owned" else StorageError(text)
 
     # --- saving ----------------------------------------------------------------------------------
 

@@ -9,7 +9,10 @@ torch.distributed variables and ours:
     RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT   (torch standard)
     ORCH_JOB_ID            job id (free text)
     ORCH_GENERATION        integer generation of the job this process belongs to
-    ORCH_CKPT_URL          checkpoint root (file:///..., s3://bucket/prefix, ...)
+    ORCH_CKPT_URL          checkpoint root (file:///..., s3://bucket/prefix, gs://bucket/prefix,
+                           az://container/prefix); claimed for ORCH_JOB_ID before the first write
+                           (trainer.rootowner)
+    ORCH_CLUSTER_ID        the orchd cluster's identity, named in the root's owner marker ("" outside orchd)
     ORCH_RESUME_FROM       "" (fresh start), "latest" (newest committed checkpoint under ORCH_CKPT_URL),
                            or the URL of one committed checkpoint
     ORCH_TOTAL_STEPS       train until this step (inclusive), then exit EXIT_COMPLETED
@@ -59,6 +62,9 @@ EXIT_REASONS: Final = {
 # ExitReport.reason prefix of an EXIT_CHECKPOINT_FAILED caused by storage (ENOSPC, DCP CheckpointException, a
 # failed commit): "storage_error: <exception>". The agent reports the generation with this reason.
 STORAGE_ERROR_REASON: Final = "storage_error"
+# ExitReport.reason prefix (with EXIT_FAILED) and the agent's start-refusal prefix when the checkpoint root
+# belongs to another job or cluster: "checkpoint_root_owned: checkpoint root <url> owned by job X of cluster Y".
+ROOT_OWNED_REASON: Final = "checkpoint_root_owned"
 
 # --- environment ----------------------------------------------------------------------------------
 ENV_JOB_ID: Final = "ORCH_JOB_ID"
@@ -72,6 +78,7 @@ ENV_COLLECTIVE_TIMEOUT_S: Final = "ORCH_COLLECTIVE_TIMEOUT_S"
 ENV_TRAINER_ARGS: Final = "ORCH_TRAINER_ARGS"
 ENV_SIGTERM_GRACE_S: Final = "ORCH_SIGTERM_GRACE_S"
 ENV_CKPT_INTERVAL_S: Final = "ORCH_CKPT_INTERVAL_S"
+ENV_CLUSTER_ID: Final = "ORCH_CLUSTER_ID"
 
 CHECKPOINT_REQUEST_FILE: Final = "checkpoint.json"
 REPORT_PREFIX: Final = '{"orch":'

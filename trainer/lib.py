@@ -42,6 +42,7 @@ from trainer import contract
 from trainer import dist as tdist
 from trainer.checkpoint import CheckpointManager, CommitResult, NoUsableCheckpoint, StorageError, save_failure
 from trainer.emergency import EmergencyState, Verdict, agree
+from trainer.rootowner import RootOwned
 from trainer.tracking import DEFAULT_FLUSH_S, ENV_FLUSH_S, MetricsLogger
 
 # bf16 dense peak FLOP/s per device (vendor datasheets), matched on torch.cuda.get_device_name (no NVML)
@@ -111,9 +112,7 @@ class Session:
         job_id = os.environ.get(contract.ENV_JOB_ID, "")
         ckpt = CheckpointManager(url, info, keep=keep, async_mode=async_mode, storage_options=storage_options,
                                  thread_count=ckpt_threads, job_id=job_id) if url else None
-        if ckpt is not None:
-            ckpt.warm()
-        return cls(
+        sess = cls(
             info, emergency, ckpt,
             total_steps=(total_steps if total_steps is not None
                          else int(os.environ.get(contract.ENV_TOTAL_STEPS, "100"))),
@@ -124,6 +123,23 @@ class Session:
             config=config,
             tracker=tracker,
         )
+        if ckpt is not None:
+            sess._claim_root()
+            ckpt.warm()
+        return sess
+
+    def _claim_root(self) -> None:
+        """Before any write: the checkpoint root must be this job's (claimed now if nobody's). A root owned by
+        another job ends the session with EXIT_FAILED and ``checkpoint_root_owned: <whose>``; a store that
+        cannot be reached or lacks credentials with EXIT_CHECKPOINT_FAILED and ``storage_error: ...``."""
+        assert self.ckpt is not None
+        try:
+            self.ckpt.claim_root(os.environ.get(contract.ENV_CLUSTER_ID, ""), adopt=bool(self.resume_from))
+        except RootOwned as e:
+            print(f"checkpoint_root_owned {e}", flush=True)
+            self.exit(contract.EXIT_FAILED, f"{contract.ROOT_OWNED_REASON}: {e}"[:300])
+        except StorageError as e:
+            self.exit(contract.EXIT_CHECKPOINT_FAILED, str(e)[:300])
 
     @property
     def rank(self) -> int:

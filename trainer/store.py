@@ -17,9 +17,8 @@ reads them): local files start writeback as they grow and are fsynced by their t
 files are uploaded in one go (s3: multipart, parts in parallel). torch.save's own zip CRC32 (redundant)
 is off in those threads. The writer is picklable: sync, thread- and process-based async saves alike.
 
-Storage goes through fsspec (``s3://``, ``gs://``, ``az://``, ...); ``file://`` URLs and plain paths use
-torch's local FileSystem (fsync per file when ``sync_files``). Concurrency: the checksum sink is
-lock-protected (writer threads); everything else is called from one thread.
+Stores: trainer.storage (``s3://``, ``gs://``, ``az://`` via fsspec; ``file://`` and plain paths via torch's local
+FileSystem, fsync per file). Concurrency: only the checksum sink is shared (writer threads; locked).
 """
 
 from __future__ import annotations
@@ -38,7 +37,6 @@ from typing import IO, Any, cast
 import crc32c
 import fsspec
 import torch
-from fsspec.core import url_to_fs
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFS
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -48,23 +46,15 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 from torch.utils.serialization import config as _torch_save_config
 
-from trainer import contract
+from trainer import contract, storage
 
 COMMIT_MARKER = contract.CHECKPOINT_COMMIT_MARKER
 FORMAT_VERSION = 2  # 2: job_id in the marker, extra state as __extra_<rank>.pt (no pickle); 1 still loads
 _STEP_DIR = re.compile(r"^step_(\d{9})$")
 
 
-def is_local(url: str) -> bool:
-    return "://" not in url or url.startswith("file://")
-
-
-def local_path(url: str) -> str:
-    return url[len("file://") :] if url.startswith("file://") else url
-
-
-def join(url: str, *parts: str) -> str:
-    return "/".join([url.rstrip("/"), *parts])
+is_local, local_path, join, _path, filesystem = (storage.is_local, storage.local_path, storage.join, storage.path_of,
+                                                 storage.filesystem)
 
 
 def step_dir(root_url: str, step: int) -> str:
@@ -75,16 +65,6 @@ def step_of(name: str) -> int | None:
     """The step of a checkpoint directory name (``step_000000120`` -> 120), None for any other name."""
     m = _STEP_DIR.match(name)
     return int(m.group(1)) if m else None
-
-
-def filesystem(url: str, storage_options: dict[str, Any] | None = None) -> fsspec.AbstractFileSystem:
-    fs, _ = url_to_fs(local_path(url) if is_local(url) else url, **(storage_options or {}))
-    return fs
-
-
-def _path(url: str) -> str:
-    """The path fsspec filesystems take (no scheme for local paths)."""
-    return local_path(url) if is_local(url) else url
 
 
 # --- writing --------------------------------------------------------------------------------------
@@ -165,7 +145,13 @@ class _HashingFS(FileSystemBase):
         return self.inner.concat_path(path, suffix)
 
     def rename(self, path: Any, new_path: Any) -> None:
-        self.inner.rename(path, new_path)
+        """DCP renames only its small ``.metadata.tmp``: on object stores a read and a write (no move API needed)."""
+        if not isinstance(self.inner, _FsspecFS):
+            self.inner.rename(path, new_path)
+            return
+        fs = cast(Any, self.inner).fs
+        fs.pipe_file(str(new_path), fs.cat_file(str(path)))
+        fs.rm_file(str(path))
 
     def init_path(self, path: Any, **kwargs: Any) -> Any:
         return self.inner.init_path(path, **kwargs)
@@ -256,9 +242,9 @@ class CommitWriter(FileSystemWriter):
         # FileSystemWriter declares ``fs`` as its local FileSystem but calls only FileSystemBase methods
         self.fs = cast(FileSystem, self.hashing_fs)
         target = local_path(dir_url) if local else dir_url  # the base class mangled "s3://" into a Path
-        hfs = self.hashing_fs
-        self.path = hfs.init_path(target) if local else hfs.init_path(target, **(storage_options or {}))
-        hfs.mkdir(self.path)
+        opts = {} if local else storage.prepare(dir_url, storage_options)
+        self.path = self.hashing_fs.init_path(target, **opts)
+        self.hashing_fs.mkdir(self.path)
 
     def write_extra(self, name: str, payload: bytes) -> None:
         """A small side file (extra state), checksummed like the DCP files."""
@@ -302,8 +288,10 @@ class CommitWriter(FileSystemWriter):
         with _no_zip_crc32():
             out = _write_items(stream, name, items, planner)
         fs = cast(Any, self.hashing_fs.inner).fs
-        s3 = "s3" in ((fs.protocol,) if isinstance(fs.protocol, str) else fs.protocol)
-        opts = {"chunksize": self.part_size, "max_concurrency": self.upload_concurrency} if s3 else {}
+        kind = storage.scheme(str(path))  # per store: s3 multipart and az blocks in parallel, gs resumable chunks
+        opts: dict[str, Any] = {"s3": {"chunksize": self.part_size, "max_concurrency": self.upload_concurrency},
+                                "az": {"max_concurrency": self.upload_concurrency},
+                                "gs": {"chunksize": self.part_size}}.get(kind, {})
         fs.pipe_file(str(path), buf.getvalue(), **opts)
         self.sink.record(name, stream.size, stream.crc)
         return out
@@ -317,7 +305,7 @@ class CommitWriter(FileSystemWriter):
 def make_reader(dir_url: str, storage_options: dict[str, Any] | None = None) -> FileSystemReader:
     if is_local(dir_url):
         return FileSystemReader(local_path(dir_url))
-    return FsspecReader(dir_url, **(storage_options or {}))
+    return FsspecReader(dir_url, **storage.prepare(dir_url, storage_options))
 
 
 # --- commit, verify, list, rotate ------------------------------------------------------------------
@@ -338,22 +326,33 @@ def commit(dir_url: str, world_size: int, meta: dict[str, Any],
     body = json.dumps(marker, sort_keys=True).encode()
     if (problem := parse_marker(body, dir_url)[1]) is not None:  # never commit what a loader would refuse
         raise RuntimeError(f"refusing to commit {dir_url}: {problem}")
-    target = join(base, COMMIT_MARKER)
-    if is_local(dir_url):
-        tmp = f"{target}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(body)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-        dfd = os.open(base, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    else:
-        fs.pipe_file(target, body)  # a single PUT: atomic on object stores
+    _write_marker(dir_url, body, meta.get("job_id"), storage_options)
     return marker
+
+
+def _write_marker(dir_url: str, body: bytes, job_id: str | None, storage_options: dict[str, Any] | None) -> None:
+    """The commit marker, created only if absent (one atomic create on every store), then read back: the
+    commit counts only once the store returns these bytes. A marker already there is replaced only when it
+    is this job's own (the same step saved again); another job's committed checkpoint is never touched."""
+    target = join(dir_url, COMMIT_MARKER)
+    if not storage.create_if_absent(target, body, storage_options):
+        existing, _ = marker_problem(dir_url, storage_options)
+        owner = (existing or {}).get("job_id")
+        if existing is not None and owner is not None and owner != job_id:
+            raise RuntimeError(f"refusing to commit {dir_url}: it holds a committed checkpoint of job {owner!r}")
+        if is_local(dir_url):
+            tmp = f"{local_path(target)}.tmp"
+            with open(tmp, "wb") as f:
+                f.write(body)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, local_path(target))
+        else:
+            filesystem(dir_url, storage_options).pipe_file(target, body)  # one PUT: atomic on object stores
+    fs = filesystem(dir_url, storage_options)
+    with fs.open(_path(target), "rb") as f:
+        if f.read() != body:
+            raise RuntimeError(f"commit marker of {dir_url} reads back different bytes: not committed")
 
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$|^\.metadata$")
@@ -425,7 +424,7 @@ def _file_crc(fs: fsspec.AbstractFileSystem, path: str) -> tuple[int, int]:
 
 def _unlisted(fs: fsspec.AbstractFileSystem, base: str, files: dict[str, Any]) -> list[str]:
     """Files the loader would read (DCP data and metadata, extra state) that the marker does not cover."""
-    names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(base, detail=False)]
+    names = [e.rstrip("/").rsplit("/", 1)[-1] for e in storage.listing(fs, base)]
     return sorted(n for n in names if (n == ".metadata" or n.endswith(".distcp") or n.startswith("__extra_"))
                   and n not in files)
 
@@ -460,7 +459,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
     fs = filesystem(root_url, storage_options)
     root = _path(root_url)
     try:
-        entries = fs.ls(root, detail=False)
+        entries = storage.listing(fs, root)
     except FileNotFoundError:
         return []
     out = []
@@ -468,6 +467,7 @@ def list_checkpoints(root_url: str, storage_options: dict[str, Any] | None = Non
         name = entry.rstrip("/").rsplit("/", 1)[-1]
         if m := _STEP_DIR.match(name):
             d = join(root_url, name)
+            storage.forget(fs, _path(d))  # the marker as the store has it now
             out.append((int(m.group(1)), d, fs.exists(join(_path(d), COMMIT_MARKER))))
     return sorted(out)
 

@@ -265,6 +265,7 @@ class StartGenerationCmd(_Command, frozen=True, kw_only=True, tag="start_generat
     total_steps: int
     checkpoint_interval_s: float | None = None  # periodic checkpoint interval chosen by orchd (Young/Daly)
     trainer: TrainerSpec = TrainerSpec()
+    cluster_id: str = ""  # orchd's cluster identity, named in the checkpoint root's owner marker; "": the agent's own
 
 
 class StopCmd(_Command, frozen=True, kw_only=True, tag="stop"):

@@ -37,11 +37,12 @@ def test_markers_fall_back_refuse_other_jobs_and_fail_explicitly(tmp_path: Path)
     assert [s for s, _, c in store.list_checkpoints(f"file://{root}") if c] == [2, 4]
     assert json.loads((root / "step_000000004" / store.COMMIT_MARKER).read_text())["job_id"] == "job-a"
 
-    # another job pointed at this root: refused, explicitly
+    # another job pointed at this root: refused, explicitly, by the root's owner marker before anything is read
     g = Generation(GPT_CMD, 1, trainer_env(tmp_path, total_steps=6, args=ARGS, resume="latest", generation=1,
                                            extra=_job("job-b")))
-    assert g.wait() == [contract.EXIT_NO_CHECKPOINT], g.log()
-    assert "not of 'job-b'" in _exits(g)[0].reason and not g.reports(contract.StepReport)
+    assert g.wait() == [contract.EXIT_FAILED], g.log()
+    assert _exits(g)[0].reason == (f"{contract.ROOT_OWNED_REASON}: checkpoint root file://{root} owned by job job-a "
+                                   "of cluster (none)") and not g.reports(contract.StepReport)
 
     # a malformed newest marker ({"files": []}): the previous checkpoint
     (root / "step_000000004" / store.COMMIT_MARKER).write_text(json.dumps({"files": []}))
