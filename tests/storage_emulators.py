@@ -119,7 +119,7 @@ class StoreProxy:
         self.httpd.server_close()
 
     def forward(self, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, list, bytes]:
-        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
+        conn = http.client.HTTPConnection(self.upstream.hostname or "127.0.0.1", self.upstream.port, timeout=60)
         try:
             out = {k: v for k, v in headers.items() if k.lower() not in _HOP}
             out["Host"] = headers.get("Host", self.upstream.netloc)

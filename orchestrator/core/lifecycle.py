@@ -233,6 +233,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
                 total_steps=job.spec.total_steps,
                 checkpoint_interval_s=interval,
                 trainer=trainer,
+                cluster_id=tx.meta.cluster_id if isinstance(tx.meta.cluster_id, str) else "",
             ),
         )
         ids.append(node.node_id)

@@ -60,6 +60,7 @@ from orchestrator.daemon.tracking import TrackingGate
 from orchestrator.daemon.tracking import submit_problems as tracking_submit_problems
 from orchestrator.daemon.view import DaemonView
 from orchestrator.jobspec import spec_problems
+from trainer import rootowner
 from wire.admin import (
     DeadLetter,
     DeadListReply,
@@ -168,6 +169,19 @@ def _wrap(resource: str, verb: str, req_type: type, fn: Callable[[Any], Awaitabl
     return handler
 
 
+def root_refusal(spec: ev.JobSpec, job_id: str, cluster_id: str) -> str | None:
+    """Why the storage says ``job_id`` may not use its checkpoint root (``trainer.rootowner``: the owner
+    marker names another job or cluster, the root nests in or holds another job's), or None. Blocking: run
+    it in a worker thread. A store this host cannot read (no library, no credentials, unreachable) is not a
+    refusal: the node checks the same before the trainer writes a byte."""
+    opts = spec.trainer.args.get("storage_options")
+    try:
+        return rootowner.problem(spec.checkpoint.url, job_id, cluster_id, opts if isinstance(opts, dict) else None)
+    except Exception as e:  # ImportError, StoreConfigError, an outage: the node's check decides
+        log.info("checkpoint_root_not_checked", job=job_id, error=f"{type(e).__name__}: {e}"[:200])
+        return None
+
+
 def job_id_problems(job_id: str | None) -> list[str]:
     """A job id given with a submit must be a token (it becomes subject tokens and KV keys)."""
     if job_id is None:
@@ -234,6 +248,9 @@ class Handlers:
         job_id = req.job_id or new_job_id(spec, secrets.token_hex(3))
         if job_id in self._state().jobs:
             return ev.SubmitJobReply(job_id=job_id, created=False)
+        owned = await anyio.to_thread.run_sync(root_refusal, spec, job_id, self.d.settings.daemon.cluster_id)
+        if owned is not None:
+            raise AdminFailure(409, f"job {job_id!r} refused: {owned}", "checkpoint_root_owned")
         try:
             await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=spec))
         except NotLeader as e:  # it may have been written all the same: a retry under another id would be a 2nd job
