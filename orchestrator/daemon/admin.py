@@ -265,7 +265,12 @@ class Handlers:
     def _checked_spec(self, req: ev.SubmitJobRequest) -> ev.JobSpec:
         """The spec to submit (its tracking server resolved), or a 400 that lists every problem."""
         spec, tracked = TrackingGate(self.d.settings.tracking).resolve(req.spec)
-        problems = job_id_problems(req.job_id) + spec_problems(req.spec) + tracking_submit_problems(req.spec)
+        if tracked and isinstance(spec.sweep_id, str):  # a trial of a sweep template stored before the list
+            log.warning("tracking_server_refused", sweep=spec.sweep_id, problems=tracked,
+                        hint="the trial runs untracked: name a server of [tracking.servers] in the template")
+            self.d.metrics.rejected.labels("tracking", "server_not_listed").inc()
+            spec, tracked = msgspec.structs.replace(spec, tracking=msgspec.UNSET), []
+        problems = job_id_problems(req.job_id) + spec_problems(spec) + tracking_submit_problems(spec)
         problems += tracked
         if problems:
             raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems), "invalid_spec")

@@ -15,6 +15,7 @@ from orchestrator.core import AuditEntry, Decision, State
 from orchestrator.core.inputs import CoreEvent
 from orchestrator.core.model import DEFAULT_RESTART_BACKOFF_BASE_S, DEFAULT_RESTART_BACKOFF_MAX_S
 from orchestrator.settings import Settings
+from wire.names import is_token
 
 _enc = msgspec.json.Encoder()
 
@@ -65,3 +66,32 @@ def default_core(settings: Settings, known_instance_types: tuple[str, ...] | Non
         empty_state=lambda: core.State.empty(config),
         configure=lambda s: msgspec.structs.replace(s, meta=msgspec.structs.replace(s.meta, config=config)),
     )
+
+
+def park_bad_names(records: Mapping[str, bytes]) -> tuple[dict[str, bytes], dict[str, str]]:
+    """The stored records minus those whose job or node id is not a token (``wire.names``: an older release
+    took ids the subjects and keys of today's cannot hold), and why each was left out. A parked record stays
+    in KV untouched (an operator can rename and resubmit the job); the nodes of a parked job are parked
+    with it, so no node refers to a job the state does not hold."""
+    parked: dict[str, str] = {}
+    bad_jobs: set[str] = set()
+    for key in records:
+        if key.startswith("job.") and not is_token(key[4:]):
+            parked[key] = "job id is not a token"
+            bad_jobs.add(key[4:])
+    for key, value in records.items():
+        if not key.startswith("node."):
+            continue
+        if not is_token(key[5:]):
+            parked[key] = "node id is not a token"
+        elif bad_jobs and _job_of(value) in bad_jobs:
+            parked[key] = "its job is parked"
+    return {k: v for k, v in records.items() if k not in parked}, parked
+
+
+def _job_of(record: bytes) -> str | None:
+    try:
+        job = msgspec.json.decode(record).get("job_id")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    return job if isinstance(job, str) else None

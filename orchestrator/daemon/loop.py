@@ -27,7 +27,7 @@ from orchestrator import bus
 from orchestrator.core import State
 from orchestrator.core.inputs import BusState, CoreEvent, LeaseChanged, Tick
 from orchestrator.daemon import pipeline
-from orchestrator.daemon.coreapi import CoreApi
+from orchestrator.daemon.coreapi import CoreApi, park_bad_names
 from orchestrator.daemon.eventlog import EventLog
 from orchestrator.daemon.executor import Executor
 from orchestrator.daemon.gauges import refresh_gauge_slices
@@ -118,6 +118,11 @@ class Daemon:
         """The state loaded from KV (empty: a fresh state) and the cluster's identity (``cluster_identity``:
         ``settings.daemon.cluster_id`` is this run's from here on); ``LeaseChanged`` is the first event
         decided (it records the identity in a state that holds none)."""
+        records, parked = park_bad_names(records)
+        for key, why in sorted(parked.items()):  # reported, never a crash; left in KV for an operator
+            log.error("stored_record_parked", key=key[:200], reason=why,
+                      hint="an older release stored an id today's names refuse: rename the job and resubmit it")
+            self.metrics.rejected.labels("state", "bad_name").inc()
         self.state = self.core.restore(records) if records else self.core.empty_state()
         cluster = cluster_identity(self.state, bool(records), self.settings.daemon.cluster_id)
         if cluster != self.settings.daemon.cluster_id:
