@@ -203,7 +203,7 @@ class Drill:
         return dict(self.ctl("jobs", "show", job)["summary"])
 
     def submit(self, job: str, *, nodes: int, budget_usd: float | None = None, market: str = "spot_with_fallback",
-               ) -> None:
+               check: bool = True) -> None:
         budget = f"budget_usd = {budget_usd}\n" if budget_usd is not None else ""
         spec = self.tmp / f"{job}.toml"
         spec.write_text(f"""
@@ -224,7 +224,7 @@ save_s_estimate = 2.0
 command = ["{sys.executable}", "{TRAINER}"]
 args = {{ step_time_s = 0.1, ckpt_every_s = 2.0, emergency_save_s = 1.5 }}
 """)
-        self.ctl("jobs", "submit", str(spec), "--id", job)
+        self.ctl("jobs", "submit", str(spec), "--id", job, check=check)
 
     def ckpt_dir(self, job: str) -> Path:
         return self.tmp / "ckpt" / job

@@ -10,6 +10,9 @@ and at the webhook (a "resolved" notification).
     storage         the checkpoint store becomes a file, then comes back             CheckpointStorageFailing
     price spike     the pool's spot price at 95% of on-demand on the price subject   PriceSpike
     backlog         the market consumer paused under a flood of price ticks          EventBacklogGrowing
+    store quota     the leader's state bucket capped at its size (discard new) and   DecideLoopStalled
+                    an extra job submitted: a write that needs room is refused (503),
+                    the loop retries it; the cap lifted, the extra job cancelled
     budget          a job on demand, submitted at set-up, nears its budget            BudgetNearlySpent
                     (orchd stops it; the scenario waits in its turn, then cancels it)
     leader kill     kill -9 of the leader orchd, started again as a standby          OrchdDown, OrchdNoLeader
@@ -23,12 +26,15 @@ import shutil
 import signal
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psutil
+from nats.js.api import DiscardPolicy
+from prometheus_client.parser import text_string_to_metric_families
 
 import wire as ev
 from orchestrator import bus
@@ -37,6 +43,7 @@ from simulations.drill.services import DrillError, wait_until
 
 JOB = "drill"
 BUDGET_JOB = "drill-budget"
+QUOTA_JOB = "drill-quota"
 NODES = 3
 
 
@@ -247,6 +254,104 @@ def _restart_nats(d: Drill, servers: list[Any]) -> None:
     d.run_async(d.wait_jetstream)
 
 
+STATE_STREAM = f"KV_{bus.KV_STATE}"
+"""The stream behind orchd's state bucket (a KV bucket ``B`` is the stream ``KV_B``)."""
+
+
+@dataclass
+class Quota:
+    """What ``_quota_reached`` changed, for ``_quota_lifted``: the stream's limits before, the leader, the
+    extra submit in flight."""
+
+    max_bytes: int
+    discard: Any
+    leader: Any
+    submit: threading.Thread
+
+
+def _cap_state_stream(d: Drill) -> tuple[int, Any]:
+    """``max_bytes`` of the state stream set to its bytes now, ``discard`` new: JetStream refuses a write
+    that needs more room (a new key; a record that grew past what the oldest one frees) with 503 "maximum
+    bytes exceeded"; the records stored stay (a discard-new limit removes nothing). The original limits
+    are returned."""
+    async def go() -> tuple[int, Any]:
+        nc = await d.connect()
+        try:
+            js = nc.jetstream(timeout=5.0)
+            info = await js.stream_info(STATE_STREAM)
+            cfg, old = info.config, (info.config.max_bytes, info.config.discard)
+            cfg.max_bytes, cfg.discard = max(1, info.state.bytes), DiscardPolicy.NEW
+            await js.update_stream(cfg)
+            after = await js.stream_info(STATE_STREAM)
+            if after.state.messages < info.state.messages:
+                raise DrillError(f"the cap removed records: {info.state.messages} -> {after.state.messages}")
+            return old
+        finally:
+            await nc.close()
+
+    result: tuple[int, Any] = d.run_async(go)
+    return result
+
+
+def _set_state_limits(d: Drill, max_bytes: int, discard: Any) -> None:
+    async def go() -> None:
+        nc = await d.connect()
+        try:
+            js = nc.jetstream(timeout=5.0)
+            cfg = (await js.stream_info(STATE_STREAM)).config
+            cfg.max_bytes, cfg.discard = max_bytes, discard
+            await js.update_stream(cfg)
+            now = (await js.stream_info(STATE_STREAM)).config
+            if (now.max_bytes, now.discard) != (max_bytes, discard):
+                raise DrillError(f"{STATE_STREAM}: limits not restored: {now.max_bytes}, {now.discard}")
+        finally:
+            await nc.close()
+
+    d.run_async(go)
+
+
+def progress_ts(o: Any) -> float:
+    """``orchd_decide_progress_timestamp_seconds`` of one orchd, from its /metrics (0.0 when unreadable)."""
+    try:
+        with urllib.request.urlopen(f"http://{o.target}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return 0.0
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "orchd_decide_progress_timestamp_seconds":
+            return float(fam.samples[0].value)
+    return 0.0
+
+
+def _quota_reached(d: Drill) -> Quota:
+    """The leader's state bucket at its storage quota, then a write of a new key: a small extra job
+    submitted (orchctl, in a thread: the submit waits while the loop retries its refused record)."""
+    leader = wait_until(d.leader, 60, "a leader")
+    wait_until(lambda: d.running_nodes(JOB, NODES), 180, f"{NODES} nodes of the job training")
+    max_bytes, discard = _cap_state_stream(d)
+    try:
+        submit = threading.Thread(target=lambda: d.submit(QUOTA_JOB, nodes=1, check=False), name="drill-quota",
+                                  daemon=True)
+        submit.start()
+        wait_until(lambda: time.time() - progress_ts(leader) > 3.0, 60, "the leader's decide loop to stall")
+    except BaseException:
+        _set_state_limits(d, max_bytes, discard)
+        raise
+    return Quota(max_bytes, discard, leader, submit)
+
+
+def _quota_lifted(d: Drill, q: Quota) -> None:
+    """The original limits back; the loop moves again (the refused record is stored on its next retry:
+    nothing is lost), the extra job is cancelled and the drill's job runs on all its nodes."""
+    _set_state_limits(d, q.max_bytes, q.discard)
+    lifted = time.time()
+    wait_until(lambda: progress_ts(q.leader) > lifted, 60, "the leader's decide loop to move")
+    q.submit.join(90)
+    wait_until(lambda: d.ctl("jobs", "show", QUOTA_JOB, check=False), 60, f"job {QUOTA_JOB} stored")
+    d.ctl("jobs", "cancel", QUOTA_JOB)
+    wait_until(lambda: d.running_nodes(JOB, NODES), 180, f"{NODES} nodes of the job training")
+
+
 ON_DEMAND_USD_H = 3.06
 """The local provider's on-demand price (providers/local/prices.py: P3_2XLARGE_ON_DEMAND_USD_H)."""
 
@@ -265,6 +370,7 @@ SCENARIOS = (
     Scenario("backlog", ("OrchdEventBacklogGrowing",), _flood, _unflood),
     Scenario("budget", ("OrchdBudgetNearlySpent",), _budget, _budget_job_gone, fire_timeout_s=BUDGET_S + 180.0,
              at_setup=True),
+    Scenario("store quota", ("OrchdDecideLoopStalled",), _quota_reached, _quota_lifted),
     Scenario("leader kill", ("OrchdDown", "OrchdNoLeader"), _kill_leader, _restart),
     Scenario("NATS kill", ("OrchdNatsDisconnected",), _kill_nats, _restart_nats),
 )

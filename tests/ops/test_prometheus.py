@@ -24,7 +24,7 @@ PROM = Path(__file__).resolve().parents[2] / "config" / "prometheus"
 REQUIRED_ALERTS = {
     "OrchdDown", "OrchdNodeHeartbeatMissing", "OrchdTrainingStalled", "OrchdPreemptionStorm",
     "OrchdEmergencyCheckpointMissed", "OrchdBudgetNearlySpent", "OrchdPriceSpike",
-    "OrchdNatsDisconnected", "OrchdEventBacklogGrowing",
+    "OrchdNatsDisconnected", "OrchdEventBacklogGrowing", "OrchdDecideLoopStalled",
 }
 
 
