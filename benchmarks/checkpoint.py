@@ -45,7 +45,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -163,7 +165,7 @@ def versus_dcp(mgr: CheckpointManager, model: torch.nn.Module, opt: torch.optim.
             **_spread("save_vs_dcp_best", vs_dcp), **_spread("save_vs_disk", vs_disk)}
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir)")
@@ -176,7 +178,11 @@ def main() -> None:
     ap.add_argument("--url", default=None, help="an object store (s3://, gs://, az://): its figures instead")
     ap.add_argument("--storage-options", default=None, help="JSON fsspec options for --url (endpoints)")
     ap.add_argument("--emulator", action="store_true", help="start --url's emulator on loopback first")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> None:
+    a = _args()
     if a.url:
         from checkpoint_objstore import run  # benchmarks/checkpoint_objstore.py, beside this script
 
@@ -188,91 +194,7 @@ def main() -> None:
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=base))
     try:
-        info = tdist.init()
-        cfg = model_for(a.state_gib, a.seq_len)
-        torch.manual_seed(0)
-        model = tdist.wrap_fsdp(GPT(cfg).to(info.device), info, bf16=info.is_gpu)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        tokens = torch.randint(0, 256, (a.batch, a.seq_len + 1), device=info.device)
-
-        def step() -> float:
-            t0 = time.perf_counter()
-            loss = per_sample_loss(model(tokens[:, :-1]), tokens[:, 1:]).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if info.is_gpu:
-                torch.cuda.synchronize()
-            return time.perf_counter() - t0
-
-        step()  # creates the AdamW state
-        step_s = min(step() for _ in range(2))
-        state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
-        state_gib = state_bytes / GIB
-
-        probes = [disk_write_rate(work, state_bytes, a.threads)]
-
-        root = f"file://{work / 'ckpt'}"
-        mgr = CheckpointManager(root, info, keep=2, async_mode="thread", thread_count=a.threads)
-        t0 = time.perf_counter()
-        mgr.save(1, model, opt, {"bench": True})
-        save_s = time.perf_counter() - t0
-
-        probes.append(disk_write_rate(work, state_bytes, a.threads))  # interleaved: the shared disk's rate drifts
-        # emergency path: the request is already there, agree (one all-reduce), save, commit
-        em = EmergencyState(None, 30.0)
-        em.request_local("bench", deadline_ts=time.time() + 120)
-        t0 = time.perf_counter()
-        verdict = agree(em)
-        assert verdict.stop
-        res = mgr.save(2, model, opt, {"bench": True}, reason="preemption_notice", started=time.monotonic())
-        emergency_s = time.perf_counter() - t0
-
-        # async: blocking part (staging) vs one step. The first save allocates the reused host buffers;
-        # the second is the steady state that every later periodic save sees.
-        blocks = []
-        for s in (3, 4):
-            t0 = time.perf_counter()
-            mgr.save_async(s, model, opt, {"bench": True})
-            blocks.append(time.perf_counter() - t0)
-            step()  # training goes on while the save writes
-            pending = mgr.pending
-            assert pending is not None  # a thread-based save
-            pending.future.result()
-            mgr.settle(True, False)
-        async_block_first_s, async_block_s = blocks
-        probes.append(disk_write_rate(work, state_bytes, a.threads))
-        disk = max(probes)  # the disk at its best in this run: a conservative save_vs_disk
-
-        drop_cache(work / "ckpt")
-        t0 = time.perf_counter()
-        chosen = mgr.resolve("latest")
-        assert chosen is not None  # the saves above
-        mgr.load(chosen, model, opt)
-        load_s = time.perf_counter() - t0
-
-        paired = versus_dcp(mgr, model, opt, work, state_bytes, a.pairs, a.threads, info.save_group)
-        out = {
-            "state_gib": round(state_gib, 3),
-            "disk_write_gib_s": round(disk, 3),
-            "disk_write_runs_gib_s": [round(x, 3) for x in probes],
-            "save_gib_s": round(state_gib / save_s, 3),
-            "save_first_vs_disk": round(state_gib / save_s / disk, 3),
-            "save_vs_adjacent_disk": round(state_gib / save_s / ((probes[0] + probes[1]) / 2), 3),
-            "load_gib_s": round(state_gib / load_s, 3),
-            "async_block_s": round(async_block_s, 3),
-            "async_block_first_s": round(async_block_first_s, 3),
-            "step_s": round(step_s, 3),
-            "async_block_steps": round(async_block_s / step_s, 3),
-            "emergency_s": round(emergency_s, 3),
-            "emergency_commit_dir": res.dir_url,
-            **paired,
-            "model_params": cfg.n_params(),
-            "step_tokens": a.batch * a.seq_len,
-            "writer_threads": a.threads,
-            "device": torch.cuda.get_device_name() if info.is_gpu else "cpu",
-            "dir": str(base),
-        }
+        out = {**_local_figures(a, work), "dir": str(base)}
         print(json.dumps(out) if a.json else "\n".join(f"{k:>18}: {v}" for k, v in out.items()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -280,6 +202,96 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown
+
+
+def _local_figures(a: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Saves (first, emergency, async), a load and the paired DCP rounds on the disk under ``work``."""
+    info = tdist.init()
+    cfg = model_for(a.state_gib, a.seq_len)
+    torch.manual_seed(0)
+    model = tdist.wrap_fsdp(GPT(cfg).to(info.device), info, bf16=info.is_gpu)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 256, (a.batch, a.seq_len + 1), device=info.device)
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        loss = per_sample_loss(model(tokens[:, :-1]), tokens[:, 1:]).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if info.is_gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    step()  # creates the AdamW state
+    step_s = min(step() for _ in range(2))
+    state_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+    state_gib = state_bytes / GIB
+    probes = [disk_write_rate(work, state_bytes, a.threads)]
+    mgr = CheckpointManager(f"file://{work / 'ckpt'}", info, keep=2, async_mode="thread", thread_count=a.threads)
+    t0 = time.perf_counter()
+    mgr.save(1, model, opt, {"bench": True})
+    save_s = time.perf_counter() - t0
+    probes.append(disk_write_rate(work, state_bytes, a.threads))  # interleaved: the shared disk's rate drifts
+    emergency_s, commit_dir = _emergency_save(mgr, model, opt)
+    async_block_first_s, async_block_s = _async_blocks(mgr, model, opt, step)
+    probes.append(disk_write_rate(work, state_bytes, a.threads))
+    disk = max(probes)  # the disk at its best in this run: a conservative save_vs_disk
+    drop_cache(work / "ckpt")
+    t0 = time.perf_counter()
+    chosen = mgr.resolve("latest")
+    assert chosen is not None  # the saves above
+    mgr.load(chosen, model, opt)
+    load_s = time.perf_counter() - t0
+    paired = versus_dcp(mgr, model, opt, work, state_bytes, a.pairs, a.threads, info.save_group)
+    return {
+        "state_gib": round(state_gib, 3),
+        "disk_write_gib_s": round(disk, 3),
+        "disk_write_runs_gib_s": [round(x, 3) for x in probes],
+        "save_gib_s": round(state_gib / save_s, 3),
+        "save_first_vs_disk": round(state_gib / save_s / disk, 3),
+        "save_vs_adjacent_disk": round(state_gib / save_s / ((probes[0] + probes[1]) / 2), 3),
+        "load_gib_s": round(state_gib / load_s, 3),
+        "async_block_s": round(async_block_s, 3),
+        "async_block_first_s": round(async_block_first_s, 3),
+        "step_s": round(step_s, 3),
+        "async_block_steps": round(async_block_s / step_s, 3),
+        "emergency_s": round(emergency_s, 3),
+        "emergency_commit_dir": commit_dir,
+        **paired,
+        "model_params": cfg.n_params(),
+        "step_tokens": a.batch * a.seq_len,
+        "writer_threads": a.threads,
+        "device": torch.cuda.get_device_name() if info.is_gpu else "cpu",
+    }
+
+
+def _emergency_save(mgr: CheckpointManager, model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[float, str]:
+    """The emergency path: the request is already there, agree (one all-reduce), save, commit."""
+    em = EmergencyState(None, 30.0)
+    em.request_local("bench", deadline_ts=time.time() + 120)
+    t0 = time.perf_counter()
+    verdict = agree(em)
+    assert verdict.stop
+    res = mgr.save(2, model, opt, {"bench": True}, reason="preemption_notice", started=time.monotonic())
+    return time.perf_counter() - t0, res.dir_url
+
+
+def _async_blocks(mgr: CheckpointManager, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                  step: Callable[[], float]) -> tuple[float, float]:
+    """Async saves: the blocking part (staging) of the first, which allocates the reused host buffers, and
+    of the second, the steady state every later periodic save sees; training goes on while each writes."""
+    blocks = []
+    for s in (3, 4):
+        t0 = time.perf_counter()
+        mgr.save_async(s, model, opt, {"bench": True})
+        blocks.append(time.perf_counter() - t0)
+        step()
+        pending = mgr.pending
+        assert pending is not None  # a thread-based save
+        pending.future.result()
+        mgr.settle(True, False)
+    return blocks[0], blocks[1]
 
 
 if __name__ == "__main__":

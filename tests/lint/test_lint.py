@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCE_PACKAGES = ("wire", "orchestrator", "providers", "agent", "trainer", "simulations")
+SOURCE_PACKAGES = ("wire", "orchestrator", "providers", "agent", "trainer", "simulations", "benchmarks")
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 80
 
