@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 import structlog
+from nats.js import JetStreamContext
 
 from providers.base import CloudProvider, PriceQuote, ProviderError
 from wire import PoolKey, PriceTick, encode, subject_price
@@ -65,7 +66,7 @@ class FeedRound:
     error: str | None = None
 
 
-async def publish_quotes(js: Any, quotes: Sequence[PriceQuote], *, attempts: int = 3,
+async def publish_quotes(js: JetStreamContext, quotes: Sequence[PriceQuote], *, attempts: int = 3,
                          timeout_s: float = 5.0) -> tuple[int, int, int]:
     """Publish quotes as ticks; returns (published, duplicates, failed)."""
     import nats.errors
@@ -92,7 +93,7 @@ async def publish_quotes(js: Any, quotes: Sequence[PriceQuote], *, attempts: int
     return published, duplicates, failed
 
 
-async def feed_once(js: Any, provider: CloudProvider, *, pools: Sequence[PoolKey] | None = None,
+async def feed_once(js: JetStreamContext, provider: CloudProvider, *, pools: Sequence[PoolKey] | None = None,
                     limiter: anyio.CapacityLimiter | None = None) -> FeedRound:
     """One round: fetch prices in a worker thread, publish them. Never raises ProviderError."""
     try:
