@@ -421,7 +421,8 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
             return job
     rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, exclude=exclude, waiting=waiting)
     if rank and job.committed_url and job.zone:  # moving the checkpoint elsewhere costs too
-        moved = ((c + transfer_cost_usd(job.zone, ps, cfg), n, ps) for c, n, ps in rank)
+        url = job.spec.checkpoint.url
+        moved = ((c + transfer_cost_usd(job.zone, ps, cfg, url), n, ps) for c, n, ps in rank)
         rank = sorted(moved, key=lambda t: (t[0], t[1]))
     if not rank and job.avoid_pools:  # the pools being left are the only ones open: stay after all
         tx.record(job.job_id, "migrate_abandoned", "no_other_pool", pools=list(job.avoid_pools))

@@ -18,7 +18,7 @@ Model (documented in docs/core.md):
 from __future__ import annotations
 
 import math
-from typing import NotRequired, TypedDict
+from typing import Final, NotRequired, TypedDict
 
 from orchestrator.core.model import CoreConfig, Job, PoolStats
 from wire.messages import Market
@@ -204,10 +204,25 @@ def expected_cost_usd(
     return price * nnodes * hours / eff * (recent_penalty(ps, cfg, now) if penalty else 1.0)
 
 
-def transfer_cost_usd(src_zone: str, dst: PoolStats, cfg: CoreConfig) -> float:
-    """$ to move the checkpoint from ``src_zone`` ("cloud/region/zone") to the pool's region."""
+STORE_CLOUDS: Final = {"s3": "aws", "gs": "gcp", "gcs": "gcp", "az": "azure", "abfs": "azure", "abfss": "azure"}
+"""The cloud whose object store a checkpoint URL's scheme names (a file:// or other root: none known)."""
+
+
+def store_cloud(url: str) -> str | None:
+    scheme, sep, _ = url.partition("://")
+    return STORE_CLOUDS.get(scheme) if sep else None
+
+
+def transfer_cost_usd(src_zone: str, dst: PoolStats, cfg: CoreConfig, store_url: str = "") -> float:
+    """$ to read the checkpoint in the pool's region, from ``src_zone`` ("cloud/region/zone", where the job
+    wrote it; none: nothing to read yet). When the store's own cloud (the scheme of ``store_url``) is the
+    one the job leaves or the one it goes to, that cloud's egress decides: a gs:// root read by an Azure
+    node pays the cross-cloud rate, read back in GCP it pays none."""
     if not src_zone:
         return 0.0
+    store, src_cloud = store_cloud(store_url), src_zone.split("/")[0]
+    if store is not None and store in (src_cloud, dst.pool.cloud) and src_cloud != dst.pool.cloud:
+        return cfg.checkpoint_gb_estimate * cfg.cross_cloud_usd_per_gb if store != dst.pool.cloud else 0.0
     cloud, region, _ = (src_zone.split("/") + ["", "", ""])[:3]
     if cloud != dst.pool.cloud:
         return cfg.checkpoint_gb_estimate * cfg.cross_cloud_usd_per_gb
@@ -218,7 +233,7 @@ def transfer_cost_usd(src_zone: str, dst: PoolStats, cfg: CoreConfig) -> float:
 
 def migration_cost_usd(job: Job, burn_usd_h: float, src_zone: str, dst: PoolStats, cfg: CoreConfig) -> float:
     """One-off cost of moving: paid time for save + restart (+ transfer time) and the transfer itself."""
-    transfer = transfer_cost_usd(src_zone, dst, cfg)
+    transfer = transfer_cost_usd(src_zone, dst, cfg, job.spec.checkpoint.url)
     transfer_s = 0.0
     if transfer > 0:
         transfer_s = cfg.checkpoint_gb_estimate * 8.0 / max(cfg.transfer_gbps, 1e-6)
