@@ -272,7 +272,7 @@ def _job_submitted(tx: Tx, ev: JobSubmitted) -> None:
     target = min(max(spec.nodes, spec.nodes_min, 1), max(spec.nodes_max, spec.nodes_min, 1))
     job = Job(
         job_id=ev.job_id, spec=spec, phase=J.PENDING, phase_ts=tx.now, submitted_ts=tx.now,
-        target_nodes=target, reason="submitted",
+        target_nodes=target, reason="submitted", node_seq=0,
     )
     tx.put_job(job)
     tracking.on_submit(tx, job)

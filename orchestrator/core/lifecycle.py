@@ -35,7 +35,7 @@ from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, tr
 from orchestrator.core.roots import start_from
 from orchestrator.core.sweep_budget import SWEEP_BUDGET, others_hold_nodes, sweep_affordable, sweep_of
 from orchestrator.core.tx import Tx
-from wire.messages import AbandonGenerationCmd, CheckpointCmd, NodeId, StartGenerationCmd
+from wire.messages import AbandonGenerationCmd, CheckpointCmd, StartGenerationCmd
 
 J = JobPhase
 N = NodePhase
@@ -116,9 +116,8 @@ def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple
         return sweep_blocked(tx, job, ps, count, figures, alts)
     count = n
     token = tx.new_launch_token(job.job_id)
-    ids: list[NodeId] = []
-    for _ in range(count):
-        nid = tx.new_node_id(job.job_id)
+    ids, seq = tx.new_node_ids(job, count)
+    for nid in ids:
         tx.put_node(
             Node(
                 node_id=nid,
@@ -131,7 +130,6 @@ def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple
                 requested_ts=tx.now,
             )
         )
-        ids.append(nid)
     tx.emit(Launch(job_id=job.job_id, pool=ps.pool, node_ids=tuple(ids), token=token))
     probe = probed(tx.pools.get(ps.pool.name, ps), tx.cfg, tx.now)
     if probe is not None:  # a waiting job's retry of a pool in backoff: the others wait for its outcome
@@ -139,7 +137,9 @@ def launch(tx: Tx, job: Job, ps: PoolStats, count: int, reason: str, alts: tuple
     tx.record(
         job.job_id, "launch", reason, alts, pool=ps.pool.name, price_usd_h=ps.price_usd_h, node_ids=ids, token=token
     )
-    return tx.update_job(job, nodes=job.nodes + tuple(ids), reason=reason)
+    if seq is None:
+        return tx.update_job(job, nodes=job.nodes + tuple(ids), reason=reason)
+    return tx.update_job(job, nodes=job.nodes + tuple(ids), reason=reason, node_seq=seq)
 
 
 @overload

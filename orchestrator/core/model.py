@@ -295,6 +295,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # The loss the trainer reported for its last step when the job completed (RanksExited.last_loss): a
     # sweep's objective (docs/sweeps.md). UNSET (not encoded) when none was reported.
     final_loss: float | msgspec.UnsetType = msgspec.UNSET
+    # The last node number of this job: its nodes are <job>-n1, -n2, ... in launch order. UNSET (not
+    # encoded) for a job of an older release, whose nodes keep the deployment-wide count (Meta.node_seq).
+    node_seq: int | msgspec.UnsetType = msgspec.UNSET
 
     def held(self, now: float) -> bool:
         """A restart hold is in force: no new generation yet."""

@@ -139,6 +139,21 @@ class Tx:
         self.put_meta(node_seq=seq)
         return NodeId(f"{safe_token(job_id)}-n{seq}")
 
+    def new_node_ids(self, job: Job, count: int) -> tuple[list[NodeId], int | None]:
+        """``count`` new node ids of ``job`` and its node number after them: ``<job>-n<k>`` counted per job
+        (``Job.node_seq``), skipping an id a node of the state holds; a job of an older release (no count
+        of its own) takes the deployment-wide count, and None."""
+        if not isinstance(job.node_seq, int):
+            return [self.new_node_id(job.job_id) for _ in range(count)], None
+        seq, base = job.node_seq, safe_token(job.job_id)
+        ids: list[NodeId] = []
+        while len(ids) < count:
+            seq += 1
+            nid = NodeId(f"{base}-n{seq}")
+            if nid not in self.nodes:
+                ids.append(nid)
+        return ids, seq
+
     def new_launch_token(self, job_id: str) -> str:
         seq = self.meta.launch_seq + 1
         self.put_meta(launch_seq=seq)

@@ -210,7 +210,8 @@ async def test_periodic_reaper_terminates_orphans_only(server, tmp_path):
     """With daemon.reap_interval_s set, an instance carrying this deployment's tag but unknown to the
     state is terminated after the grace period; the instances of a live job are left alone."""
     cfg = h.write_config(tmp_path, server.url)
-    cfg.write_text(cfg.read_text().replace("[daemon]\n", "[daemon]\nreap_interval_s = 0.3\nreap_grace_s = 0.5\n"))
+    cfg.write_text(cfg.read_text().replace(
+        "[daemon]\n", '[daemon]\ncluster_id = "reap-test"\nreap_interval_s = 0.3\nreap_grace_s = 0.5\n'))
     settings = load_settings(cfg, env={})
     cloud = FakeCloud()
     orphan = cloud.launch(LaunchRequest(pool=h.POOL, node_ids=("ghost-1",), idempotency_token="ghost",

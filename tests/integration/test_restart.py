@@ -199,7 +199,7 @@ def test_orchctl_subprocess_exit_code_and_spec_errors(tmp_path):
     from orchestrator.jobspec import load_jobspec
     good = ROOT / "config" / "jobs"
     for f in sorted(good.glob("*.toml")) + sorted(good.glob("*.yaml")):
-        load_jobspec(f)
+        load_jobspec(f, now=time.time())  # a relative deadline (deadline_in) is resolved at submission
 
 
 def test_sigterm_during_nats_outage_exits_within_grace(tmp_path):
