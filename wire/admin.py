@@ -102,6 +102,7 @@ class StatusReply(_Admin, frozen=True, kw_only=True):
     jobs: dict[str, int]  # by phase
     nodes: dict[str, int]  # by phase
     pools: int
+    cluster_id: str = ""  # this deployment's identity (instance tags, MLflow runs, checkpoint roots)
 
 
 class JobsReply(_Admin, frozen=True, kw_only=True):

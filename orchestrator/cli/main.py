@@ -43,7 +43,7 @@ import msgspec
 import shtab
 import yaml
 
-from orchestrator.cli import demo, examples, sweep
+from orchestrator.cli import ckptroot, demo, examples, sweep
 from orchestrator.cli import logs as logs_cmd
 from orchestrator.cli.client import AdminClient, AdminError, AdminUnreachable
 from orchestrator.cli.common import (
@@ -184,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     logs_cmd.add_parser(sub, common)
     demo.add_parser(sub, common)
     examples.add_parser(sub, common)
+    ckptroot.add_parser(sub, common)
     sweep.add_parser(sub, common)
     s = sub.add_parser("completion", help="print the shell completion script (bash or zsh)")
     s.add_argument("shell", choices=("bash", "zsh"))

@@ -241,6 +241,7 @@ class Handlers:
             fencing_token=d.fencing_token, events_decided=d.events_decided, batches=d.batches,
             commands_in_flight=len(d.executor.in_flight) if d.executor else 0,
             providers=sorted(d.providers), jobs=c["jobs"], nodes=c["nodes"], pools=c["pools"],
+            cluster_id=d.settings.daemon.cluster_id,
         )
 
     async def jobs_submit(self, req: ev.SubmitJobRequest) -> ev.SubmitJobReply:
