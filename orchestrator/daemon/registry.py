@@ -147,11 +147,12 @@ def pool_problems(providers: Mapping[str, CloudProvider]) -> list[str]:
     return out
 
 
-def known_instance_types(providers: Mapping[str, CloudProvider]) -> tuple[str, ...] | None:
+def known_instance_types(providers: Mapping[str, CloudProvider]) -> tuple[str, ...]:
     """The "cloud/instance_type" entries these providers can launch (``CoreConfig.known_instance_types``):
     exactly the pools each provider declares (``listed_pools``) whose names are valid and of its own cloud.
     A provider that declares none contributes nothing - never a wildcard: a pool nobody listed is never a
-    launch target (``pool_problems`` says so at start-up). None without providers (no list)."""
+    launch target (``pool_problems`` says so at start-up); without providers, nothing is. orchd's core
+    always runs with this list: the core's default without one (every quoted pool) is for its own tests."""
     out: set[str] = set()
     for provider in providers.values():
         for pool in listed_pools(provider) or ():
@@ -161,4 +162,4 @@ def known_instance_types(providers: Mapping[str, CloudProvider]) -> tuple[str, .
                 continue
             if pool.cloud == provider.cloud:
                 out.add(f"{pool.cloud}/{pool.instance_type}")
-    return tuple(sorted(out)) if providers else None
+    return tuple(sorted(out))
