@@ -160,3 +160,31 @@ async def start_enrolling_agent(tg: Any, d: Any, inst: Any, token: str, url: str
     await wait_for(lambda: d.state.nodes.get(inst.node_id) is not None and d.state.nodes[inst.node_id].last_seen > 0,
                    timeout=15)
     return scope, json.loads((work_dir / "nats-credential.json").read_text())
+
+
+async def running_job(d: Any, cloud: Any, nc: Any, agent: SimAgent, tmp: Path, url: str, job_id: str,
+                      nodes: int = 2) -> list[Any]:
+    """A job of ``nodes`` fake-cloud nodes training under orchd ``d``: priced pools, the submit, every node
+    registered, the generation started (its ``StartGenerationCmd``s, returned) and one training heartbeat
+    each."""
+    js = nc.jetstream()
+    await publish_js(js, ev.subject_price("fake", "r1"), price(POOL, 1.0, 3.0))
+    await publish_js(js, ev.subject_price("fake", "r1"), price(POOL_OD, 3.0, 3.0))
+    await wait_for(lambda: len(d.state.pools) == 2)
+    spec = tmp / f"{job_id}.toml"
+    spec.write_text(JOB_TOML.format(nodes=nodes).replace("orch-itest-ckpt", f"orch-itest-ckpt-{tmp.name}-{job_id}"))
+    code, _out, err = await actl(url, "jobs", "submit", str(spec), "--id", job_id)
+    assert code == 0, err
+    await wait_for(lambda: len(cloud.all_instances()) == nodes)
+    for inst in cloud.all_instances():
+        reg = ev.NodeRegistered(id=f"reg-{inst.node_id}", node_id=inst.node_id, instance_id=inst.instance_id,
+                                pool=inst.pool, host="127.0.0.1", ts=time.time())
+        await publish_js(js, ev.subject_node_event(inst.node_id), reg)
+    starts: list[Any] = await wait_for(lambda: len(agent.of_kind(ev.StartGenerationCmd)) == nodes
+                                       and agent.of_kind(ev.StartGenerationCmd))
+    for c in starts:
+        hb = ev.Heartbeat(node_id=c.node_id, seq=1, ts=time.time(), state=ev.AgentState.TRAINING,
+                          job_id=c.job_id, generation=c.generation, step=5)
+        await nc.publish(ev.subject_heartbeat(c.node_id), ev.encode(hb))
+    await wait_for(lambda: d.state.jobs[job_id].phase == "running")
+    return starts

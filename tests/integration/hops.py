@@ -109,27 +109,9 @@ async def _scenario(url: str, tmp: Path, recorder: Recorder) -> None:
     nc = await nats.connect(url)
     js = nc.jetstream()
     agent = await h.SimAgent(nc).start()
-    spec = tmp / "job.toml"
-    spec.write_text(h.JOB_TOML.format(nodes=2))
     async with anyio.create_task_group() as tg:
         d = await tg.start(lambda task_status: run_daemon(settings, {"fake": cloud}, task_status=task_status))
-        await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL, 1.0, 3.0))
-        await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL_OD, 3.0, 3.0))
-        await h.wait_for(lambda: len(d.state.pools) == 2)
-        code, _out, err = await h.actl(url, "jobs", "submit", str(spec), "--id", "hops")
-        assert code == 0, err
-        await h.wait_for(lambda: len(cloud.all_instances()) == 2)
-        for inst in cloud.all_instances():
-            reg = ev.NodeRegistered(id=f"reg-{inst.node_id}", node_id=inst.node_id, instance_id=inst.instance_id,
-                                    pool=inst.pool, host="127.0.0.1", ts=time.time())
-            await h.publish_js(js, ev.subject_node_event(inst.node_id), reg)
-        starts = await h.wait_for(lambda: len(agent.of_kind(ev.StartGenerationCmd)) == 2
-                                  and agent.of_kind(ev.StartGenerationCmd))
-        for c in starts:
-            hb = ev.Heartbeat(node_id=c.node_id, seq=1, ts=time.time(), state=ev.AgentState.TRAINING,
-                              job_id=c.job_id, generation=c.generation, step=5)
-            await nc.publish(ev.subject_heartbeat(c.node_id), ev.encode(hb))
-        await h.wait_for(lambda: d.state.jobs["hops"].phase == "running")
+        starts = await h.running_job(d, cloud, nc, agent, tmp, url, "hops")
         await h.wait_for(lambda: not d.intake.pending() and not d.executor.in_flight)
         await anyio.sleep(0.2)
         victim = starts[0].node_id

@@ -27,29 +27,6 @@ HOSTILE_TYPES = ("gpu evil", "gpu..x", "x" * 5000, "gpu.", ".gpu", "gpu\tx")
 HOSTILE_IDS = ("rt job", "rt..job", "j" * 5000, "rt.job", "rt*", "rt>")
 
 
-async def _running_job(d, cloud, js, nc, agent, tmp_path, url) -> list:
-    await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL, 1.0, 3.0))
-    await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(h.POOL_OD, 3.0, 3.0))
-    await h.wait_for(lambda: len(d.state.pools) == 2)
-    spec = tmp_path / "job.toml"
-    spec.write_text(h.JOB_TOML.format(nodes=2))
-    code, out, err = await h.actl(url, "jobs", "submit", str(spec), "--id", "healthy", "-o", "json")
-    assert code == 0, err
-    await h.wait_for(lambda: len(cloud.all_instances()) == 2)
-    for inst in cloud.all_instances():
-        reg = ev.NodeRegistered(id=f"reg-{inst.node_id}", node_id=inst.node_id, instance_id=inst.instance_id,
-                                pool=inst.pool, host="127.0.0.1", ts=time.time())
-        await h.publish_js(js, ev.subject_node_event(inst.node_id), reg)
-    starts = await h.wait_for(lambda: len(agent.of_kind(ev.StartGenerationCmd)) == 2
-                              and agent.of_kind(ev.StartGenerationCmd))
-    for c in starts:
-        hb = ev.Heartbeat(node_id=c.node_id, seq=1, ts=time.time(), state=ev.AgentState.TRAINING,
-                          job_id=c.job_id, generation=c.generation, step=5)
-        await nc.publish(ev.subject_heartbeat(c.node_id), ev.encode(hb))
-    await h.wait_for(lambda: d.state.jobs["healthy"].phase == "running")
-    return starts
-
-
 async def _notice_decided_s(js, agent, node_id: str, tag: str) -> float:
     """Seconds from a notice for ``node_id`` to its checkpoint command at the agent."""
     before = len(agent.of_kind(ev.CheckpointCmd))
@@ -78,17 +55,17 @@ async def test_a_hostile_price_tick_or_job_id_never_wedges_the_loop(server, tmp_
     agent = await h.SimAgent(nc).start()
     async with anyio.create_task_group() as tg:
         d = await tg.start(lambda task_status: run_daemon(settings, {"fake": cloud}, task_status=task_status))
-        starts = await _running_job(d, cloud, js, nc, agent, tmp_path, url)
+        starts = await h.running_job(d, cloud, nc, agent, tmp_path, url, "healthy")
         for i, bad in enumerate(HOSTILE_TYPES):
             await js.publish(ev.subject_price("fake", "r1"), _hostile_tick(bad, i), headers={"Nats-Msg-Id": f"h{i}"})
-        spec = tmp_path / "job.toml"
+        spec = tmp_path / "healthy.toml"  # the healthy job's spec: the ids are refused before its root is
         for bad in HOSTILE_IDS:
             code, _out, err = await h.actl(url, "jobs", "submit", str(spec), "--id", bad)
             assert code != 0 and ("job id" in err or "job_id" in err), (bad[:20], code, err)
         # the loop still decides: a notice for the healthy job gets its checkpoint command at once
         assert await _notice_decided_s(js, agent, starts[0].node_id, "after") < 5.0
         other = tmp_path / "other.toml"
-        other.write_text(h.JOB_TOML.format(nodes=1).replace("orch-itest-ckpt", f"orch-itest-ckpt-{tmp_path.name}"))
+        other.write_text(h.JOB_TOML.format(nodes=1).replace("orch-itest-ckpt", f"orch-itest-ckpt-{tmp_path.name}-2"))
         code, out, err = await h.actl(url, "jobs", "submit", str(other), "--id", "after-attack", "-o", "json")
         assert code == 0 and json.loads(out)["created"], err
         assert not [p for p in d.state.pools.values() if p.pool.instance_type in HOSTILE_TYPES]
