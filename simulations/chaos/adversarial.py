@@ -76,6 +76,7 @@ class AdvResult:
     by_target: dict[str, int] = field(default_factory=dict)
     admin_errors: int = 0
     admin_ok: int = 0  # read-only requests with unknown fields, an idempotent re-submit: answered, harmless
+    admin_internal_errors: dict[str, int] = field(default_factory=dict)  # 5xx answers by kind: handler bugs
     crashes: int = 0
     alive_after_batches: list[bool] = field(default_factory=list)
     fresh_loads_ok: list[bool] = field(default_factory=list)
@@ -111,6 +112,7 @@ class _Run:
     admin_ok: int = 0
     crashes: int = 0
     bad_names: Counter = field(default_factory=Counter)
+    admin_internal: Counter = field(default_factory=Counter)  # 5xx replies (not 503: not the leader) by kind
     before_s: float | None = None  # the scenario's own notice, before any batch: unattacked
     probe_s: list[float | None] = field(default_factory=list)  # the probe's notice after each batch
     problems: list[str] = field(default_factory=list)
@@ -343,8 +345,11 @@ class _Scenario:
         except Exception as e:
             self.run.problems.append(f"admin {shot.kind}: no reply ({type(e).__name__})")
             return
-        if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
+        code = reply.headers.get("Nats-Service-Error-Code") if reply.headers else None
+        if code:
             self.run.admin_errors += 1
+            if code.startswith("5") and code != "503":  # a handler that failed: a bug, never an answer
+                self.run.admin_internal[shot.kind] += 1
         else:
             self.run.admin_ok += 1
 
@@ -365,6 +370,7 @@ async def run(seed: int, root: Path, n_hostile: int, include_expected: bool = Fa
     res.by_kind = dict(sorted(hostile.by_kind.items()))
     res.by_target = dict(sorted(hostile.by_target.items()))
     res.admin_errors, res.admin_ok = hostile.admin_errors, hostile.admin_ok
+    res.admin_internal_errors = dict(sorted((clean.admin_internal + hostile.admin_internal).items()))
     res.crashes = clean.crashes + hostile.crashes + sum(1 for a in hostile.alive if not a)
     res.alive_after_batches, res.fresh_loads_ok = hostile.alive, hostile.loads
     res.unjustified_state_changes = diff(clean.state, hostile.state)[:50]
@@ -400,7 +406,8 @@ def _judge_wedges(res: AdvResult, clean: _Run, hostile: _Run) -> None:
 
 
 def passed(r: AdvResult) -> bool:
-    return (not r.crashes and not r.wedges and all(r.alive_after_batches) and all(r.fresh_loads_ok) and not r.problems
+    return (not r.crashes and not r.wedges and not r.admin_internal_errors and all(r.alive_after_batches)
+            and all(r.fresh_loads_ok) and not r.problems
             and not r.unjustified_state_changes and not r.unjustified_launches and not r.unjustified_terminations)
 
 

@@ -28,6 +28,7 @@ def test_small_seeded_adversarial_set(tmp_path):
     assert r.hostile_messages == 300
     assert r.crashes == 0 and r.alive_after_batches == [True] * 3 and r.fresh_loads_ok == [True] * 3
     assert r.wedges == [], r.notice_to_command_s
+    assert r.admin_internal_errors == {}
     times = r.notice_to_command_s
     assert len(times["hostile_after_batches"]) == 3 and None not in times["hostile_after_batches"], times
     assert all(t <= times["bound_s"] <= 5.0 for t in times["hostile_after_batches"]), times
