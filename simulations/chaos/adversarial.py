@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 import wire as ev
 from orchestrator import bus
@@ -38,7 +39,7 @@ from orchestrator.natsserver import NatsServer
 from simulations.chaos import common
 from simulations.chaos.advstate import diff, load, load_fresh, normalise
 from simulations.chaos.agents import SimFleet
-from simulations.chaos.harness import Orchd, job_spec
+from simulations.chaos.harness import POOL_A, Orchd, job_spec
 from simulations.chaos.hostile import Ctx, Hostile, Shot
 from simulations.chaos.wedge import WEDGE_MAX_S, bound_s, notice_to_command_s, wedges
 from simulations.fakecloud import read_fake_file
@@ -47,8 +48,11 @@ TOTAL_STEPS = 400
 STEP_S = 0.03
 JOBS = {"adv-a": 2, "adv-b": 1}
 PROBE = "adv-probe"
-"""A one-node job that trains through the whole scenario in both runs: after every batch a notice for its
-node measures whether orchd still decides (``wedge.py``); never a sender or a target of the attacks."""
+PROBES = tuple(f"{PROBE}-{k}" for k in (1, 2, 3))
+"""One-node jobs that train through the whole scenario in both runs: after batch k a notice for the node of
+the k-th measures whether orchd still decides (``wedge.py``); never a sender or a target of the attacks.
+On demand in one pool, each noticed once: where they run again and what the pool counts (one preemption
+per job) do not depend on how long a batch took."""
 PROBE_STEPS = 10**7
 VOLUME = 3000
 """Above this many hostile messages a run is a volume run: at most ``HUGE_BUDGET`` ~200 KB huge arrays."""
@@ -195,7 +199,8 @@ class _Scenario:
                 state = {"jobs": {}, "nodes": {}, "pools": {}, "meta": {}}
             insts = _cloud(orchd)
             legit = {(str(e.job_id), e.url) for e in fleet.events_of(ev.CheckpointCommitted)}
-            self.run.state = normalise(state, legit, {i.instance_id: str(i.node_id) for i in insts}, live_jobs={PROBE})
+            own = {i.instance_id: str(i.node_id) for i in insts}
+            self.run.state = normalise(state, legit, own, live_jobs=set(PROBES))
             self.run.cloud = Counter((str(i.node_id), i.pool.name) for i in insts)
         except Exception as e:  # a stuck scenario or a dead daemon: reported, the comparison then fails
             inner: BaseException = e
@@ -214,7 +219,7 @@ class _Scenario:
         await self.setup()
         per = [self.n_hostile // 3 + (1 if k < self.n_hostile % 3 else 0) for k in range(3)]
         for k in range(2):
-            await self.batch(gen, per[k], set())
+            await self.batch(gen, per[k], set(), PROBES[k])
         orchd = self.orchd
 
         async def finished() -> bool:
@@ -223,12 +228,14 @@ class _Scenario:
                 i.alive for i in _cloud(orchd) if not _probe_node(str(i.node_id)))
         await _wait(finished, "both jobs succeeded, no instance of theirs alive", 45.0)
         await anyio.sleep(1.0)
-        await self.batch(gen, per[2], set(JOBS))
-        await common.call(self.client, "cancel", PROBE)
+        await self.batch(gen, per[2], set(JOBS), PROBES[2])
+        for job in PROBES:
+            await common.call(self.client, "cancel", job)
 
         async def probe_gone() -> bool:
-            return (await self.jobs()).get(PROBE) == "cancelled" and not any(i.alive for i in _cloud(orchd))
-        await _wait(probe_gone, "the probe job cancelled, no instance alive")
+            phases = await self.jobs()
+            return all(phases.get(j) == "cancelled" for j in PROBES) and not any(i.alive for i in _cloud(orchd))
+        await _wait(probe_gone, "the probe jobs cancelled, no instance alive")
         await anyio.sleep(1.0)
 
     async def setup(self) -> None:
@@ -236,8 +243,11 @@ class _Scenario:
         unattacked notice-to-command time) and ``adv-a`` regrown after it."""
         fleet, orchd = self.fleet, self.orchd
         await common.publish_prices(fleet.js, "adv")
+        probe = msgspec.structs.replace(job_spec(PROBE, nodes=1, total_steps=PROBE_STEPS),
+                                        market=ev.MarketPolicy.ON_DEMAND, instance_types=(POOL_A.instance_type,))
         specs = {**{j: job_spec(j, nodes=n, total_steps=TOTAL_STEPS) for j, n in JOBS.items()},
-                 PROBE: job_spec(PROBE, nodes=1, total_steps=PROBE_STEPS)}
+                 **{j: msgspec.structs.replace(probe, name=j, checkpoint=job_spec(j, nodes=1, total_steps=1).checkpoint)
+                    for j in PROBES}}
         for job_id, spec in specs.items():  # one after the other: node ids (a global sequence) as in the other run
             await common.call(self.client, "submit", spec, job_id=job_id)
 
@@ -247,7 +257,8 @@ class _Scenario:
             await _wait(placed, f"{job_id} placed")
 
         async def training() -> bool:
-            return len([n for n in fleet.nodes.values() if n.training]) == sum(JOBS.values()) + 1 and fleet.idle()
+            return len([n for n in fleet.nodes.values() if n.training]) == sum(JOBS.values()) + len(PROBES) \
+                and fleet.idle()
         await _wait(training, "the jobs training")
         victim = sorted(n.node_id for n in fleet.nodes.values() if n.job_id == "adv-a")[0]
         self.run.before_s = await notice_to_command_s(fleet, victim, limit_s=60.0)
@@ -261,13 +272,13 @@ class _Scenario:
                                 for e in fleet.events_of(ev.GenerationStarted)) and fleet.idle()
         await _wait(regrown, "adv-a regrown after the notice")
 
-    async def probe(self) -> None:
-        """After a batch (in the clean run at the same point): a notice for the probe job's training node,
-        timed to its checkpoint command (``wedge.py``); then until the probe job trains on a new node."""
+    async def probe(self, job: str) -> None:
+        """After a batch (in the clean run at the same point): a notice for probe job ``job``'s training node,
+        timed to its checkpoint command (``wedge.py``); then until that job trains on a new node."""
         fleet, orchd = self.fleet, self.orchd
 
         def training() -> list[str]:
-            return sorted(n.node_id for n in fleet.nodes.values() if n.job_id == PROBE and n.training and n.alive)
+            return sorted(n.node_id for n in fleet.nodes.values() if n.job_id == job and n.training and n.alive)
 
         async def ready() -> bool:
             return bool(training()) and fleet.idle()
@@ -283,9 +294,9 @@ class _Scenario:
             return gone and any(n != node for n in training()) and fleet.idle()
         await _wait(regrown, "the probe job regrown after its notice")
 
-    async def batch(self, gen: Hostile, n: int, terminal: set[str]) -> None:
+    async def batch(self, gen: Hostile, n: int, terminal: set[str], probe: str) -> None:
         await self.attack(gen, n, terminal)  # the clean run (n = 0): the same checks, so the probe's conditions
-        await self.probe()
+        await self.probe(probe)
 
     async def attack(self, gen: Hostile, n: int, terminal: set[str]) -> None:
         gen.ctx = _ctx(self.fleet, self.orchd, terminal, self.noticed)

@@ -39,7 +39,7 @@ def test_small_seeded_adversarial_set(tmp_path):
     assert any(k.endswith("/bad_name") for k in r.rejected_by_reason), r.rejected_by_reason
     assert r.unjustified_state_changes == []
     assert r.unjustified_launches == [] and r.unjustified_terminations == []
-    jobs = {"adv-a": "succeeded", "adv-b": "succeeded", adversarial.PROBE: "cancelled"}
+    jobs = {"adv-a": "succeeded", "adv-b": "succeeded", **{j: "cancelled" for j in adversarial.PROBES}}
     assert r.clean_jobs == r.hostile_jobs == jobs
     assert sum(r.rejected_by_reason.values()) > 0
     assert adversarial.passed(r)
