@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import random
 import shutil
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -38,25 +37,27 @@ import wire as ev
 from orchestrator import bus
 from orchestrator.natsserver import NatsServer
 from simulations.chaos import common
+from simulations.chaos.advstate import diff, load, load_fresh, normalise
 from simulations.chaos.agents import SimFleet
-from simulations.chaos.harness import ROOT, Orchd, job_spec
+from simulations.chaos.harness import POOL_A, Orchd, job_spec
 from simulations.chaos.hostile import Ctx, Hostile, Shot
+from simulations.chaos.wedge import WEDGE_MAX_S, bound_s, notice_to_command_s, wedges
 from simulations.fakecloud import read_fake_file
 
 TOTAL_STEPS = 400
 STEP_S = 0.03
 JOBS = {"adv-a": 2, "adv-b": 1}
+PROBE = "adv-probe"
+PROBES = tuple(f"{PROBE}-{k}" for k in (1, 2, 3))
+"""One-node jobs that train through the whole scenario in both runs: after batch k a notice for the node of
+the k-th measures whether orchd still decides (``wedge.py``); never a sender or a target of the attacks.
+On demand in one pool, each noticed once: where they run again and what the pool counts (one preemption
+per job) do not depend on how long a batch took."""
+PROBE_STEPS = 10**7
 VOLUME = 3000
 """Above this many hostile messages a run is a volume run: at most ``HUGE_BUDGET`` ~200 KB huge arrays."""
 HUGE_BUDGET = 2000
 ADMIN_IN_FLIGHT = 64
-DROP = {"phase_ts", "submitted_ts", "gen_ts", "committed_ts", "cost_usd", "save_s", "step_time_s", "ckpt_interval_s",
-        "price_eval_ts", "migrate_ts", "requested_ts", "launched_ts", "last_seen", "hb_seq", "loss", "cmd_seq",
-        "price_ts", "cum_usd", "cum_ts", "exposure_h", "stats_ts", "changed_ts", "detect_paused_until"}
-"""Timestamps, liveness, measured times and cost integrals: they differ between two runs of one scenario."""
-PRESENCE = {"notice_deadline", "suspect_since", "noticed_until", "last_preempted_ts", "backoff_until"}
-"""Times compared only as set / not set."""
-
 EXPECTED_FAILURES: tuple[str, ...] = (
     # a PriceTick with capacity_hint = 5e-324 (seed 1): accepted into the pool. A capacity hint in 0..1 is
     # within a feed's rights (it changes no decision: any hint > 0 means capacity), but it differs from
@@ -79,12 +80,16 @@ class AdvResult:
     by_target: dict[str, int] = field(default_factory=dict)
     admin_errors: int = 0
     admin_ok: int = 0  # read-only requests with unknown fields, an idempotent re-submit: answered, harmless
+    admin_internal_errors: dict[str, int] = field(default_factory=dict)  # 5xx answers by kind: handler bugs
     crashes: int = 0
     alive_after_batches: list[bool] = field(default_factory=list)
     fresh_loads_ok: list[bool] = field(default_factory=list)
     unjustified_state_changes: list[str] = field(default_factory=list)
     unjustified_launches: list[str] = field(default_factory=list)
     unjustified_terminations: list[str] = field(default_factory=list)
+    wedges: list[str] = field(default_factory=list)  # batches after which a healthy notice was not decided in time
+    notice_to_command_s: dict[str, Any] = field(default_factory=dict)  # unattacked and per batch, both runs
+    bad_names: dict[str, int] = field(default_factory=dict)  # hostile names sent, by what they hold
     rejected_by_reason: dict[str, int] = field(default_factory=dict)
     clean_jobs: dict[str, str] = field(default_factory=dict)
     hostile_jobs: dict[str, str] = field(default_factory=dict)
@@ -110,68 +115,15 @@ class _Run:
     admin_errors: int = 0
     admin_ok: int = 0
     crashes: int = 0
+    bad_names: Counter = field(default_factory=Counter)
+    admin_internal: Counter = field(default_factory=Counter)  # 5xx replies (not 503: not the leader) by kind
+    before_s: float | None = None  # the scenario's own notice, before any batch: unattacked
+    probe_s: list[float | None] = field(default_factory=list)  # the probe's notice after each batch
     problems: list[str] = field(default_factory=list)
 
 
-# --- fresh-process load and normalisation --------------------------------------------------------
-
-
-async def _load(url: str) -> dict:
-    import nats  # the daemon's own load path, in this (fresh) process
-
-    from orchestrator.bus import ensure_topology
-    from orchestrator.core.records import state_from_records
-    from orchestrator.daemon.store import Store
-
-    nc = await nats.connect(url)
-    try:
-        records, _ = await Store(await ensure_topology(nc)).load(timeout_s=5.0)
-    finally:
-        await nc.close()
-    st = state_from_records(records)
-    return {"jobs": {k: msgspec.to_builtins(v) for k, v in st.jobs.items()},
-            "nodes": {k: msgspec.to_builtins(v) for k, v in st.nodes.items()},
-            "pools": {k: msgspec.to_builtins(v) for k, v in st.pools.items()},
-            "meta": msgspec.to_builtins(st.meta)}
-
-
-def load_fresh(url: str) -> dict | None:
-    """The state as a fresh process loads it; None when that process fails."""
-    p = subprocess.run([sys.executable, "-m", "simulations.chaos.adversarial", "--load", url], cwd=ROOT,
-                       capture_output=True, timeout=60)
-    if p.returncode != 0:
-        return None
-    out: dict = json.loads(p.stdout)
-    return out
-
-
-def normalise(state: dict, legit_ckpts: set[tuple[str, str]], instances: dict[str, str]) -> dict:
-    """Drop what differs between two runs of one scenario; a checkpoint a legitimate agent of *this* run
-    committed becomes ``<legit>`` (its step depends on timing), an instance the cloud launched for that
-    very node ``<own>``. Anything else (another job's checkpoint, a foreign instance) stays as it is."""
-    def clean(rec: dict) -> dict:
-        out = {}
-        for k, v in rec.items():
-            if k in DROP:
-                continue
-            out[k] = bool(v) if k in PRESENCE else (round(v, 2) if k == "preemptions" else v)
-        return out
-
-    jobs = {}
-    for jid, j in state["jobs"].items():
-        j = clean(j)
-        if (jid, j.get("committed_url")) in legit_ckpts:
-            j["committed_url"] = j["committed_step"] = "<legit>"
-        jobs[jid] = j
-    nodes = {}
-    for nid, n in state["nodes"].items():
-        n = clean(n)
-        n.pop("step", None)  # live progress
-        if n.get("instance_id") and instances.get(n["instance_id"]) == nid:
-            n["instance_id"] = "<own>"
-        nodes[nid] = n
-    return {"jobs": jobs, "nodes": nodes, "pools": {k: clean(p) for k, p in state["pools"].items()},
-            "meta": clean(state["meta"])}
+def _probe_node(node_id: str) -> bool:
+    return node_id.startswith(f"{PROBE}-")
 
 
 # --- one run ---------------------------------------------------------------------------------------
@@ -185,15 +137,17 @@ def _cloud(orchd: Orchd) -> list[Any]:
 
 
 def _ctx(fleet: SimFleet, orchd: Orchd, terminal: set[str], noticed: set[str]) -> Ctx:
-    insts = _cloud(orchd)
+    insts = [i for i in _cloud(orchd) if not _probe_node(str(i.node_id))]
     gens: dict[str, int] = {j: 0 for j in JOBS}
     for e in fleet.events_of(ev.GenerationStarted):
         gens[e.job_id] = max(gens.get(e.job_id, 0), e.generation)
-    return Ctx(job_of={n.node_id: str(n.job_id or next(iter(JOBS))) for n in fleet.nodes.values()},
+    return Ctx(job_of={n.node_id: str(n.job_id or next(iter(JOBS))) for n in fleet.nodes.values()
+                       if not _probe_node(n.node_id)},
                instance_of={str(i.node_id): (i.instance_id, i.pool) for i in insts if i.node_id},
                live={str(i.node_id) for i in insts if i.alive},
                generation=gens, roots={j: job_spec(j, nodes=1, total_steps=1).checkpoint.url for j in JOBS},
-               terminal=set(terminal), noticed=set(noticed), events=list(fleet.events))
+               terminal=set(terminal), noticed=set(noticed),
+               events=[e for e in fleet.events if not _probe_node(str(e.node_id))])
 
 
 async def _wait(pred: Any, what: str, timeout_s: float = 90.0) -> None:
@@ -226,7 +180,7 @@ class _Scenario:
             pub = self.pub = await common.connect(server.url, "chaos-adversary")
             fleet = self.fleet = SimFleet(nc, orchd.fake_file, step_s=STEP_S)
             client = self.client = await common.admin(server.url, timeout_s=20.0)
-            gen = Hostile(random.Random(f"{self.seed}-adversarial"), _ctx(fleet, orchd, set(), set()),
+            gen = self.gen = Hostile(random.Random(f"{self.seed}-adversarial"), _ctx(fleet, orchd, set(), set()),
                           str(self.seed), self.skip, huge_budget=None if self.n_hostile <= VOLUME else HUGE_BUDGET)
             async with anyio.create_task_group() as tg:
                 await tg.start(fleet.run)
@@ -236,6 +190,7 @@ class _Scenario:
                     self.run.problems.append(f"{e}; orchd log: {orchd.tail(300)}")
                 tg.cancel_scope.cancel()
             self.run.rejected = orchd.rejected()
+            self.run.bad_names = Counter(gen.names.used)
             await client.close()
             await anyio.to_thread.run_sync(orchd.stop)
             state = await anyio.to_thread.run_sync(load_fresh, server.url)
@@ -244,7 +199,8 @@ class _Scenario:
                 state = {"jobs": {}, "nodes": {}, "pools": {}, "meta": {}}
             insts = _cloud(orchd)
             legit = {(str(e.job_id), e.url) for e in fleet.events_of(ev.CheckpointCommitted)}
-            self.run.state = normalise(state, legit, {i.instance_id: str(i.node_id) for i in insts})
+            own = {i.instance_id: str(i.node_id) for i in insts}
+            self.run.state = normalise(state, legit, own, live_jobs=set(PROBES))
             self.run.cloud = Counter((str(i.node_id), i.pool.name) for i in insts)
         except Exception as e:  # a stuck scenario or a dead daemon: reported, the comparison then fails
             inner: BaseException = e
@@ -260,43 +216,89 @@ class _Scenario:
         return {j["job_id"]: j["phase"] for j in (await common.call(self.client, "jobs")).jobs}
 
     async def legit_and_batches(self, gen: Hostile) -> None:
+        await self.setup()
+        per = [self.n_hostile // 3 + (1 if k < self.n_hostile % 3 else 0) for k in range(3)]
+        for k in range(2):
+            await self.batch(gen, per[k], set(), PROBES[k])
+        orchd = self.orchd
+
+        async def finished() -> bool:
+            phases = await self.jobs()
+            return all(phases.get(j) == "succeeded" for j in JOBS) and not any(
+                i.alive for i in _cloud(orchd) if not _probe_node(str(i.node_id)))
+        await _wait(finished, "both jobs succeeded, no instance of theirs alive", 45.0)
+        await anyio.sleep(1.0)
+        await self.batch(gen, per[2], set(JOBS), PROBES[2])
+        for job in PROBES:
+            await common.call(self.client, "cancel", job)
+
+        async def probe_gone() -> bool:
+            phases = await self.jobs()
+            return all(phases.get(j) == "cancelled" for j in PROBES) and not any(i.alive for i in _cloud(orchd))
+        await _wait(probe_gone, "the probe jobs cancelled, no instance alive")
+        await anyio.sleep(1.0)
+
+    async def setup(self) -> None:
+        """Prices; the jobs and the probe job placed and training; the scenario's notice (timed: the
+        unattacked notice-to-command time) and ``adv-a`` regrown after it."""
         fleet, orchd = self.fleet, self.orchd
         await common.publish_prices(fleet.js, "adv")
-        for job_id, n in JOBS.items():  # one after the other: node ids (a global sequence) as in the other run
-            await common.call(self.client, "submit", job_spec(job_id, nodes=n, total_steps=TOTAL_STEPS), job_id=job_id)
+        probe = msgspec.structs.replace(job_spec(PROBE, nodes=1, total_steps=PROBE_STEPS),
+                                        market=ev.MarketPolicy.ON_DEMAND, instance_types=(POOL_A.instance_type,))
+        specs = {**{j: job_spec(j, nodes=n, total_steps=TOTAL_STEPS) for j, n in JOBS.items()},
+                 **{j: msgspec.structs.replace(probe, name=j, checkpoint=job_spec(j, nodes=1, total_steps=1).checkpoint)
+                    for j in PROBES}}
+        for job_id, spec in specs.items():  # one after the other: node ids (a global sequence) as in the other run
+            await common.call(self.client, "submit", spec, job_id=job_id)
 
-            async def placed(job_id: str = job_id, n: int = n) -> bool:
+            async def placed(job_id: str = job_id, n: int = spec.nodes) -> bool:
                 nodes = (await common.call(self.client, "nodes")).nodes
                 return len([x for x in nodes if x["job_id"] == job_id]) >= n
             await _wait(placed, f"{job_id} placed")
 
         async def training() -> bool:
-            return len([n for n in fleet.nodes.values() if n.training]) == sum(JOBS.values()) and fleet.idle()
-        await _wait(training, "both jobs training")
+            return len([n for n in fleet.nodes.values() if n.training]) == sum(JOBS.values()) + len(PROBES) \
+                and fleet.idle()
+        await _wait(training, "the jobs training")
         victim = sorted(n.node_id for n in fleet.nodes.values() if n.job_id == "adv-a")[0]
-        fleet.publish_notice(victim)
+        self.run.before_s = await notice_to_command_s(fleet, victim, limit_s=60.0)
         self.noticed.add(victim)
+        if self.run.before_s is None:
+            raise TimeoutError("scenario stuck: the unattacked notice was not decided in 60 s")
 
         async def regrown() -> bool:
             dead = not any(i.alive for i in _cloud(orchd) if str(i.node_id) == victim)
             return dead and any(e.generation >= 2 and e.job_id == "adv-a"
                                 for e in fleet.events_of(ev.GenerationStarted)) and fleet.idle()
         await _wait(regrown, "adv-a regrown after the notice")
-        per = [self.n_hostile // 3 + (1 if k < self.n_hostile % 3 else 0) for k in range(3)]
-        for k in range(2):
-            await self.batch(gen, per[k], set())
 
-        async def finished() -> bool:
-            phases = await self.jobs()
-            return all(phases.get(j) == "succeeded" for j in JOBS) and not any(i.alive for i in _cloud(orchd))
-        await _wait(finished, "both jobs succeeded, no instance alive", 45.0)
-        await anyio.sleep(1.0)
-        await self.batch(gen, per[2], set(JOBS))
-        await anyio.sleep(1.0)
+    async def probe(self, job: str) -> None:
+        """After a batch (in the clean run at the same point): a notice for probe job ``job``'s training node,
+        timed to its checkpoint command (``wedge.py``); then until that job trains on a new node."""
+        fleet, orchd = self.fleet, self.orchd
 
-    async def batch(self, gen: Hostile, n: int, terminal: set[str]) -> None:
-        if not self.n_hostile:
-            return
+        def training() -> list[str]:
+            return sorted(n.node_id for n in fleet.nodes.values() if n.job_id == job and n.training and n.alive)
+
+        async def ready() -> bool:
+            return bool(training()) and fleet.idle()
+        await _wait(ready, "the probe job training")
+        node = training()[0]
+        t = await notice_to_command_s(fleet, node, WEDGE_MAX_S)
+        self.run.probe_s.append(t)
+        if t is None:
+            return  # a wedge: judged by the oracle; the scenario goes on as far as it can
+
+        async def regrown() -> bool:
+            gone = not any(i.alive for i in _cloud(orchd) if str(i.node_id) == node)
+            return gone and any(n != node for n in training()) and fleet.idle()
+        await _wait(regrown, "the probe job regrown after its notice")
+
+    async def batch(self, gen: Hostile, n: int, terminal: set[str], probe: str) -> None:
+        await self.attack(gen, n, terminal)  # the clean run (n = 0): the same checks, so the probe's conditions
+        await self.probe(probe)
+
+    async def attack(self, gen: Hostile, n: int, terminal: set[str]) -> None:
         gen.ctx = _ctx(self.fleet, self.orchd, terminal, self.noticed)
         alive0 = {(str(i.node_id), i.instance_id) for i in _cloud(self.orchd) if i.alive}
         limiter = anyio.CapacityLimiter(ADMIN_IN_FLIGHT)
@@ -354,33 +356,16 @@ class _Scenario:
         except Exception as e:
             self.run.problems.append(f"admin {shot.kind}: no reply ({type(e).__name__})")
             return
-        if reply.headers and reply.headers.get("Nats-Service-Error-Code"):
+        code = reply.headers.get("Nats-Service-Error-Code") if reply.headers else None
+        if code:
             self.run.admin_errors += 1
+            if code.startswith("5") and code != "503":  # a handler that failed: a bug, never an answer
+                self.run.admin_internal[shot.kind] += 1
         else:
             self.run.admin_ok += 1
 
 
 # --- the drill -------------------------------------------------------------------------------------
-
-
-def _extremes(v: Any, path: str = "") -> list[str]:
-    """Paths of extreme numbers in a record (what made an accepted hostile record hostile)."""
-    if isinstance(v, dict):
-        return [p for k, x in v.items() for p in _extremes(x, f"{path}.{k}")]
-    if isinstance(v, int | float) and not isinstance(v, bool) and (abs(v) >= 1e15 or 0 < abs(v) < 1e-300):
-        return [f"{path}={v!r}"]
-    return []
-
-
-def _diff(a: Any, b: Any, path: str = "") -> list[str]:
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in sorted(set(a) | set(b), key=str):
-            out += _diff(a.get(k, "<absent>"), b.get(k, "<absent>"), f"{path}.{k}")
-        return out
-    if a == "<absent>" and isinstance(b, dict):
-        return [f"{path}: new {', '.join(_extremes(b)) or 'record'}"[:300]]
-    return [] if a == b else [f"{path}: {a!r} -> {b!r}"[:300]]
 
 
 async def run(seed: int, root: Path, n_hostile: int, include_expected: bool = False) -> AdvResult:
@@ -396,12 +381,15 @@ async def run(seed: int, root: Path, n_hostile: int, include_expected: bool = Fa
     res.by_kind = dict(sorted(hostile.by_kind.items()))
     res.by_target = dict(sorted(hostile.by_target.items()))
     res.admin_errors, res.admin_ok = hostile.admin_errors, hostile.admin_ok
+    res.admin_internal_errors = dict(sorted((clean.admin_internal + hostile.admin_internal).items()))
     res.crashes = clean.crashes + hostile.crashes + sum(1 for a in hostile.alive if not a)
     res.alive_after_batches, res.fresh_loads_ok = hostile.alive, hostile.loads
-    res.unjustified_state_changes = _diff(clean.state, hostile.state)[:50]
+    res.unjustified_state_changes = diff(clean.state, hostile.state)[:50]
     res.unjustified_launches = sorted(f"{n} in {p} x{c}" for (n, p), c in (hostile.cloud - clean.cloud).items())
     res.unjustified_terminations = hostile.terminated_in_batch + sorted(
         f"{n} in {p}: never launched" for (n, p), c in (clean.cloud - hostile.cloud).items())
+    _judge_wedges(res, clean, hostile)
+    res.bad_names = dict(sorted(hostile.bad_names.items()))
     res.rejected_by_reason = {f"{k}/{r}": v for (k, r), v in sorted((hostile.rejected - clean.rejected).items())}
     res.clean_jobs = {j: s.get("phase", "?") for j, s in clean.state.get("jobs", {}).items()}
     res.hostile_jobs = {j: s.get("phase", "?") for j, s in hostile.state.get("jobs", {}).items()}
@@ -412,8 +400,25 @@ async def run(seed: int, root: Path, n_hostile: int, include_expected: bool = Fa
     return res
 
 
+def _judge_wedges(res: AdvResult, clean: _Run, hostile: _Run) -> None:
+    """The wedge oracle: each batch's probe against 5x the slowest unattacked notice (the clean run's, before
+    and after its batch points, and the hostile run's before its first batch), at most 5 s."""
+    unattacked = [t for t in (clean.before_s, *clean.probe_s, hostile.before_s) if t is not None]
+    base = max(unattacked) if unattacked else None
+    res.wedges = wedges(base, hostile.probe_s)
+    res.notice_to_command_s = {
+        "clean_before": clean.before_s, "clean_after_batches": clean.probe_s, "hostile_before": hostile.before_s,
+        "hostile_after_batches": hostile.probe_s, "unattacked_s": base,
+        "bound_s": round(bound_s(base), 3) if base is not None else WEDGE_MAX_S}
+    if None in clean.probe_s:
+        res.problems.append(f"clean: a probe notice was not decided in {WEDGE_MAX_S} s: {clean.probe_s}")
+    if len(hostile.probe_s) < 3:
+        res.problems.append(f"hostile: {len(hostile.probe_s)} of 3 batches probed")
+
+
 def passed(r: AdvResult) -> bool:
-    return (not r.crashes and all(r.alive_after_batches) and all(r.fresh_loads_ok) and not r.problems
+    return (not r.crashes and not r.wedges and not r.admin_internal_errors and all(r.alive_after_batches)
+            and all(r.fresh_loads_ok) and not r.problems
             and not r.unjustified_state_changes and not r.unjustified_launches and not r.unjustified_terminations)
 
 
@@ -425,4 +430,4 @@ def as_dict(r: AdvResult) -> dict[str, Any]:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--load"]:
-    print(json.dumps(anyio.run(_load, sys.argv[2])))
+    print(json.dumps(anyio.run(load, sys.argv[2])))

@@ -15,6 +15,9 @@ client) and carries one of
     dead_notice        a notice for a node already noticed or gone, with an absurd deadline
     extreme_price      a price tick for a real pool with 1e308 / -1e308 / 5e-324 / 2**63 in one field
     admin_*            admin requests with hostile bodies (never a valid mutating request)
+    bad_name           a name field of a record or an admin body that is neither a token nor a dotted key
+                       (``names.py``: white space, ``..``, wildcards, non-ASCII, control characters, 5,000
+                       characters, empty), sent unwrapped; log lines on the sender's own log subject too
 
 each optionally wrapped in a hostile structure: ``deep_nest`` (a field replaced by a 1,000-deep JSON
 list nest, 2 KB), ``huge_array`` (a field replaced by 100,000 zeros, about 200 KB: under the 256 KiB
@@ -36,6 +39,7 @@ import msgspec
 
 import wire as ev
 from simulations.chaos.harness import PRICES, job_spec
+from simulations.chaos.names import BadNames
 
 NEST = b"[" * 1000 + b"]" * 1000
 HUGE_ARRAY = b"[" + b",".join([b"0"] * 100_000) + b"]"
@@ -43,7 +47,7 @@ EXTREME_FLOATS = (1e308, -1e308, 5e-324, -5e-324)
 EXTREME_INTS = (2**63, -(2**63), 2**64, 2**63 - 1)
 WRAPPERS = ("none", "none", "deep_nest", "huge_array", "duplicate_keys", "unknown_fields", "extreme")
 KINDS = (("foreign_job", 18), ("old_generation", 14), ("replay", 12), ("foreign_instance", 10),
-         ("ckpt_outside_root", 10), ("dead_notice", 8), ("extreme_price", 8), ("admin", 20))
+         ("ckpt_outside_root", 10), ("dead_notice", 8), ("extreme_price", 8), ("admin", 20), ("bad_name", 20))
 READ_ONLY = {("status", "get"), ("jobs", "list"), ("jobs", "show"), ("jobs", "explain"), ("nodes", "list"),
              ("prices", "list"), ("events", "tail"), ("dead", "list")}
 
@@ -51,7 +55,7 @@ READ_ONLY = {("status", "get"), ("jobs", "list"), ("jobs", "show"), ("jobs", "ex
 @dataclass(frozen=True, slots=True)
 class Shot:
     kind: str  # "<kind>/<wrapper>"
-    target: str  # node_event | heartbeat | notice | price | admin
+    target: str  # node_event | heartbeat | notice | price | log | admin
     subject: str
     data: bytes
 
@@ -78,6 +82,7 @@ class Hostile:
         self.skip = skip
         self.n = 0
         self.huge_left = huge_budget  # at most this many ~200 KB huge_array messages (None: no cap)
+        self.names = BadNames(rng, ctx, self._id)
 
     def _id(self) -> str:
         self.n += 1
@@ -88,6 +93,10 @@ class Hostile:
         kind = r.choices([k for k, _ in self.kinds], [w for _, w in self.kinds])[0]
         if kind == "admin":
             return self.admin()
+        if kind == "bad_name":  # unwrapped: the name is the attack
+            self.names.ctx = self.ctx
+            field, target, subject, data = self.names.next()
+            return Shot(f"bad_name/{field}", target, subject, data)
         built = getattr(self, kind)()
         if built is None:  # nothing of that kind exists yet (e.g. no replayable event): an event of another job
             kind, built = "foreign_job", self.foreign_job()

@@ -17,6 +17,7 @@ import nats
 import pytest
 
 import wire as ev
+from orchestrator.cli.client import AdminClient, AdminError
 from orchestrator.daemon.run import run_daemon
 from simulations.fakecloud import FakeCloud
 from tests.integration import helpers as h
@@ -62,6 +63,15 @@ async def test_a_hostile_price_tick_or_job_id_never_wedges_the_loop(server, tmp_
         for bad in HOSTILE_IDS:
             code, _out, err = await h.actl(url, "jobs", "submit", str(spec), "--id", bad)
             assert code != 0 and ("job id" in err or "job_id" in err), (bad[:20], code, err)
+        # explain of an id that is not a token: "no such job" (404), never an internal error
+        client = await AdminClient.connect([url], timeout_s=10.0)
+        try:
+            for bad in (*HOSTILE_IDS, "rt\tjob", "rt\njob", "节点", "rt\x00", ""):
+                with pytest.raises(AdminError) as e:
+                    await client.explain(bad)
+                assert e.value.code == 404, (bad[:20], e.value)
+        finally:
+            await client.close()
         # the loop still decides: a notice for the healthy job gets its checkpoint command at once
         assert await _notice_decided_s(js, agent, starts[0].node_id, "after") < 5.0
         other = tmp_path / "other.toml"
