@@ -51,7 +51,7 @@ from orchestrator.core.roots import relation
 from trainer.contract import trainer_args_problems
 from wire import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrackingSpec, TrainerSpec
 from wire.config import SettingsError, load_dataclass, merge, problem_path, without_problems
-from wire.names import BadName, check_key, check_token
+from wire.names import BadName, check_key, check_token, is_token
 
 __all__ = ["SPEC_CHECKS", "JobSpecError", "JobFile", "build_jobspec", "load_jobspec", "parse_jobspec",
            "spec_problems"]
@@ -444,14 +444,11 @@ def _tracking_problems(spec: JobSpec) -> list[str]:
     t = spec.tracking
     if isinstance(t, msgspec.UnsetType):
         return p
-    if isinstance(t.server, str) and not (0 < len(t.server) <= 64 and all(c.isalnum() or c in "_-" for c in t.server)):
-        p.append(f"tracking.server: the name of a server of orchd's [tracking.servers] (letters, digits, '_', "
-                 f"'-'), got {t.server[:64]!r}")
-    if not t.uri:
-        pass  # the server's, set by orchd at submit
-    elif not t.uri.startswith(TRACKING_SCHEMES):
+    if isinstance(t.server, str) and not is_token(t.server, 64):
+        p.append(f"tracking.server: the name of a server of orchd's [tracking.servers], got {t.server[:64]!r}")
+    if t.uri and not t.uri.startswith(TRACKING_SCHEMES):  # no uri: the server's, set by orchd at submit
         p.append(f"tracking.uri: must start with one of {', '.join(TRACKING_SCHEMES)}, got {t.uri[:100]!r}")
-    else:
+    elif t.uri:
         netloc = t.uri.split("://", 1)[1].split("/", 1)[0]
         if "@" in netloc:  # never echo the secret back
             p.append("tracking.uri: must not carry credentials (user:password@host): set MLFLOW_TRACKING_USERNAME "
