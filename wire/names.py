@@ -56,9 +56,10 @@ class BadName(ValueError):
 def _shown(value: object) -> str:
     if not isinstance(value, str):
         return type(value).__name__
-    if len(value) <= _SHOWN:
-        return repr(value)
-    return f"{value[:_SHOWN]!r}... ({len(value)} characters)"
+    shown = ascii(value[:_SHOWN])  # escapes never make a line break; bounded whatever the characters
+    if len(shown) > 2 * _SHOWN:
+        shown = shown[: 2 * _SHOWN] + "..."
+    return shown if len(value) <= _SHOWN else f"{shown}... ({len(value)} characters)"
 
 
 def _bad_char(value: str, allowed: re.Pattern[str], extra: str = "") -> str | None:
