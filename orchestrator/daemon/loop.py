@@ -54,7 +54,7 @@ SLOW_BATCH_S = 0.25
 URGENT_ROUNDS = 4
 _NOTHING: frozenset[str] = frozenset()
 _NOT_LEADER = "this orchd lost the leader lease; retry: the new leader answers"
-__all__ = ["Daemon", "NotLeader", "ShuttingDown"]
+__all__ = ["DEFAULT_CLUSTER_ID", "Daemon", "cluster_identity"]
 
 
 class Daemon:
