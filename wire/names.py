@@ -76,15 +76,21 @@ def _bad_char(value: str, allowed: re.Pattern[str], extra: str = "") -> str | No
     return None
 
 
-def check_token(field: str, value: object, max_len: int = TOKEN_MAX) -> str:
-    """``value`` when it is a token (letters, digits, ``_``, ``-``; 1 to ``max_len`` characters), else
-    ``BadName`` naming ``field`` and the problem."""
+def _bounded(field: str, value: object, max_len: int) -> str:
+    """``value`` when it is a string of 1 to ``max_len`` characters, else ``BadName``."""
     if not isinstance(value, str):
         raise BadName(field, value, "must be a string")
     if not value:
         raise BadName(field, value, "must not be empty")
     if len(value) > max_len:
         raise BadName(field, value, f"longer than {max_len} characters")
+    return value
+
+
+def check_token(field: str, value: object, max_len: int = TOKEN_MAX) -> str:
+    """``value`` when it is a token (letters, digits, ``_``, ``-``; 1 to ``max_len`` characters), else
+    ``BadName`` naming ``field`` and the problem."""
+    value = _bounded(field, value, max_len)
     if _TOKEN_RE.fullmatch(value) is None:
         raise BadName(field, value, _bad_char(value, _TOKEN_RE) or "not a token")
     return value
@@ -93,12 +99,7 @@ def check_token(field: str, value: object, max_len: int = TOKEN_MAX) -> str:
 def check_key(field: str, value: object, max_len: int = KEY_MAX) -> str:
     """``value`` when it is a dotted key (non-empty parts of letters, digits, ``_``, ``-``, ``=`` joined
     by single dots; 1 to ``max_len`` characters), else ``BadName`` naming ``field`` and the problem."""
-    if not isinstance(value, str):
-        raise BadName(field, value, "must be a string")
-    if not value:
-        raise BadName(field, value, "must not be empty")
-    if len(value) > max_len:
-        raise BadName(field, value, f"longer than {max_len} characters")
+    value = _bounded(field, value, max_len)
     for part in value.split("."):
         if not part:
             raise BadName(field, value, "has an empty part (a leading, trailing or double dot)")
@@ -108,19 +109,14 @@ def check_key(field: str, value: object, max_len: int = KEY_MAX) -> str:
 
 
 def is_token(value: object, max_len: int = TOKEN_MAX) -> bool:
-    try:
-        check_token("value", value, max_len)
-    except BadName:
-        return False
-    return True
+    """``check_token`` as a yes or no, with no error built (the screen asks it of every message)."""
+    return isinstance(value, str) and 0 < len(value) <= max_len and _TOKEN_RE.fullmatch(value) is not None
 
 
 def is_key(value: object, max_len: int = KEY_MAX) -> bool:
-    try:
-        check_key("value", value, max_len)
-    except BadName:
-        return False
-    return True
+    """``check_key`` as a yes or no, with no error built."""
+    return (isinstance(value, str) and 0 < len(value) <= max_len
+            and all(_PART_RE.fullmatch(part) is not None for part in value.split(".")))
 
 
 def check_job_id(value: object, field: str = "job id") -> str:

@@ -20,15 +20,6 @@ from trainer import rootowner, storage, store
 from trainer.checkpoint import CheckpointManager
 from trainer.dist import DistInfo
 
-KINDS = ["file", "s3", "gs", "az"]
-
-
-@pytest.fixture(params=KINDS)
-def backend(request: pytest.FixtureRequest, tmp_path: Path, object_stores: Callable[[str], Store]) -> Store:
-    if request.param == "file":
-        return Store("file", str(tmp_path), {}, None, lambda: None)
-    return object_stores(request.param)
-
 
 def _root(backend: Store) -> str:
     return backend.url(f"roots/{uuid.uuid4().hex[:10]}")

@@ -7,7 +7,6 @@ The root owner claim and its race live in test_root_owner.py; real gloo ranks in
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +19,6 @@ from tests.storage_emulators import Store
 from trainer import storage, store
 from trainer.checkpoint import CheckpointManager, NoUsableCheckpoint, StorageError
 from trainer.dist import DistInfo
-
-KINDS = ["file", "s3", "gs", "az"]
-
-
-@pytest.fixture(params=KINDS)
-def backend(request: pytest.FixtureRequest, tmp_path: Path, object_stores: Callable[[str], Store]) -> Store:
-    if request.param == "file":
-        return Store("file", str(tmp_path), {}, None, lambda: None)
-    return object_stores(request.param)
 
 
 def _root(backend: Store) -> str:

@@ -137,3 +137,16 @@ def test_subject_price_refuses_what_check_token_refuses() -> None:
         if not re.search(TOKEN_PATTERN, bad):
             with pytest.raises(ValueError):
                 subject_price(bad, "r1")
+
+
+@given(names)
+def test_the_yes_or_no_forms_agree_with_the_checks(value: str) -> None:
+    from wire.names import BadName, is_key, is_token
+
+    for check, yes in ((check_token, is_token), (check_key, is_key)):
+        try:
+            check("field", value)
+            ok = True
+        except BadName:
+            ok = False
+        assert yes(value) is ok, (check.__name__, value)
