@@ -10,6 +10,9 @@ upload), in alternating order:
   fsspec_gib_s       median plain write rate of the same bytes
   save_vs_fsspec     median over rounds of fsspec_time / emergency_time (>= 1.0: the save is as fast as
                      writing the bytes), with its spread and every round's figure
+  load_vs_stock      median over --pairs rounds of the stock reader's time / ours to load the last
+                     checkpoint (DCP's FsspecReader: one ranged read per tensor slice; ours: each file in one
+                     request, trainer/reader.py), with load_s and stock_load_s (medians)
 
 ``--emulator`` starts the URL's emulator on loopback first (moto's server, gcp-storage-emulator, Azurite:
 tests/storage_emulators.py) with the URL's bucket; otherwise --storage-options (JSON) reaches the store and
@@ -27,6 +30,9 @@ import uuid
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from trainer import dist as tdist
 from trainer import storage, store
@@ -69,6 +75,26 @@ def emergency_s(mgr: CheckpointManager, step: int, model: torch.nn.Module, opt: 
     return dt
 
 
+def load_figures(dir_url: str, opts: dict[str, Any], model: torch.nn.Module, opt: torch.optim.Optimizer,
+                 pairs: int) -> dict[str, Any]:
+    """Loading ``dir_url`` into the model and optimizer with our reader and with the stock one, alternating."""
+    def once(reader: Any) -> float:
+        msd, osd = get_state_dict(model, opt)
+        t0 = time.perf_counter()
+        dcp.load({"model": msd, "optim": osd}, storage_reader=reader)
+        return time.perf_counter() - t0
+
+    ours, stock = [], []
+    for i in range(pairs):
+        order = [True, False] if i % 2 == 0 else [False, True]
+        for mine in order:
+            reader = (store.make_reader(dir_url, opts) if mine
+                      else FsspecReader(dir_url, **storage.prepare(dir_url, opts)))
+            (ours if mine else stock).append(once(reader))
+    return {"load_s": round(statistics.median(ours), 3), "stock_load_s": round(statistics.median(stock), 3),
+            "load_vs_stock": round(statistics.median([b / a for a, b in zip(ours, stock, strict=True)]), 3)}
+
+
 def run(a: Any, cfg: Any) -> dict[str, Any]:
     """The object-store figures for ``a.url`` (argparse namespace of benchmarks/checkpoint.py)."""
     emulator, opts = _start_emulator(a.url) if a.emulator else (None, json.loads(a.storage_options or "{}"))
@@ -96,8 +122,9 @@ def run(a: Any, cfg: Any) -> dict[str, Any]:
             ratios.append(plain / em)
             em_rates.append(state_bytes / em / GIB)
             plain_rates.append(state_bytes / plain / GIB)
+        loads = load_figures(store.step_dir(root, 100 + a.pairs - 1), opts, model, opt, a.pairs)
         storage.filesystem(root, opts).rm(storage.path_of(root), recursive=True)
-        return {"url": a.url, "emulator": bool(a.emulator), "state_gib": round(state_bytes / GIB, 3),
+        return {**loads, "url": a.url, "emulator": bool(a.emulator), "state_gib": round(state_bytes / GIB, 3),
                 "emergency_gib_s": round(statistics.median(em_rates), 3),
                 "fsspec_gib_s": round(statistics.median(plain_rates), 3),
                 "save_vs_fsspec": round(statistics.median(ratios), 3), "save_vs_fsspec_min": round(min(ratios), 3),

@@ -37,9 +37,8 @@ from typing import IO, Any, cast
 import crc32c
 import fsspec
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as _FsspecFS
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase, _StorageInfo
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -47,6 +46,7 @@ from torch.futures import Future
 from torch.utils.serialization import config as _torch_save_config
 
 from trainer import contract, storage
+from trainer.reader import make_reader  # noqa: F401  (store.make_reader: its callers)
 
 COMMIT_MARKER = contract.CHECKPOINT_COMMIT_MARKER
 FORMAT_VERSION = 2  # 2: job_id in the marker, extra state as __extra_<rank>.pt (no pickle); 1 still loads
@@ -300,12 +300,6 @@ class CommitWriter(FileSystemWriter):
         super().finish(metadata, results)
         size, crc = self.sink.files[".metadata.tmp"]
         self._write_manifest("__crc_meta.json", {".metadata": (size, crc)})
-
-
-def make_reader(dir_url: str, storage_options: dict[str, Any] | None = None) -> FileSystemReader:
-    if is_local(dir_url):
-        return FileSystemReader(local_path(dir_url))
-    return FsspecReader(dir_url, **storage.prepare(dir_url, storage_options))
 
 
 # --- commit, verify, list, rotate ------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Checkpoint storage in-process (DCP without a process group): checksums computed while writing,
-commit marker, verification of truncated/altered/missing files, rotation, and s3:// against moto."""
+commit marker, verification of truncated/altered/missing files, rotation. The same on s3, gs and az
+against their emulators: test_store_matrix.py."""
 
 from __future__ import annotations
 
@@ -91,38 +92,3 @@ def test_rotation_deletes_only_what_the_job_wrote(tmp_path: Path) -> None:
     assert sorted(removed) == sorted(store.step_dir(root, s) for s in (2, 3))  # the legacy one counts as its own
     assert [s for s, _, c in store.list_checkpoints(root) if c] == [1, 4, 5, 6]
     assert store.rotate(root, keep=1, job_id="nobody") == []  # nothing of its own: nothing deleted
-
-
-@pytest.fixture(scope="module")
-def moto_s3():
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    opts = {"key": "testing", "secret": "testing",
-            "client_kwargs": {"endpoint_url": f"http://{host}:{port}", "region_name": "us-east-1"}}
-    import boto3
-
-    boto3.client("s3", endpoint_url=opts["client_kwargs"]["endpoint_url"], region_name="us-east-1",
-                 aws_access_key_id="testing", aws_secret_access_key="testing").create_bucket(Bucket="ckpt-bucket")
-    try:
-        yield opts
-    finally:
-        server.stop()
-
-
-def test_s3_save_commit_verify_load(moto_s3: dict) -> None:
-    root = "s3://ckpt-bucket/job1"
-    for step in (1, 2):
-        _save(store.step_dir(root, step), step, moto_s3)
-    assert [(s, c) for s, _, c in store.list_checkpoints(root, moto_s3)] == [(1, True), (2, True)]
-    d = store.step_dir(root, 2)
-    assert store.verify(d, moto_s3) is None
-    loaded = {"model": {"w": torch.zeros(64, 32), "b": torch.zeros(32)}, "step": torch.tensor(0)}
-    dcp.load(loaded, storage_reader=store.make_reader(d, moto_s3))
-    assert torch.equal(loaded["model"]["b"], _state(2)["model"]["b"])
-    fs = store.filesystem(root, moto_s3)
-    fs.pipe_file(f"{d}/__0_0.distcp", b"garbage")
-    assert "__0_0.distcp" in (store.verify(d, moto_s3) or "")
-    assert store.rotate(root, keep=1, storage_options=moto_s3) == [store.step_dir(root, 1)]
