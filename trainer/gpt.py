@@ -29,6 +29,7 @@ import torch
 from trainer import contract
 from trainer.checkpoint import rng_state, set_rng_state
 from trainer.data import Corpus, ExactlyOnceSampler, load_tokens, micro_batch_plan, rank_slice
+from trainer.hf.source import SourceError
 from trainer.lib import Session
 from trainer.model import GPT, SIZES, config_for, per_sample_loss
 
@@ -89,8 +90,8 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     given = {**base, **ns}
     if args.model and "size" in given:
         raise SystemExit("give either size (the built-in GPT) or model (a Hugging Face model), not both")
-    if args.dataset and not args.model:
-        raise SystemExit("dataset needs model (a Hugging Face model and its tokenizer)")
+    if (args.dataset or args.tokenizer or args.text_column != "text") and not args.model:
+        raise SystemExit("dataset, text_column and tokenizer need model (a Hugging Face model and its tokenizer)")
     if args.dataset and args.corpus:
         raise SystemExit("give either dataset or corpus, not both")
     if args.size not in SIZES:
@@ -271,7 +272,11 @@ def make_session(args: TrainerArgs) -> Session:
 def train(args: TrainerArgs) -> None:
     sess = make_session(args)
     with sess.guard():
-        b = build(args, sess)
+        try:
+            b = build(args, sess)
+        except SourceError as e:  # the spec names something unusable: the same spec fails again, no restart
+            print(f"spec_error {e}", file=sys.stderr, flush=True)
+            sess.exit(contract.EXIT_FAILED, f"{contract.SPEC_ERROR_REASON}: {e}"[:300])
         if sess.rank == 0:
             print(f"trainer_start size={args.model or args.size} params={b.cfg.n_params()} world_size={sess.world_size} "
                   f"mode={args.mode} device={sess.device} bf16={b.bf16} global_batch={args.global_batch} "

@@ -46,7 +46,6 @@ class HFModelInfo:
 
 def config_from_json(path: str) -> Any:
     """A transformers config from a ``config.json`` (``model_type`` must be one transformers knows)."""
-    from transformers import AutoConfig
 
     try:
         with open(path) as f:

@@ -5,7 +5,7 @@ used in place; ``s3://``, ``gs://``, ``az://`` (and any fsspec scheme the node a
 local directory first, through the same fsspec stores as checkpoints (``trainer.storage``, with the job's
 ``storage_options``); a hub id (``org/name``) is handed to transformers / datasets where the hub is
 reachable. Only the schemes in ``ORCH_MODEL_SCHEMES`` (set by the operator on the nodes; default
-``file,s3,gs,az,hub``) are accepted: a node can be limited to local files with ``ORCH_MODEL_SCHEMES=file``.
+``file,s3,gs,az,hub,builtin``) are accepted: a node can be limited to local files with ``ORCH_MODEL_SCHEMES=file``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ from typing import Any
 from trainer import storage
 
 ENV_MODEL_SCHEMES = "ORCH_MODEL_SCHEMES"
-DEFAULT_SCHEMES = "file,s3,gs,az,hub"
+DEFAULT_SCHEMES = "file,s3,gs,az,hub,builtin"
+BUILTIN = "builtin://"  # builtin://NAME: a model config shipped in trainer/hf/configs (NAME.json), e.g. llama-tiny
+CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # what a save_pretrained directory holds that loading needs (weights: safetensors only, never pickles)
 MODEL_FILES = re.compile(r"^(config\.json|generation_config\.json|.*\.safetensors|model\.safetensors\.index\.json|"
@@ -47,7 +49,13 @@ def classify(what: str, value: str, *, env: dict[str, str] | None = None) -> Sou
     """The kind of ``value`` (for ``trainer.args.<what>``), refused when its scheme is not allowed."""
     if not value:
         raise SourceError(f"trainer.args.{what}: empty")
-    if "://" in value:
+    if value.startswith(BUILTIN):
+        name = value[len(BUILTIN):]
+        names = sorted(n[:-5] for n in os.listdir(CONFIGS) if n.endswith(".json"))
+        if name not in names:
+            raise SourceError(f"trainer.args.{what}: no built-in config {name!r} (have: {', '.join(names)})")
+        src = Source("local", os.path.join(CONFIGS, name + ".json"), "builtin")
+    elif "://" in value:
         raw = value.split("://", 1)[0].lower()
         scheme = storage.SCHEMES.get(raw, raw)
         src = Source("local", storage.local_path(value), "file") if scheme == "file" else Source("url", value, scheme)
