@@ -161,7 +161,10 @@ def _exclusions(args: Mapping[str, Any], path: str) -> list[str]:
     """Arguments that exclude or need each other: a Hugging Face ``model`` or the GPT's ``size``; ``dataset``
     (needs ``model``) or ``corpus``; ``text_column`` / ``tokenizer`` only with ``model``."""
     out = []
-    if args.get("model") and "size" in args:
+    if args.get("model") in TRAINER_SIZES:
+        out.append(f"{path}.model: {args['model']!r} is a size of the built-in GPT: give size = {args['model']!r} "
+                   "(model names a Hugging Face model)")
+    elif args.get("model") and "size" in args:
         out.append(f"{path}.size: give either size (the built-in GPT) or model (a Hugging Face model), not both")
     if args.get("dataset") and args.get("corpus"):
         out.append(f"{path}.corpus: give either dataset or corpus, not both")

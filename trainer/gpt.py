@@ -88,6 +88,8 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
     ns = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     args = TrainerArgs(**{**base, **ns})
     given = {**base, **ns}
+    if args.model in SIZES:
+        raise SystemExit(f"model {args.model!r} is a size of the built-in GPT: give size={args.model!r}")
     if args.model and "size" in given:
         raise SystemExit("give either size (the built-in GPT) or model (a Hugging Face model), not both")
     if (args.dataset or args.tokenizer or args.text_column != "text") and not args.model:
@@ -278,7 +280,8 @@ def train(args: TrainerArgs) -> None:
             print(f"spec_error {e}", file=sys.stderr, flush=True)
             sess.exit(contract.EXIT_FAILED, f"{contract.SPEC_ERROR_REASON}: {e}"[:300])
         if sess.rank == 0:
-            print(f"trainer_start size={args.model or args.size} params={b.cfg.n_params()} world_size={sess.world_size} "
+            print(f"trainer_start size={args.model or args.size} params={b.cfg.n_params()} "
+                  f"world_size={sess.world_size} "
                   f"mode={args.mode} device={sess.device} bf16={b.bf16} global_batch={args.global_batch} "
                   f"micro_batch={args.micro_batch}", flush=True)
         for step in sess.steps(b.model, b.opt, scheduler=b.sched, sampler=b.sampler):

@@ -116,7 +116,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def model_info(model: nn.Module, seq_len: int) -> HFModelInfo:
-    cfg = model.config  # type: ignore[union-attr]
+    cfg: Any = model.config
     params = sum(p.numel() for p in model.parameters())
     embed = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding))
     n_layer = int(getattr(cfg, "num_hidden_layers", 0) or getattr(cfg, "n_layer", 0) or 0)
