@@ -55,7 +55,7 @@ class GenerationResult:
 
 
 def classify(codes: list[int], *, abandoned: bool = False, stopped: bool = False,
-             storage_error: bool = False) -> tuple[str, int]:
+             storage_error: bool = False, spec_error: bool = False) -> tuple[str, int]:
     """How a generation ended on this node, from its ranks' exit codes (``storage_error``: a rank's ExitReport
     said its EXIT_CHECKPOINT_FAILED was a storage error)."""
     nonzero = [c for c in codes if c != 0]
@@ -71,6 +71,8 @@ def classify(codes: list[int], *, abandoned: bool = False, stopped: bool = False
             if special == contract.EXIT_CHECKPOINT_FAILED and storage_error:
                 return contract.STORAGE_ERROR_REASON, special
             return contract.EXIT_REASONS[special], special
+    if spec_error:  # a rank's ExitReport: the spec names an unusable model or dataset (orchd fails the job)
+        return contract.SPEC_ERROR_REASON, code
     return contract.EXIT_REASONS[contract.EXIT_FAILED], code
 
 
@@ -118,6 +120,7 @@ class RankGroup:
     abandoned: bool = False
     stopped: bool = False
     storage_error: bool = False  # some rank's ExitReport reason is "storage_error: ..."
+    spec_error: bool = False  # some rank's ExitReport reason is "spec_error: ..."
     checkpoint_requested: bool = False
     result: GenerationResult | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
@@ -202,7 +205,7 @@ class RankGroup:
                 self.done.set()
         codes = {r.rank: (r.exit_code if r.exit_code is not None else -9) for r in self.ranks}
         reason, code = classify(list(codes.values()), abandoned=self.abandoned, stopped=self.stopped,
-                                storage_error=self.storage_error)
+                                storage_error=self.storage_error, spec_error=self.spec_error)
         self.result = GenerationResult(codes, reason, code, self.last_step)
         self.done.set()
         log.info("ranks_exited", job_id=self.job_id, generation=c.generation, reason=reason, exit_codes=codes)
@@ -262,6 +265,8 @@ class RankGroup:
                 self.step_time_s = report.step_time_s
         elif isinstance(report, contract.ExitReport) and report.reason.startswith(contract.STORAGE_ERROR_REASON):
             self.storage_error = True
+        elif isinstance(report, contract.ExitReport) and report.reason.startswith(contract.SPEC_ERROR_REASON):
+            self.spec_error = True
         self.on_report(r.rank, report)
 
     # --- control ---------------------------------------------------------------------------------

@@ -20,8 +20,8 @@ File layout (see config/jobs/*.toml|yaml)::
     deadline (TOML/YAML date-time or ISO-8601 string; no zone = UTC) or deadline_ts (unix seconds) or
     deadline_in ("72h", "3d": from the submission, resolved by the caller's ``now``), budget_usd
     [trainer]    command = [...], args = {...} (without a command: the built-in trainer's, checked against
-                 trainer.contract.TRAINER_ARGS; with one: passed unchecked), env = {...}; ``config`` (once
-                 passed as args.config) is refused: the built-in trainer reads no config file
+                 trainer.contract.TRAINER_ARGS; with one: passed unchecked), env = {...}, integration = "hf" (the
+                 command is a Hugging Face Trainer script); ``config`` is refused: the built-in trainer reads none
     [checkpoint] url (file:// s3:// gs:// az:// abfs://; one job, one root: orchd refuses a url equal to,
                  inside or containing another job's), interval_s, keep, save_s_estimate,
                  start_from (a committed checkpoint, e.g. another job's, to resume from; written under url)
@@ -48,7 +48,7 @@ import msgspec
 import yaml
 
 from orchestrator.core.roots import relation
-from trainer.contract import trainer_args_problems
+from trainer.contract import ENV_INTEGRATION, trainer_args_problems
 from wire import CheckpointPolicy, JobSpec, MarketPolicy, PricePolicy, TrackingSpec, TrainerSpec
 from wire.config import SettingsError, load_dataclass, merge, problem_path, without_problems
 from wire.names import BadName, check_key, check_token, is_token
@@ -88,6 +88,7 @@ class TrainerTable:
     written for it gets that reason rather than "unknown key"."""
     args: Mapping[str, str | int | float | bool] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
+    integration: Literal["hf"] | None = None  # the command is a Hugging Face Trainer script (trainer.hf.callback)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -163,6 +164,8 @@ class JobFile:
     def check(self) -> list[str]:
         """The file's own cross-field rules (the JobSpec's are ``spec_problems``)."""
         out = []
+        if self.trainer.integration is not None and self.trainer.command is None:
+            out.append("trainer.integration: needs trainer.command (your script); the built-in trainer needs none")
         if self.trainer.command is not None and self.trainer.config is not None:
             out.append("trainer: give either command or config, not both")
         elif self.trainer.config is not None:
@@ -191,19 +194,16 @@ class JobFile:
         if nodes_min is None:
             nodes_min = min(self.nodes, self.nodes if self.nodes_max is None else self.nodes_max)
         nodes_max = self.nodes_max if self.nodes_max is not None else max(self.nodes, nodes_min)
-        t = self.trainer
-        args = dict(t.args)
-        if t.config is not None:
-            args["config"] = t.config
-        c, p = self.checkpoint, self.price
+        t, c, p = self.trainer, self.checkpoint, self.price
+        args = {**t.args, **({"config": t.config} if t.config is not None else {})}
+        env = {**t.env, **({ENV_INTEGRATION: t.integration} if t.integration else {})}
         return JobSpec(
             name=self.name, total_steps=self.total_steps, gpu_type=self.gpu_type, gpus_per_node=self.gpus_per_node,
             nodes=self.nodes, nodes_min=nodes_min, nodes_max=nodes_max,
             step_time_s_estimate=self.step_time_s_estimate, clouds=self.clouds, regions=self.regions,
             zones=self.zones, instance_types=self.instance_types, market=self.market,
-            deadline_ts=self._deadline_ts(now),
-            budget_usd=self.budget_usd,
-            trainer=TrainerSpec(command=t.command or (), args=args, env=dict(t.env)),
+            deadline_ts=self._deadline_ts(now), budget_usd=self.budget_usd,
+            trainer=TrainerSpec(command=t.command or (), args=args, env=env),
             checkpoint=CheckpointPolicy(url=c.url, interval_s=c.interval_s, keep=c.keep,
                                         save_s_estimate=c.save_s_estimate,
                                         start_from=msgspec.UNSET if c.start_from is None else c.start_from),

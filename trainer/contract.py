@@ -79,6 +79,10 @@ ENV_TRAINER_ARGS: Final = "ORCH_TRAINER_ARGS"
 ENV_SIGTERM_GRACE_S: Final = "ORCH_SIGTERM_GRACE_S"
 ENV_CKPT_INTERVAL_S: Final = "ORCH_CKPT_INTERVAL_S"
 ENV_CLUSTER_ID: Final = "ORCH_CLUSTER_ID"
+ENV_INTEGRATION: Final = "ORCH_INTEGRATION"  # "hf": the job's command is a Hugging Face Trainer script
+SPEC_ERROR_REASON: Final = "spec_error"
+"""ExitReport reason prefix (exit 1) for a job spec that cannot run: a model path that does not exist, a dataset
+without the text column. orchd fails the job at once instead of restarting it (the same spec fails again)."""
 
 CHECKPOINT_REQUEST_FILE: Final = "checkpoint.json"
 REPORT_PREFIX: Final = '{"orch":'
@@ -124,6 +128,7 @@ TRAINER_ARGS: Final[dict[str, Any]] = {
     "seq_len": _Pos, "global_batch": _Pos, "micro_batch": _Pos,
     "lr": _PosFloat, "warmup_steps": _NonNeg, "min_lr_ratio": _Ratio, "weight_decay": _NonNegFloat,
     "grad_clip": _NonNegFloat, "seed": int, "corpus": str,
+    "model": str, "dataset": str, "text_column": Annotated[str, msgspec.Meta(min_length=1)], "tokenizer": str,
     "total_steps": _Pos | None, "ckpt_every": _NonNeg, "keep": _Pos,
     "async_ckpt": Literal["thread", "process", "off"], "ckpt_threads": _Pos,
     "storage_options": dict[str, Any],
@@ -149,6 +154,23 @@ def trainer_args_problems(args: Mapping[str, Any], path: str = "trainer.args") -
             choices = typing.get_args(tp) if typing.get_origin(tp) is Literal else ()
             why = f"{value!r} is not one of {', '.join(choices)}" if choices else f"{e} (got {value!r})"
             out.append(f"{path}.{key}: {why}")
+    return out + _exclusions(args, path)
+
+
+def _exclusions(args: Mapping[str, Any], path: str) -> list[str]:
+    """Arguments that exclude or need each other: a Hugging Face ``model`` or the GPT's ``size``; ``dataset``
+    (needs ``model``) or ``corpus``; ``text_column`` / ``tokenizer`` only with ``model``."""
+    out = []
+    if args.get("model") in TRAINER_SIZES:
+        out.append(f"{path}.model: {args['model']!r} is a size of the built-in GPT: give size = {args['model']!r} "
+                   "(model names a Hugging Face model)")
+    elif args.get("model") and "size" in args:
+        out.append(f"{path}.size: give either size (the built-in GPT) or model (a Hugging Face model), not both")
+    if args.get("dataset") and args.get("corpus"):
+        out.append(f"{path}.corpus: give either dataset or corpus, not both")
+    for key, default in (("dataset", ""), ("text_column", "text"), ("tokenizer", "")):
+        if args.get(key, default) != default and not args.get("model"):
+            out.append(f"{path}.{key}: needs {path}.model (a Hugging Face model and its tokenizer)")
     return out
 
 

@@ -88,8 +88,9 @@ def shutdown() -> None:
 
 
 def wrap_fsdp(model: nn.Module, info: DistInfo, *, bf16: bool, cpu_offload: bool = False,
-              blocks: str = "blocks") -> nn.Module:
-    """FSDP2: ``fully_shard`` every transformer block, then the root. bf16 params with fp32 gradient
+              blocks: str | list[nn.Module] = "blocks") -> nn.Module:
+    """FSDP2: ``fully_shard`` every transformer block (the children of attribute ``blocks``, or the given
+    modules), then the root. bf16 params with fp32 gradient
     reduction on GPU (reduce_dtype set explicitly: its default changes in torch 2.15); fp32 on CPU."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -98,7 +99,7 @@ def wrap_fsdp(model: nn.Module, info: DistInfo, *, bf16: bool, cpu_offload: bool
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    for block in getattr(model, blocks):
+    for block in getattr(model, blocks) if isinstance(blocks, str) else blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     return model

@@ -29,6 +29,7 @@ import torch
 from trainer import contract
 from trainer.checkpoint import rng_state, set_rng_state
 from trainer.data import Corpus, ExactlyOnceSampler, load_tokens, micro_batch_plan, rank_slice
+from trainer.hf.source import SourceError
 from trainer.lib import Session
 from trainer.model import GPT, SIZES, config_for, per_sample_loss
 
@@ -46,6 +47,10 @@ class TrainerArgs:
     grad_clip: float = 1.0
     seed: int = 0
     corpus: str = ""  # local text file; "" = built-in deterministic synthetic corpus
+    model: str = ""  # Hugging Face causal LM: save_pretrained dir / URL / hub id / config.json (not with size)
+    dataset: str = ""  # Hugging Face model only: jsonl/parquet/text/arrow files / URL / hub id (not with corpus)
+    text_column: str = "text"  # the dataset's column of text
+    tokenizer: str = ""  # "" = the model's; a tokenizer dir / URL; "bytes" = UTF-8 bytes
     total_steps: int | None = None  # default: ORCH_TOTAL_STEPS
     ckpt_every: int = 0  # periodic async checkpoint every N steps (0 = only emergency/final)
     keep: int = 3  # committed checkpoints kept by rotation
@@ -82,6 +87,15 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] | None = No
             p.add_argument(flag, type=kind, default=None)
     ns = {k: v for k, v in vars(p.parse_args(argv)).items() if v is not None}
     args = TrainerArgs(**{**base, **ns})
+    given = {**base, **ns}
+    if args.model in SIZES:
+        raise SystemExit(f"model {args.model!r} is a size of the built-in GPT: give size={args.model!r}")
+    if args.model and "size" in given:
+        raise SystemExit("give either size (the built-in GPT) or model (a Hugging Face model), not both")
+    if (args.dataset or args.tokenizer or args.text_column != "text") and not args.model:
+        raise SystemExit("dataset, text_column and tokenizer need model (a Hugging Face model and its tokenizer)")
+    if args.dataset and args.corpus:
+        raise SystemExit("give either dataset or corpus, not both")
     if args.size not in SIZES:
         raise SystemExit(f"unknown size {args.size!r}; choose from {sorted(SIZES)}")
     if args.mode not in ("fsdp", "ddp"):
@@ -136,6 +150,7 @@ class StepRunner:
             ctx = model.no_sync() if (not fsdp and not last and hasattr(model, "no_sync")) else _null()
             with ctx:
                 logits = model(tokens[:, :-1])
+                logits = getattr(logits, "logits", logits)  # a Hugging Face model's output
                 loss_sum = per_sample_loss(logits, tokens[:, 1:]).sum() * weight
                 (loss_sum * scale).backward()
             total += loss_sum.detach()
@@ -176,22 +191,39 @@ def build(args: TrainerArgs, sess: Session) -> Built:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    cfg = config_for(args.size, args.seq_len, args.activation_checkpointing)
-    with torch.device(sess.device):
-        gpt = GPT(cfg)
-    if args.compile:
-        for block in gpt.blocks:
-            block.compile()
     bf16 = sess.info.is_gpu if args.bf16 is None else args.bf16
-    model = sess.wrap(gpt, args.mode, bf16=bf16, cpu_offload=args.cpu_offload, blocks="blocks")
+    if args.model:
+        cfg, model, tokens = _build_hf(args, sess, bf16)
+    else:
+        cfg = config_for(args.size, args.seq_len, args.activation_checkpointing)
+        with torch.device(sess.device):
+            gpt = GPT(cfg)
+        if args.compile:
+            for block in gpt.blocks:
+                block.compile()
+        model = sess.wrap(gpt, args.mode, bf16=bf16, cpu_offload=args.cpu_offload, blocks="blocks")
+        tokens = load_tokens(args.corpus)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), eps=1e-8)  # foreach (default): DTensor params
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, sess.total_steps))
-    corpus = Corpus(load_tokens(args.corpus), args.seq_len)
+    corpus = Corpus(tokens, args.seq_len)
     sampler = ExactlyOnceSampler(corpus.num_samples, args.global_batch, args.seed)
     return Built(cfg, model, opt, sched, sampler, StepRunner(sess, model, corpus, sampler, args), bf16)
+
+
+def _build_hf(args: TrainerArgs, sess: Session, bf16: bool) -> tuple[Any, torch.nn.Module, Any]:
+    """A Hugging Face model (trainer.hf, the [hf] extra) and its token stream; its config goes into every
+    checkpoint (``python -m trainer.export`` rebuilds the model from it)."""
+    from trainer.hf import require_hf
+
+    require_hf()
+    from trainer.hf.build import build_model, load_stream
+
+    info, model, where = build_model(args, sess, bf16)
+    sess.config = {**sess.config, "hf_config": info.config}
+    return info, model, load_stream(args, where, int(info.config["vocab_size"]))
 
 
 def train_step(sess: Session, b: Built, args: TrainerArgs, step: int) -> None:
@@ -242,9 +274,14 @@ def make_session(args: TrainerArgs) -> Session:
 def train(args: TrainerArgs) -> None:
     sess = make_session(args)
     with sess.guard():
-        b = build(args, sess)
+        try:
+            b = build(args, sess)
+        except SourceError as e:  # the spec names something unusable: the same spec fails again, no restart
+            print(f"spec_error {e}", file=sys.stderr, flush=True)
+            sess.exit(contract.EXIT_FAILED, f"{contract.SPEC_ERROR_REASON}: {e}"[:300])
         if sess.rank == 0:
-            print(f"trainer_start size={args.size} params={b.cfg.n_params()} world_size={sess.world_size} "
+            print(f"trainer_start size={args.model or args.size} params={b.cfg.n_params()} "
+                  f"world_size={sess.world_size} "
                   f"mode={args.mode} device={sess.device} bf16={b.bf16} global_batch={args.global_batch} "
                   f"micro_batch={args.micro_batch}", flush=True)
         for step in sess.steps(b.model, b.opt, scheduler=b.sched, sampler=b.sampler):

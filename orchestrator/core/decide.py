@@ -450,6 +450,10 @@ def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
         return
     if job.phase in (J.STARTING, J.RUNNING):
         why = "exited_early" if ev.reason == "completed" else ev.reason
+        if why == "spec_error":  # the spec names an unusable model or dataset: every restart would fail alike
+            job = lc.terminate_all(tx, job, why)
+            tx.job_phase(job, J.FAILED, reason=why)
+            return
         if why in _COUNTED_EXITS:
             job = tx.update_job(job, failures=job.failures + 1)
             if job.failures > tx.cfg.max_restarts:
