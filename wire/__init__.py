@@ -42,6 +42,7 @@ from wire.codec import (
 )
 from wire.messages import (
     MAX_MESSAGE_BYTES,
+    MAX_REPLICAS_REPORTED,
     SCHEMA_VERSION,
     SUPPORTED_VERSIONS,
     AbandonGenerationCmd,
@@ -140,6 +141,7 @@ __all__ = [
     "PriceTick",
     "PricesReply",
     "RanksExited",
+    "MAX_REPLICAS_REPORTED",
     "ReplicaHeld",
     "ReapReply",
     "ReapRequest",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TypedDict
 
 import msgspec
 
@@ -84,12 +85,18 @@ def choose(job: Job, members: Sequence[str], world_size: int) -> Choice:
     return Choice("replica", complete[0], "newest_complete_replica", complete)
 
 
-def command_fields(job: Job, choice: Choice) -> dict[str, object]:
+class ReplicaFields(TypedDict, total=False):
+    replica_secret: str
+    replica_every: int
+    replica_step: int
+
+
+def command_fields(job: Job, choice: Choice) -> ReplicaFields:
     """StartGenerationCmd's replica fields: none for a job without replicas (its bytes stay as before)."""
     k = every(job)
     if not k or isinstance(job.replica_secret, msgspec.UnsetType):
         return {}
-    fields: dict[str, object] = {"replica_secret": job.replica_secret, "replica_every": k}
+    fields: ReplicaFields = {"replica_secret": job.replica_secret, "replica_every": k}
     if choice.source == "replica":
         fields["replica_step"] = choice.step
     return fields
