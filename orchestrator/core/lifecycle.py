@@ -356,6 +356,8 @@ def try_start(tx: Tx, job: Job) -> Job:
     enough = len(ready) >= target or (
         len(ready) >= max(spec.nodes_min, 1) and (job.phase == J.RESIZING or not inflight)
     )
+    if enough and inflight and len(ready) < target and replicas.worth_waiting(job, ready, target * spec.gpus_per_node):
+        enough = False  # the replacement restores the full world from replicas: fewer ranks would reshard
     if not enough:
         return replenish(tx, job)
     big = 1 << 30

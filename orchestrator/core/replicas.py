@@ -23,7 +23,7 @@ from typing import TypedDict
 
 import msgspec
 
-from orchestrator.core.model import Job
+from orchestrator.core.model import Job, Node
 from orchestrator.core.tx import Tx
 from wire.messages import RanksExited
 
@@ -89,6 +89,19 @@ class ReplicaFields(TypedDict, total=False):
     replica_secret: str
     replica_every: int
     replica_step: int
+
+
+def worth_waiting(job: Job, ready: Sequence[Node], world_size: int) -> bool:
+    """Wait for the replacement in flight rather than start a smaller world: the ready nodes hold a complete
+    replica step of the full world (``world_size``) newer than the durable checkpoint, which a smaller
+    world could not use (replicas are per shard)."""
+    if not every(job) or isinstance(job.replica_held, msgspec.UnsetType):
+        return False
+    durable = job.committed_step if job.committed_url is not None else 0
+    refused = () if isinstance(job.replica_refused, msgspec.UnsetType) else job.replica_refused
+    complete, _ = newest_complete(job.replica_held, [n.node_id for n in ready], world_size,
+                                  not_before=durable + 1, refused=refused)
+    return bool(complete)
 
 
 def command_fields(job: Job, choice: Choice) -> ReplicaFields:
