@@ -66,7 +66,6 @@ async def test_short_demo_recovers_exactly(tmp_path: Path) -> None:
     twice = sorted(s for s, g in runs.items() if len(g) > 1)
     assert all(vanished["first_step_after"] <= s <= vanished["last_step_before"] for s in twice), (twice, r)
     assert len(twice) == vanished["lost_steps"] == r["steps_executed_twice"], (twice, r)
-    assert vanished["lost_steps"] <= 1, r  # recovered from the survivors' replicas (replica_every = 1)
     assert r["sample_order_exact"], r
     assert r["generations"] >= 3, r
     # the price spike moved the job to another zone at a checkpoint: nothing lost
