@@ -167,6 +167,7 @@ class Replicator:
             raise ReplicaUnusable(f"rank {self.info.rank} step {step}: {source}"[:280])
         if failed.item() > 0:
             raise ReplicaUnusable(f"step {step}: another rank's replica is unusable")
+        assert body is not None  # extra came from it
         local = source == self.holder
         print(f"replica_resumed step={step} rank={self.info.rank} source={'local' if local else source} "
               f"bytes={len(body)} load_s={time.monotonic() - t0:.3f}", flush=True)
