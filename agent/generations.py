@@ -21,6 +21,7 @@ once every rank is spawned). Report callbacks come from the rank reader tasks an
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +36,10 @@ from agent.config import AgentConfig
 from agent.logship import LogShipper
 from agent.outbox import NodePublisher
 from agent.ranks import RankGroup, resume_step
+from agent.replicas import ReplicaHolder
 from agent.warm import WarmPool
 from trainer import contract, rootowner
+from trainer.replicas.protocol import ENV_STEP, ProtocolError
 from wire import (
     AbandonGenerationCmd,
     AgentState,
@@ -75,6 +78,7 @@ class GenerationRunner:
         self._logs: LogShipper | None = None
         self.step_line_interval_s = STEP_LINE_INTERVAL_S
         self._step_line_ts: dict[tuple[int, int], float] = {}  # (generation, rank) -> last progress line
+        self.replicas = ReplicaHolder(cfg.advertise_host or socket.gethostname())
 
     def attach(self, tg: anyio.abc.TaskGroup, logs: LogShipper) -> None:
         self._tg = tg
@@ -114,7 +118,13 @@ class GenerationRunner:
         if (owned := await root_problem(cmd)) is not None:
             log.error("checkpoint_root_refused", job_id=job, generation=cmd.generation, error=owned)
             return f"{contract.ROOT_OWNED_REASON}: {owned}"
+        try:
+            replica_env = await self.replicas.prepare(cmd)
+        except (OSError, RuntimeError, ProtocolError) as e:  # the job trains on, resumes from its checkpoint
+            log.error("replica_holder_failed", job_id=job, error=f"{type(e).__name__}: {e}")
+            replica_env = {}
         group = self._new_group(cmd, self._logs)
+        group.extra_env = replica_env
         self.group = group
         self.state = AgentState.STARTING
         try:
@@ -125,7 +135,7 @@ class GenerationRunner:
             log.error("generation_start_failed", error=repr(e))
             self.state = AgentState.IDLE
             return f"spawn_failed:{type(e).__name__}"
-        first = resume_step(cmd.resume_from)
+        first = int(replica_env[ENV_STEP]) if ENV_STEP in replica_env else resume_step(cmd.resume_from)
         self.publisher.event(GenerationStarted(
             id=f"gen-{job}-{cmd.generation}-{self.node_id}", node_id=self.node_id, job_id=JobId(job),
             generation=cmd.generation, first_step=(first + 1) if first is not None else 0, ts=time.time()))
@@ -206,13 +216,14 @@ class GenerationRunner:
 
     async def _run(self, group: RankGroup, *, task_status: anyio.abc.TaskStatus[None]) -> None:
         result = await group.run(task_status=task_status)
+        held = await self.replicas.inventory(group.job_id)
         if result.reason == "completed":
             self.job_completed = True
         self.publisher.event(RanksExited(
             id=f"exit-{group.job_id}-{group.generation}-{self.node_id}", node_id=self.node_id,
             job_id=JobId(group.job_id), generation=group.generation, exit_code=result.exit_code,
             reason=result.reason, last_step=result.last_step, ts=time.time(),
-            last_loss=msgspec.UNSET if group.last_loss is None else group.last_loss))
+            last_loss=msgspec.UNSET if group.last_loss is None else group.last_loss, replicas=held))
         if self.group is group and self.state is not AgentState.DRAINING:
             self.state = AgentState.IDLE
         self.on_emergency_end()

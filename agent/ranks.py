@@ -127,6 +127,7 @@ class RankGroup:
     warm: WarmPool | None = None
     warm_used: int = 0
     ready: anyio.Event = field(default_factory=anyio.Event)  # every rank printed its first report line
+    extra_env: dict[str, str] = field(default_factory=dict)  # the agent's own additions (replicas: agent/replicas.py)
 
     @property
     def job_id(self) -> str:
@@ -169,6 +170,7 @@ class RankGroup:
         if c.checkpoint_interval_s is not None:
             env[contract.ENV_CKPT_INTERVAL_S] = str(c.checkpoint_interval_s)
         env.update(c.trainer.env)  # the job's own settings win (e.g. ORCH_COLLECTIVE_TIMEOUT_S)
+        env.update(self.extra_env)  # but not over the replica holder's address and this generation's key
         # but not over the cluster's identity (it names the owner of the checkpoint root): orchd's, else the agent's
         env[contract.ENV_CLUSTER_ID] = c.cluster_id or os.environ.get(contract.ENV_CLUSTER_ID, "")
         return env

@@ -23,7 +23,7 @@ File layout (see config/jobs/*.toml|yaml)::
                  trainer.contract.TRAINER_ARGS; with one: passed unchecked), env = {...}, integration = "hf" (the
                  command is a Hugging Face Trainer script); ``config`` is refused: the built-in trainer reads none
     [checkpoint] url (file:// s3:// gs:// az:// abfs://; one job, one root: orchd refuses a url equal to,
-                 inside or containing another job's), interval_s, keep, save_s_estimate,
+                 inside or containing another job's), interval_s, keep, save_s_estimate, replica_every,
                  start_from (a committed checkpoint, e.g. another job's, to resume from; written under url)
     [price]      pause_above_ratio, resume_below_ratio, migrate_min_saving
     [tracking]   uri (http:// or https://, no credentials in it), experiment, run_name (docs/tracking.md)
@@ -103,6 +103,7 @@ class CheckpointTable:
     start_from: str | None = None
     """A committed checkpoint (``.../step_000000200`` of another job) this job resumes from before its own
     first commit. Omitted: start fresh. The job still writes only under ``url``."""
+    replica_every: int = field(default=0, metadata={"ge": 0, "le": 1_000_000})  # replicas every N steps; 0: none
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -206,7 +207,8 @@ class JobFile:
             trainer=TrainerSpec(command=t.command or (), args=args, env=env),
             checkpoint=CheckpointPolicy(url=c.url, interval_s=c.interval_s, keep=c.keep,
                                         save_s_estimate=c.save_s_estimate,
-                                        start_from=msgspec.UNSET if c.start_from is None else c.start_from),
+                                        start_from=msgspec.UNSET if c.start_from is None else c.start_from,
+                                        replica_every=c.replica_every or msgspec.UNSET),
             price=PricePolicy(pause_above_ratio=p.pause_above_ratio, resume_below_ratio=p.resume_below_ratio,
                               migrate_min_saving=p.migrate_min_saving),
             tracking=(msgspec.UNSET if self.tracking is None else
@@ -215,7 +217,6 @@ class JobFile:
                                    server=self.tracking.server or msgspec.UNSET)),
             best_effort=True if self.best_effort else msgspec.UNSET,
         )
-
 
     def _deadline_ts(self, now: float | None) -> float | None:
         if self.deadline is not None:

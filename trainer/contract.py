@@ -50,6 +50,7 @@ EXIT_PREEMPTED: Final = 75  # emergency checkpoint committed at the agreed step,
 EXIT_CHECKPOINT_FAILED: Final = 76  # asked to checkpoint, but the save/commit failed or was abandoned
 EXIT_PEER_LOST: Final = 77  # a collective timed out: a peer vanished; nothing committed at this step
 EXIT_NO_CHECKPOINT: Final = 78  # asked to resume, but no checkpoint under the job's root verified: nothing trained
+EXIT_REPLICA_UNUSABLE: Final = 79  # asked to resume from replicas (ORCH_REPLICA_STEP), some rank's is unusable
 
 EXIT_REASONS: Final = {
     EXIT_COMPLETED: "completed",
@@ -58,6 +59,7 @@ EXIT_REASONS: Final = {
     EXIT_CHECKPOINT_FAILED: "checkpoint_failed",
     EXIT_PEER_LOST: "peer_lost",
     EXIT_NO_CHECKPOINT: "no_usable_checkpoint",
+    EXIT_REPLICA_UNUSABLE: "replica_unusable",
 }
 # ExitReport.reason prefix of an EXIT_CHECKPOINT_FAILED caused by storage (ENOSPC, DCP CheckpointException, a
 # failed commit): "storage_error: <exception>". The agent reports the generation with this reason.

@@ -42,6 +42,8 @@ from trainer import contract
 from trainer import dist as tdist
 from trainer.checkpoint import CheckpointManager, CommitResult, NoUsableCheckpoint, StorageError, save_failure
 from trainer.emergency import EmergencyState, Verdict, agree
+from trainer.replicas import protocol as replica_protocol
+from trainer.replicas.replicator import Replicator, ReplicaUnusable
 from trainer.rootowner import RootOwned
 from trainer.tracking import DEFAULT_FLUSH_S, ENV_FLUSH_S, MetricsLogger
 
@@ -98,6 +100,7 @@ class Session:
         self.tracker = tracker if info.rank == 0 else None  # the job's MLflow run (rank 0 logs for all)
         self._step_metrics: dict[str, float] = {}
         self.tracking_flush_s = float(os.environ.get(ENV_FLUSH_S) or DEFAULT_FLUSH_S)
+        self.replicas: Replicator | None = None  # shard replicas in peers' memory (trainer.replicas)
 
     @classmethod
     def from_env(cls, *, device: str = "auto", ckpt_every: int = 0, keep: int = 3, async_mode: str = "thread",
@@ -126,6 +129,7 @@ class Session:
         if ckpt is not None:
             sess._claim_root()
             ckpt.warm()
+        sess.replicas = Replicator.from_env(info)
         return sess
 
     def _claim_root(self) -> None:
@@ -220,7 +224,15 @@ class Session:
         """Register what a checkpoint holds; load the newest valid one if asked. Returns the next step."""
         self._model, self._optimizer, self._scheduler, self._sampler = model, optimizer, scheduler, sampler
         start = 1
-        if self.ckpt is not None and self.resume_from:
+        replica_step = int(os.environ.get(replica_protocol.ENV_STEP) or 0)
+        if self.replicas is not None and replica_step > 0:  # orchd chose a replicated step over the durable one
+            try:
+                start = self._apply_extra(self.replicas.restore(replica_step, model, optimizer)) + 1
+            except ReplicaUnusable as e:
+                why = contract.EXIT_REASONS[contract.EXIT_REPLICA_UNUSABLE]
+                print(f"{why} {e}", flush=True)
+                self.exit(contract.EXIT_REPLICA_UNUSABLE, f"{why}: {e}"[:300])
+        elif self.ckpt is not None and self.resume_from:
             try:
                 chosen = self.ckpt.resolve(self.resume_from)
             except NoUsableCheckpoint as e:  # explicit, never a silent restart at step 1
@@ -229,18 +241,22 @@ class Session:
                 self.exit(contract.EXIT_NO_CHECKPOINT, f"{why}: {e}"[:300])
             if chosen is not None:
                 extra = self.ckpt.load(chosen, model, optimizer)
-                if scheduler is not None and extra.get("scheduler") is not None:
-                    scheduler.load_state_dict(extra["scheduler"])
-                if sampler is not None and extra.get("data") is not None:
-                    sampler.load_state_dict(extra["data"])
-                self.user_state = extra.get("user", {})
-                start = int(extra["step"]) + 1
+                start = self._apply_extra(extra) + 1
                 if self.rank == 0:
                     print(f"resumed_from dir={chosen} step={extra['step']} saved_world_size={extra['world_size']} "
                           f"world_size={self.world_size}", flush=True)
         self.last_step = start - 1
         self._t_last = self._last_periodic = time.monotonic()
         return start
+
+    def _apply_extra(self, extra: dict[str, Any]) -> int:
+        """Scheduler, data position and user state from a checkpoint's or replica's extra state; its step."""
+        if self._scheduler is not None and extra.get("scheduler") is not None:
+            self._scheduler.load_state_dict(extra["scheduler"])
+        if self._sampler is not None and extra.get("data") is not None:
+            self._sampler.load_state_dict(extra["data"])
+        self.user_state = extra.get("user", {})
+        return int(extra["step"])
 
     def steps(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, *, scheduler: Any = None,
               sampler: Any = None) -> Iterator[int]:
@@ -341,6 +357,8 @@ class Session:
             except (StorageError, OSError, CheckpointException) as e:  # the staging or the extra state's write
                 print_failure(e)
                 self._save_failed(e)
+        if self.replicas is not None and step < self.total_steps and self._model is not None:
+            self.replicas.after_step(step, self._model, self._optimizer, self._extra)
 
     def _failed_periodic(self, verdict: Verdict) -> BaseException | None:
         """The failure of the pending periodic save when the agreement says some rank's save failed."""

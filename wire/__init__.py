@@ -42,6 +42,7 @@ from wire.codec import (
 )
 from wire.messages import (
     MAX_MESSAGE_BYTES,
+    MAX_REPLICAS_REPORTED,
     SCHEMA_VERSION,
     SUPPORTED_VERSIONS,
     AbandonGenerationCmd,
@@ -73,6 +74,7 @@ from wire.messages import (
     PricePolicy,
     PriceTick,
     RanksExited,
+    ReplicaHeld,
     StartGenerationCmd,
     StopCmd,
     ToOrchd,
@@ -139,6 +141,8 @@ __all__ = [
     "PriceTick",
     "PricesReply",
     "RanksExited",
+    "MAX_REPLICAS_REPORTED",
+    "ReplicaHeld",
     "ReapReply",
     "ReapRequest",
     "SCHEMA_VERSION",

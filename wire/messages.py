@@ -181,6 +181,19 @@ class CheckpointCommitted(_Wire, frozen=True, kw_only=True, tag="checkpoint_comm
     ts: float
 
 
+class ReplicaHeld(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One complete shard replica a node's holder has in memory: rank ``rank``'s state after ``step``, made
+    by a generation of ``world_size`` ranks (trainer.replicas)."""
+
+    rank: int
+    step: int
+    world_size: int
+
+
+MAX_REPLICAS_REPORTED: Final = 4096
+"""At most this many ReplicaHeld in one RanksExited (the screen refuses more)."""
+
+
 class RanksExited(_Wire, frozen=True, kw_only=True, tag="ranks_exited"):
     id: str
     node_id: NodeId
@@ -193,6 +206,9 @@ class RanksExited(_Wire, frozen=True, kw_only=True, tag="ranks_exited"):
     # The loss of last_step (the ranks' mean), when the trainer reported one. Unset is not encoded, so
     # agents and records from before this field keep their bytes.
     last_loss: float | None | msgspec.UnsetType = msgspec.UNSET
+    # The complete replicas this node's holder keeps (a job with replicas): the facts of orchd's choice
+    # between a replica step and the durable checkpoint (orchestrator/core/replicas.py). Unset is not encoded.
+    replicas: tuple[ReplicaHeld, ...] | msgspec.UnsetType = msgspec.UNSET
 
 
 class NodeLeaving(_Wire, frozen=True, kw_only=True, tag="node_leaving"):
@@ -266,6 +282,12 @@ class StartGenerationCmd(_Command, frozen=True, kw_only=True, tag="start_generat
     checkpoint_interval_s: float | None = None  # periodic checkpoint interval chosen by orchd (Young/Daly)
     trainer: TrainerSpec = TrainerSpec()
     cluster_id: str = ""  # orchd's cluster identity, named in the checkpoint root's owner marker; "": the agent's own
+    # Shard replicas (a job with [checkpoint] replica_every; trainer.replicas): the job's secret (the agent's
+    # holder keeps it, the ranks get a key of this generation only), every how many steps, and the replicated
+    # step to resume from (orchd's choice; unset: resume_from). Unset is not encoded.
+    replica_secret: str | msgspec.UnsetType = msgspec.UNSET
+    replica_every: int | msgspec.UnsetType = msgspec.UNSET
+    replica_step: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class StopCmd(_Command, frozen=True, kw_only=True, tag="stop"):
@@ -307,6 +329,8 @@ class CheckpointPolicy(msgspec.Struct, frozen=True, kw_only=True):
     save_s_estimate: float = 30.0  # until measured by a commit
     # Unset is not encoded, so records and specs written before this field keep their bytes.
     start_from: str | None | msgspec.UnsetType = msgspec.UNSET  # committed checkpoint to resume from; writes go to url
+    # Shard replicas in peers' host memory every this many steps (trainer.replicas); unset or 0: off.
+    replica_every: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class PricePolicy(msgspec.Struct, frozen=True, kw_only=True):

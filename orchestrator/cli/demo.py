@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 
 from orchestrator.cli import demo_tracking, statedir
 from orchestrator.cli.demo_display import View, format_report, render, status_line
@@ -60,6 +61,9 @@ class DemoOptions:
     ckpt_interval_s: float = 2.0
     """Periodic checkpoint interval the job fixes (orchd passes it to the trainer as ORCH_CKPT_INTERVAL_S;
     left to orchd, Young/Daly on a real spot market gives minutes, longer than this whole demo)."""
+    replica_every: int = 1
+    """Shard replicas in the next node's memory every N steps (0: none, the vanished node then costs the steps
+    since the last periodic checkpoint)."""
     notice_s: float = 20.0
     """Notice lead time of the noticed preemption (AWS gives 120 s, GCP/Azure 30 s)."""
     notice_at: float = 0.12
@@ -143,7 +147,7 @@ def demo_jobspec(state_dir: Path, opts: DemoOptions) -> Any:
         nodes=opts.nodes, nodes_min=min(opts.nodes_min, opts.nodes), nodes_max=opts.nodes, clouds=("local",),
         market=MarketPolicy.SPOT_WITH_FALLBACK,
         checkpoint=CheckpointPolicy(url=f"file://{state_dir / 'checkpoints'}", interval_s=opts.ckpt_interval_s,
-                                    save_s_estimate=1.0),
+                                    save_s_estimate=1.0, replica_every=opts.replica_every or msgspec.UNSET),
     )
 
 

@@ -21,7 +21,7 @@ from typing import Final, NamedTuple, assert_never
 
 import msgspec
 
-from orchestrator.core import gate, policy, roots, sweeps, tick, tracking
+from orchestrator.core import gate, policy, replicas, roots, sweeps, tick, tracking
 from orchestrator.core import lifecycle as lc
 from orchestrator.core import node_events as ne
 from orchestrator.core.commands import OTHER_LAUNCH_TOKEN, SECOND_INSTANCE, UNKNOWN_NODE, Terminate
@@ -272,7 +272,7 @@ def _job_submitted(tx: Tx, ev: JobSubmitted) -> None:
     target = min(max(spec.nodes, spec.nodes_min, 1), max(spec.nodes_max, spec.nodes_min, 1))
     job = Job(
         job_id=ev.job_id, spec=spec, phase=J.PENDING, phase_ts=tx.now, submitted_ts=tx.now,
-        target_nodes=target, reason="submitted", node_seq=0,
+        target_nodes=target, reason="submitted", node_seq=0, replica_secret=ev.replica_secret,
     )
     tx.put_job(job)
     tracking.on_submit(tx, job)
@@ -440,7 +440,7 @@ def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
         return  # redelivered
     if ev.last_step > node.step:
         node = tx.update_node(node, step=ev.last_step)
-    job = tx.update_job(job, gen_exited=job.gen_exited + (ev.node_id,))
+    job = replicas.note_exit(tx, tx.update_job(job, gen_exited=job.gen_exited + (ev.node_id,)), ev)
     tx.record(job.job_id, "ranks_exited", ev.reason, node_id=ev.node_id, exit_code=ev.exit_code, last_step=ev.last_step)
     if ev.reason == "completed" and ev.last_step >= job.spec.total_steps:
         loss = None if isinstance(ev.last_loss, msgspec.UnsetType) else fin(ev.last_loss)

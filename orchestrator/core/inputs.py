@@ -30,6 +30,8 @@ class Tick(_Internal, frozen=True, kw_only=True, tag="tick"):
 class JobSubmitted(_Internal, frozen=True, kw_only=True, tag="job_submitted"):
     job_id: JobId
     spec: JobSpec
+    # A random secret for the job's shard replicas (spec.checkpoint.replica_every), drawn by the shell.
+    replica_secret: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class JobCancelled(_Internal, frozen=True, kw_only=True, tag="job_cancelled"):

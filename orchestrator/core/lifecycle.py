@@ -17,7 +17,7 @@ from typing import overload
 
 import msgspec
 
-from orchestrator.core import tracking
+from orchestrator.core import replicas, tracking
 from orchestrator.core.commands import Launch, Terminate
 from orchestrator.core.costs import affordable, cost_now, node_cost_usd, progress_step
 from orchestrator.core.model import (
@@ -213,10 +213,12 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
     # never from anything found under its root; it always writes under its own root.
     resume = job.committed_url if job.committed_url is not None else start_from(job.spec.checkpoint)
     trainer = tracking.trainer_spec(job)  # MLflow's variables for a tracked job
+    choice = replicas.choose(job, [m.node_id for m in members], nn * gpn)  # a replica step or the durable one
+    rep = replicas.command_fields(job, choice)
     ids = []
     for rank, node in enumerate(members):
-        # the generation resumes after the committed step: a member's step starts there again
-        node = tx.node_phase(node, N.RUNNING, generation=gen, rank=rank, step=job.committed_step)
+        # the generation resumes after its source's step: a member's step starts there again
+        node = tx.node_phase(node, N.RUNNING, generation=gen, rank=rank, step=max(job.committed_step, choice.step))
         tx.send(
             node,
             StartGenerationCmd(
@@ -234,6 +236,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
                 checkpoint_interval_s=interval,
                 trainer=trainer,
                 cluster_id=tx.meta.cluster_id if isinstance(tx.meta.cluster_id, str) else "",
+                **rep,
             ),
         )
         ids.append(node.node_id)
@@ -241,6 +244,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
         job.job_id, "start_generation", job.reason or "nodes_ready", generation=gen, nodes=ids,
         resume_from=resume, checkpoint_interval_s=interval, master_addr=master, master_port=port,
     )
+    job = replicas.record_choice(tx, job, choice, gen)
     return tx.job_phase(
         job, J.STARTING, reason="generation_started", generation=gen, gen_nodes=tuple(ids), gen_exited=(),
         gen_ts=tx.now, gen_confirmed=False, intent=Intent.NONE, ckpt_interval_s=interval, avoid_pools=(),
@@ -352,6 +356,8 @@ def try_start(tx: Tx, job: Job) -> Job:
     enough = len(ready) >= target or (
         len(ready) >= max(spec.nodes_min, 1) and (job.phase == J.RESIZING or not inflight)
     )
+    if enough and inflight and len(ready) < target and replicas.worth_waiting(job, ready, target * spec.gpus_per_node):
+        enough = False  # the replacement restores the full world from replicas: fewer ranks would reshard
     if not enough:
         return replenish(tx, job)
     big = 1 << 30

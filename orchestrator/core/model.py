@@ -298,6 +298,13 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     # The last node number of this job: its nodes are <job>-n1, -n2, ... in launch order. UNSET (not
     # encoded) for a job of an older release, whose nodes keep the deployment-wide count (Meta.node_seq).
     node_seq: int | msgspec.UnsetType = msgspec.UNSET
+    # Shard replicas (core/replicas.py), UNSET (not encoded) for a job without them: the job's secret (from
+    # the submit, never in the audit), the replicas the nodes reported (node, rank, step, world size), steps
+    # a generation could not restore, and the replica step the current generation resumed from.
+    replica_secret: str | msgspec.UnsetType = msgspec.UNSET
+    replica_held: tuple[tuple[str, int, int, int], ...] | msgspec.UnsetType = msgspec.UNSET
+    replica_refused: tuple[int, ...] | msgspec.UnsetType = msgspec.UNSET
+    replica_step: int | msgspec.UnsetType = msgspec.UNSET
 
     def held(self, now: float) -> bool:
         """A restart hold is in force: no new generation yet."""

@@ -253,7 +253,9 @@ class Handlers:
         if owned is not None:
             raise AdminFailure(409, f"job {job_id!r} refused: {owned}", "checkpoint_root_owned")
         try:
-            await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=spec))
+            replicas = isinstance(spec.checkpoint.replica_every, int) and spec.checkpoint.replica_every > 0
+            await self.d.submit(JobSubmitted(job_id=ev.JobId(job_id), spec=spec,  # the replicas' secret: drawn here
+                                             replica_secret=secrets.token_hex(32) if replicas else msgspec.UNSET))
         except NotLeader as e:  # it may have been written all the same: a retry under another id would be a 2nd job
             raise NotLeader(f"{e}; submit it again as job {job_id} (orchctl jobs submit --id {job_id}): it may have"
                             " been written, and the same id cannot make a second job") from None

@@ -148,11 +148,22 @@ def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent)
             return "bad_value"
     if getattr(msg, "generation", 0) > MAX_GENERATION:
         return "bad_value"
+    if isinstance(msg, ev.RanksExited) and not _replicas_ok(msg.replicas):
+        return "bad_value"
     if isinstance(msg, ev.CheckpointCommitted) and not (
             _finite(msg.save_s, hi=MAX_DURATION_S)
             and _finite(msg.deadline_margin_s, lo=-MAX_DURATION_S, hi=MAX_DURATION_S, optional=True)):
         return "bad_value"
     return None
+
+
+def _replicas_ok(held: tuple[ev.ReplicaHeld, ...] | msgspec.UnsetType) -> bool:
+    """The replicas a RanksExited reports: at most ``MAX_REPLICAS_REPORTED``, each a rank of its world size
+    (1..``MAX_STEP``) at a step in 1..``MAX_STEP``."""
+    if isinstance(held, msgspec.UnsetType):
+        return True
+    return len(held) <= ev.MAX_REPLICAS_REPORTED and all(
+        1 <= h.world_size <= MAX_STEP and 0 <= h.rank < h.world_size and 1 <= h.step <= MAX_STEP for h in held)
 
 
 def _names_ok(msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent) -> bool:

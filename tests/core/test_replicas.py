@@ -1,0 +1,65 @@
+"""The core's replica choice (pure): the newest step every rank has on a survivor, else the durable one,
+with the reason; refused steps fall back; the expected lost work the policy can use."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from orchestrator.core.model import Job
+from orchestrator.core.replicas import choose, command_fields, expected_lost_work_s, max_lost_steps, newest_complete
+from wire import CheckpointPolicy, JobId, JobSpec
+
+
+def _job(every: int | None = 1, held: tuple = (), refused: tuple = (), committed: int = 0) -> Job:
+    ckpt = CheckpointPolicy(url="file:///tmp/x", replica_every=every if every else msgspec.UNSET)
+    spec = JobSpec(name="j", total_steps=100, gpu_type="cpu", nodes=3, checkpoint=ckpt)
+    return Job(job_id=JobId("j"), spec=spec, phase_ts=0.0, submitted_ts=0.0, target_nodes=3,
+               replica_secret="s" * 64 if every else msgspec.UNSET, replica_held=held, replica_refused=refused,
+               committed_step=committed, committed_url="file:///tmp/x/step_000000005" if committed else None)
+
+
+# a's own shard and c's (its buddy), b's own and a's; c is lost: c's step 8 survives only on a
+HELD = (("a", 0, 8, 3), ("a", 2, 8, 3), ("a", 0, 7, 3), ("a", 2, 7, 3),
+        ("b", 1, 8, 3), ("b", 0, 8, 3), ("b", 1, 7, 3), ("b", 0, 7, 3))
+
+
+def test_newest_step_complete_on_the_survivors() -> None:
+    c = choose(_job(held=HELD, committed=5), ["a", "b", "d"], 3)
+    assert (c.source, c.step, c.candidates) == ("replica", 8, (8, 7))
+    assert command_fields(_job(held=HELD), c)["replica_step"] == 8
+
+
+@pytest.mark.parametrize(("held", "members", "ws", "why"), [
+    (HELD[4:], ["b", "d", "e"], 3, "incomplete"),  # two neighbours lost: rank 2's shard is gone
+    (HELD, ["a", "b"], 2, "world_size_changed"),  # the shrunk world: replicas are per shard, not resharded
+    ((), ["a", "b", "d"], 3, "no_replica_on_survivors"),
+])
+def test_durable_when_replicas_cannot_cover(held: tuple, members: list[str], ws: int, why: str) -> None:
+    c = choose(_job(held=held, committed=5), members, ws)
+    assert c.source == "durable" and c.step == 5 and c.reason.startswith(why), c
+
+
+def test_a_refused_step_falls_back_to_an_older_complete_one_then_durable() -> None:
+    assert choose(_job(held=HELD, refused=(8,)), ["a", "b", "d"], 3).step == 7
+    c = choose(_job(held=HELD, refused=(8, 7), committed=5), ["a", "b", "d"], 3)
+    assert (c.source, c.step) == ("durable", 5)
+
+
+def test_never_older_than_the_durable_checkpoint_and_off_per_job() -> None:
+    assert choose(_job(held=HELD, committed=9), ["a", "b", "d"], 3).source == "durable"
+    off = choose(_job(every=None, held=HELD), ["a", "b", "d"], 3)
+    assert (off.source, off.reason) == ("durable", "replicas_off") and command_fields(_job(every=None), off) == {}
+
+
+def test_expected_lost_work_and_bound() -> None:
+    with_r, without = _job(every=2), _job(every=None)
+    assert expected_lost_work_s(without, 1.0, 900.0) == 450.0
+    assert expected_lost_work_s(with_r, 1.0, 900.0) == 2.0  # (k/2 + 1) steps
+    assert expected_lost_work_s(with_r, 1.0, 900.0, uncovered=0.1) == pytest.approx(0.9 * 2.0 + 0.1 * 450.0)
+    assert max_lost_steps(with_r) == 3 and max_lost_steps(without) is None
+
+
+def test_facts_of_other_nodes_and_ranks_out_of_range_do_not_count() -> None:
+    facts = [("a", 0, 4, 2), ("zz", 1, 4, 2), ("a", 5, 4, 2)]
+    assert newest_complete(facts, ["a", "b"], 2) == ((), "incomplete: step 4 lacks ranks [1]")
