@@ -28,7 +28,8 @@ from typing import Any, Final
 
 import msgspec
 
-from orchestrator.jobspec import SWEEP_ID_RE, build_jobspec, parse_duration, spec_problems
+from orchestrator.jobspec import build_jobspec, parse_duration, spec_problems
+from orchestrator.specchecks import SWEEP_ID_RE
 from wire import JobSpec
 from wire.config import SettingsError
 
