@@ -7,11 +7,11 @@ choices not offered and numbers out of bounds are all collected with their key p
 valid, the cross-field rules run (the file's own, then ``spec_problems`` on the built ``JobSpec``) and
 every one of them is collected too. ``JobSpecError`` lists them all.
 
-``spec_problems`` (orchestrator.specchecks) is the one validator of a ``JobSpec`` however it was made: orchctl runs it on a file
-before sending it, and orchd runs it again on specs that arrive over the wire (``jobs submit``), each
-listing every problem at once. It runs every check of ``SPEC_CHECKS`` (the fields' rules, the built-in
-trainer's arguments against ``trainer.contract.TRAINER_ARGS``); a new rule joins that tuple. Defaults
-come from the wire structs themselves.
+``spec_problems`` (orchestrator.specchecks) is the one validator of a ``JobSpec`` however it was made:
+orchctl runs it on a file before sending it, and orchd runs it again on specs that arrive over the wire
+(``jobs submit``), each listing every problem at once. It runs every check of ``SPEC_CHECKS`` (the
+fields' rules, the built-in trainer's arguments against ``trainer.contract.TRAINER_ARGS``); a new rule
+joins that tuple. Defaults come from the wire structs themselves.
 
 File layout (see config/jobs/*.toml|yaml)::
 
