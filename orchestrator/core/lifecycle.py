@@ -13,7 +13,7 @@ members keep training until the next checkpoint, then are terminated.
 
 from __future__ import annotations
 
-from typing import overload
+from typing import Any, overload
 
 import msgspec
 
@@ -30,7 +30,7 @@ from orchestrator.core.model import (
     NodePhase,
     PoolStats,
 )
-from orchestrator.core.placement import Alternative, alternatives, markets_for, probed, ranked, zone_of
+from orchestrator.core.placement import Alternative, Ranked, alternatives, markets_for, probed, ranked, zone_of
 from orchestrator.core.pricing import checkpoint_interval_s, record_exposure, transfer_cost_usd
 from orchestrator.core.roots import start_from
 from orchestrator.core.sweep_budget import SWEEP_BUDGET, others_hold_nodes, sweep_affordable, sweep_of
@@ -400,8 +400,9 @@ def drop_unusable(tx: Tx, job: Job, reason: str = "not_usable") -> Job:
     return job
 
 
-def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
-    """Launch what the job lacks: in its zone when it already has nodes there, else move/place whole."""
+def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset(), *, fleeing: bool = False) -> Job:
+    """Launch what the job lacks: in its zone when it already has nodes there, else move/place whole.
+    ``fleeing`` (a notice or a loss just now): recently reclaimed spot pools only where nothing else is."""
     if job.phase in TERMINAL_JOB_PHASES or job.phase == J.PAUSED or job.intent in _STOP_PHASE:
         return job
     cfg, spec = tx.cfg, job.spec
@@ -416,8 +417,7 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     exclude = exclude | frozenset(job.avoid_pools)  # pools being left: never refill them
     waiting = len(have) < max(spec.nodes_min, 1)  # nothing to train on: probes pools in backoff sooner
     if job.zone and (have or job.generation):  # stay in the zone it runs/ran in (members, checkpoint locality)
-        rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, zone=job.zone, exclude=exclude,
-                      waiting=waiting)
+        rank = _ranked(tx, job, step, fleeing, zone=job.zone, exclude=exclude, waiting=waiting)
         if rank:  # (a PENDING job that has a zone - it ran before, or a move failed - is placing now)
             return _placing(tx, launch(tx, job, rank[0][2], deficit, "replacement", alternatives(rank, cfg)))
         if len(have) >= max(spec.nodes_min, 1):
@@ -425,7 +425,7 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
                 tx.record(job.job_id, "wait", "no_capacity_in_zone", zone=job.zone, nodes=len(have))
                 job = tx.update_job(job, reason="no_capacity_in_zone")
             return job
-    rank = ranked(tx.pools, job, job.target_nodes, step, cfg, tx.now, exclude=exclude, waiting=waiting)
+    rank = _ranked(tx, job, step, fleeing, exclude=exclude, waiting=waiting)
     if rank and job.committed_url and job.zone:  # moving the checkpoint elsewhere costs too
         url = job.spec.checkpoint.url
         moved = ((c + transfer_cost_usd(job.zone, ps, cfg, url), n, ps) for c, n, ps in rank)
@@ -450,6 +450,11 @@ def replenish(tx: Tx, job: Job, exclude: frozenset[str] = frozenset()) -> Job:
     job = drop_unusable(tx, tx.update_job(job, zone=new_zone), "zone_move")
     reason = "placement" if job.phase == J.PENDING else "move"
     return _placing(tx, launch(tx, job, best, count, reason, alternatives(rank, cfg)))
+
+
+def _ranked(tx: Tx, job: Job, step: int, fleeing: bool, **kw: Any) -> list[Ranked]:
+    rank = ranked(tx.pools, job, job.target_nodes, step, tx.cfg, tx.now, fleeing=fleeing, **kw) if fleeing else []
+    return rank or ranked(tx.pools, job, job.target_nodes, step, tx.cfg, tx.now, **kw)
 
 
 def _placing(tx: Tx, job: Job) -> Job:
@@ -478,14 +483,14 @@ def lose_node(
     if was_member:
         job = abandon_generation(tx, job, reason)
     if reconcile:
-        reconcile_job(tx, job)
+        reconcile_job(tx, job, fleeing=preempted)
 
 
-def reconcile_job(tx: Tx, job: Job) -> Job:
+def reconcile_job(tx: Tx, job: Job, *, fleeing: bool = False) -> Job:
     """After nodes changed: end the generation if it is over, start the next one, launch what lacks."""
     if job.phase in TERMINAL_JOB_PHASES:
         return job
     job = maybe_end_generation(tx, job)
     if job.phase in (J.PLACING, J.RESIZING):
         job = try_start(tx, job)
-    return replenish(tx, job)
+    return replenish(tx, job, fleeing=fleeing)

@@ -107,6 +107,8 @@ DEFAULT_RESTART_BACKOFF_BASE_S: Final = 30.0  # the first restart hold; doubles 
 DEFAULT_RESTART_BACKOFF_MAX_S: Final = 900.0
 DEFAULT_DEADLINE_MARGIN_RESTARTS: Final = 3.0  # the deadline margin, in restarts (restart + boot + save)
 DEFAULT_LINE_SLACK_SHARE: Final = 0.5  # share of the uniform-progress line's slack kept before on-demand
+DEFAULT_SPOT_RETURNS_PER_H: Final = 1.0  # moves from on-demand back to spot per job in any hour
+DEFAULT_RECLAIM_WINDOW_S: Final = 600.0  # a pool with a notice or a loss this recent is no refuge
 DEFAULT_WAIT_PROBE_S: Final = 300.0  # a job with nothing to train on retries a failed pool at least this often
 
 
@@ -195,6 +197,16 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     # the remaining work + one restart + this many restarts (restart + boot + save each); it goes back
     # to spot once the slack covers twice the margin again. UNSET = DEFAULT_DEADLINE_MARGIN_RESTARTS.
     deadline_margin_restarts: float | msgspec.UnsetType = msgspec.UNSET
+    # The deadline safety net (pricing.safety_net_s) is in time and not a knob: decision_interval_s is the
+    # longest time until the core acts again (the Tick period, a price feed's period, a slow control host);
+    # UNSET = tick_s, and never less than tick_s. The margins above only add slack on top of the net.
+    decision_interval_s: float | msgspec.UnsetType = msgspec.UNSET
+    # Moves from on-demand back to spot per job in any hour (moves to on-demand are never bounded).
+    # UNSET = DEFAULT_SPOT_RETURNS_PER_H.
+    spot_returns_per_h: float | msgspec.UnsetType = msgspec.UNSET
+    # A job fleeing a reclaim (a notice or a loss of its node) does not launch into a spot pool that had a
+    # notice or a loss within this many seconds. UNSET = DEFAULT_RECLAIM_WINDOW_S.
+    reclaim_window_s: float | msgspec.UnsetType = msgspec.UNSET
     # Slack-aware on-demand: the spare slack a waiting job keeps is at least this share of the uniform-
     # progress line's (initial slack x time left / time from submit to deadline): 1 = on-demand as soon
     # as the job is behind the line, 0 = only when the slack is down to the margin and the expected
@@ -218,6 +230,18 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     def margin_restarts(self) -> float:
         v = self.deadline_margin_restarts
         return DEFAULT_DEADLINE_MARGIN_RESTARTS if isinstance(v, msgspec.UnsetType) else v
+
+    def decision_s(self) -> float:
+        v = self.decision_interval_s
+        return self.tick_s if isinstance(v, msgspec.UnsetType) or not v > self.tick_s else v
+
+    def returns_per_h(self) -> float:
+        v = self.spot_returns_per_h
+        return DEFAULT_SPOT_RETURNS_PER_H if isinstance(v, msgspec.UnsetType) else v
+
+    def reclaim_s(self) -> float:
+        v = self.reclaim_window_s
+        return DEFAULT_RECLAIM_WINDOW_S if isinstance(v, msgspec.UnsetType) else v
 
     def restart_backoff_s(self, holds: int) -> float:
         base, top = self.restart_backoff_base_s, self.restart_backoff_max_s
@@ -305,6 +329,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     replica_held: tuple[tuple[str, int, int, int], ...] | msgspec.UnsetType = msgspec.UNSET
     replica_refused: tuple[int, ...] | msgspec.UnsetType = msgspec.UNSET
     replica_step: int | msgspec.UnsetType = msgspec.UNSET
+    # When (whole seconds) the job moved from on-demand back to spot within the last hour
+    # (CoreConfig.spot_returns_per_h bounds them). UNSET (not encoded) for a job that never did.
+    spot_returns: tuple[int, ...] | msgspec.UnsetType = msgspec.UNSET
 
     def held(self, now: float) -> bool:
         """A restart hold is in force: no new generation yet."""

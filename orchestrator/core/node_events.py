@@ -70,7 +70,7 @@ def notice(tx: Tx, ev: PreemptionNotice) -> None:
             return
     else:
         job = lc.remove_node(tx, job, node, reason="preemption_notice", lost=False, terminate=True)
-    lc.replenish(tx, job, exclude=frozenset({node.pool_name}))
+    lc.replenish(tx, job, exclude=frozenset({node.pool_name}), fleeing=True)
 
 
 def _reclaim_goes_on(tx: Tx, job: Job, node: Node) -> bool:

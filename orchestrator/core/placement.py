@@ -18,7 +18,10 @@ Rules:
   jobs (``probed``) - and a running job's move waits out the whole backoff; a successful launch ends
   the pool's backoff;
 - ``zone`` restricts to one zone (replacements: a generation never spans zones); ``exclude`` removes
-  pools (the pool that was just preempted).
+  pools (the pool that was just preempted); a job fleeing a reclaim skips spot pools with a notice or a
+  loss in the last ``reclaim_s()`` (``fleeing``);
+- under ``spot_with_fallback`` with a deadline, a new launch goes to on-demand whenever the safety net
+  says spot would risk the deadline (core/safety.py).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import msgspec
 
 from orchestrator.core.model import CoreConfig, Job, PoolStats
 from orchestrator.core.pricing import expected_cost_usd, spare_slack_s, wait_reserve_s
+from orchestrator.core.safety import at_risk_s, net_slack_s
 from wire.messages import Market, MarketPolicy, PoolKey
 
 Alternative = tuple[str, float, float]  # (pool name, price_usd_h, expected_cost_usd)
@@ -80,7 +84,12 @@ def launch_markets_for(job: Job, step: int, cfg: CoreConfig, now: float) -> froz
     spot, even behind the uniform-progress line. The deadline fallback (``force_on_demand``) stays the
     safety net. Nodes already running keep being acceptable (``markets_for``): this only gates launches."""
     allowed = markets_for(job)
-    if not cfg.progress_line or len(allowed) < 2:
+    if len(allowed) < 2:
+        return allowed
+    left = net_slack_s(job, step, cfg, now, None, at_risk_s(job, step, job.committed_step, None))
+    if left is not None and left < 0:  # the safety net (core/safety.py): spot would risk the deadline
+        return _ON_DEMAND_ONLY
+    if not cfg.progress_line:
         return allowed
     spare = spare_slack_s(job, step, cfg, now)
     if spare is not None and spare >= wait_reserve_s(job, step, cfg, now):
@@ -124,10 +133,14 @@ def ranked(
     exclude: Iterable[str] = (),
     markets: frozenset[Market] | None = None,
     waiting: bool = False,
+    fleeing: bool = False,
 ) -> list[Ranked]:
     """Feasible pools, cheapest expected cost first (ties broken by pool name: deterministic).
     ``markets`` None: the markets a new launch may use now (``launch_markets_for``). ``waiting``: for a
-    job with nothing to train on (``retry_at``)."""
+    job with nothing to train on (``retry_at``). ``fleeing``: for a job that lost a node to a notice or a
+    loss just now: no spot pool with a notice or a loss within ``CoreConfig.reclaim_s()`` (a zone-wide
+    reclaim reaches its other pools within minutes)."""
+    recent = now - cfg.reclaim_s() if fleeing else None
     allowed = markets if markets is not None else launch_markets_for(job, step, cfg, now)
     excluded = frozenset(exclude)
     out: list[Ranked] = []
@@ -137,6 +150,8 @@ def ranked(
         if ps.backoff_until > now and retry_at(ps, cfg, waiting) > now:
             continue
         if zone is not None and zone_of(ps.pool) != zone:
+            continue
+        if recent is not None and ps.pool.market == Market.SPOT and (ps.last_preempted_ts or -1e300) >= recent:
             continue
         if not matches(job, ps) or not has_capacity(ps) or not cfg.knows(ps.pool):
             continue

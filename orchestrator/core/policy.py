@@ -36,14 +36,12 @@ from orchestrator.core.model import (
 from orchestrator.core.placement import Ranked, alternatives, ranked, zone_of
 from orchestrator.core.pricing import (
     checkpoint_interval_s,
-    deadline_margin_s,
     expected_cost_usd,
     migration_cost_usd,
     remaining_work_s,
     save_seconds,
-    spare_slack_s,
-    step_seconds,
 )
+from orchestrator.core.safety import at_risk_s, net_slack_s, return_slack_s, safety_net_s
 from orchestrator.core.tx import Tx
 from wire.messages import AbandonGenerationCmd, Market, MarketPolicy, PriceTick
 
@@ -160,39 +158,56 @@ def check_budget(tx: Tx, job: Job) -> bool:
 
 
 def _deadline(tx: Tx, job: Job) -> None:
-    """Fall back to on-demand when the slack no longer covers the remaining work, the work since the last
-    checkpoint on spot, one restart and the deadline margin (in time: ``deadline_margin_s``); back to
-    spot once it covers a spot checkpoint interval and twice the margin again (the job ran faster than
-    estimated, or it gained slack on on-demand while spot was away)."""
-    spec = job.spec
+    """The safety net (core/safety.py): on-demand as soon as losing spot at the worst moment - just before
+    the next decision, the work since the last durable checkpoint lost - would leave the job unable to
+    finish on on-demand by its deadline. Back to spot only once the slack covers the move's restart and
+    the net with a whole spot checkpoint interval at risk, within the bound on moves back per hour."""
+    spec, cfg = job.spec, tx.cfg
     if spec.deadline_ts is None or spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
         return
     step = progress_step(tx, job)
-    spare = spare_slack_s(job, step, tx.cfg, tx.now, live_step_time(tx, job))
-    if spare is None:
-        return
-    # A spot node that vanishes loses the work since the last checkpoint (at most one checkpoint
-    # interval): that work is at risk. Work on on-demand nodes is not (they are not preempted: their
-    # interval is the long on-demand one, and counting it would force a job that runs on on-demand onto
-    # on-demand for good). Going back to spot counts a whole interval at spot's rate, so a commit never
-    # flips it back.
-    per_step = live_step_time(tx, job) or step_seconds(job)
-    interval = job.ckpt_interval_s or 0.0
-    at_risk = min(interval, max(0, step - job.committed_step) * per_step) if _on_spot(tx, job) else 0.0
-    margin = deadline_margin_s(job, tx.cfg)
+    per_step = live_step_time(tx, job)
     if job.force_on_demand:
-        spot_interval = checkpoint_interval_s(job, None, job.target_nodes, tx.cfg, tx.now)
-        if spare - spot_interval >= 2.0 * margin:
-            tx.record(job.job_id, "spot_again", "deadline_slack_regained", spare_s=round(spare, 3),
-                      margin_s=round(margin, 3), step=step)
+        spot_interval = checkpoint_interval_s(job, None, job.target_nodes, cfg, tx.now)
+        left = return_slack_s(job, step, cfg, tx.now, per_step, spot_interval)
+        if left is not None and left >= 0 and returns_left(tx, job) > 0:
+            tx.record(job.job_id, "spot_again", "deadline_slack_regained", slack_after_move_s=round(left, 3),
+                      spot_interval_s=round(spot_interval, 3), step=step)
             tx.update_job(job, force_on_demand=False)
         return
-    spare -= at_risk
-    if spare >= margin:
+    # Work on on-demand nodes is not at risk (they are not preempted); a job waiting for nodes counts
+    # what it would redo from its last checkpoint.
+    at_risk = at_risk_s(job, step, job.committed_step, per_step) if _on_spot(tx, job) else 0.0
+    left = net_slack_s(job, step, cfg, tx.now, per_step, at_risk)
+    if left is None or left >= 0:
         return
     tx.record(job.job_id, "on_demand_fallback", "deadline", slack_s=round(spec.deadline_ts - tx.now, 3),
-              spare_s=round(spare, 3), margin_s=round(margin, 3), step=step)
+              net_s=round(safety_net_s(job, cfg, at_risk), 3), at_risk_s=round(at_risk, 3),
+              decision_s=round(cfg.decision_s(), 3), left_s=round(left, 3), step=step)
     tx.update_job(job, force_on_demand=True)
+
+
+def returns_left(tx: Tx, job: Job) -> float:
+    """Moves from on-demand back to spot the job may still make in the hour up to now."""
+    done = () if isinstance(job.spot_returns, msgspec.UnsetType) else job.spot_returns
+    return tx.cfg.returns_per_h() - sum(1 for t in done if tx.now - t < 3600.0)
+
+
+def _note_return(tx: Tx, job: Job) -> Job:
+    done = () if isinstance(job.spot_returns, msgspec.UnsetType) else job.spot_returns
+    return tx.update_job(job, spot_returns=(*(t for t in done if tx.now - t < 3600.0), int(tx.now)))
+
+
+def _may_return(tx: Tx, job: Job, step: int) -> bool:
+    """A move from on-demand to spot is within the bound per hour and, with a deadline under fallback,
+    leaves the slack to cover its restart and the net (``safety.return_slack_s``)."""
+    if returns_left(tx, job) <= 0:
+        return False
+    if job.spec.deadline_ts is None or job.spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
+        return True
+    spot_interval = checkpoint_interval_s(job, None, job.target_nodes, tx.cfg, tx.now)
+    left = return_slack_s(job, step, tx.cfg, tx.now, live_step_time(tx, job), spot_interval)
+    return left is not None and left >= 0
 
 
 def _on_spot(tx: Tx, job: Job) -> bool:
@@ -310,7 +325,12 @@ def _price(tx: Tx, job: Job, prev_eval_ts: float = 0.0) -> Job:
             saving = (cur_cost - alt_cost) * frac
             move = migration_cost_usd(job, burn_usd_h(tx, job), job.zone, alt, cfg)
             if saving - move > spec.price.migrate_min_saving * cur_cost * frac:
-                return _migrate(tx, job, rank, "cheaper_pool", cur)
+                if cur.pool.market != Market.ON_DEMAND or alt.pool.market != Market.SPOT:
+                    return _migrate(tx, job, rank, "cheaper_pool", cur)
+                if _may_return(tx, job, step):
+                    tx.record(job.job_id, "spot_return", "saving_over_move", saving_usd=round(saving, 6),
+                              move_usd=round(move, 6), returns_left=returns_left(tx, job))
+                    return _migrate(tx, _note_return(tx, job), rank, "cheaper_pool", cur)
     # Scale up toward nodes_max while spot is cheap.
     ratio = _ratio(cur)
     if (

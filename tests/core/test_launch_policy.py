@@ -82,10 +82,14 @@ def test_line_arithmetic() -> None:
     assert not ahead_of_line(job, 500, CoreConfig(progress_line_margin_s=300.0), T0 + 1500)
     both = frozenset({Market.SPOT, Market.ON_DEMAND})
     # on-demand launches once the spare slack (deadline - now - remaining work - one 380 s restart) is
-    # below the reserve (3 restarts = 1140 s + the expected restarts of the rest, ~5 s), not at the line
-    assert launch_markets_for(job, 500, cfg, T0 + 900) == frozenset({Market.SPOT})  # spare 1220 s
-    assert launch_markets_for(job, 400, cfg, T0 + 900) == both  # spare 1120 s
-    assert launch_markets_for(job, 999, CoreConfig(progress_line=False), T0 + 1500) == both
+    # below the reserve (3 restarts = 1140 s + the expected restarts of the rest, ~5 s), not at the line;
+    # and whenever the safety net (Δ 5 s + detection 15 s + the work since the last checkpoint + the 3
+    # restarts tuning adds) is not covered: with nothing committed, 500 steps are at risk
+    at = msgspec.structs.replace
+    assert launch_markets_for(at(job, committed_step=500), 500, cfg, T0 + 900) == frozenset({Market.SPOT})  # 1220 s
+    assert launch_markets_for(job, 500, cfg, T0 + 900) == frozenset({Market.ON_DEMAND})  # net 1660 s > 1220 s
+    assert launch_markets_for(at(job, committed_step=400), 400, cfg, T0 + 900) == frozenset({Market.ON_DEMAND})
+    assert launch_markets_for(at(job, committed_step=999), 999, CoreConfig(progress_line=False), T0 + 1000) == both
     # no deadline, spot-only or on-demand-only jobs: unchanged
     nodl = drv.state.jobs["j1"].__class__(**{**{f: getattr(job, f) for f in job.__struct_fields__},
                                               "spec": spec(total_steps=1000)})
@@ -106,8 +110,9 @@ def test_ahead_of_the_line_a_notice_waits_for_spot_then_on_demand_once_behind() 
     assert drv.job().phase == JobPhase.RESIZING
     assert any(a.action == "wait" for d in ds for a in d.audit)
     # the line reaches step 90 at T0 + 270, but the slack still covers waiting for spot; the spare slack
-    # (3000 - t - 910 - 380 s) falls below the reserve (~1145 s) at T0 + 565: the first Tick after it
-    # launches on-demand
+    # (3000 - t - 910 - 380 s) falls below the safety net (Δ 5 s + detection 15 s + nothing at risk + the
+    # 3 restarts = 1140 s tuning adds: 1160 s) at T0 + 550, before the line's reserve (~1145 s, T0 + 565):
+    # the first Tick after it launches on-demand
     first_od = None
     while drv.now < T0 + 600:
         d = drv(Tick(), dt=10)
@@ -118,8 +123,8 @@ def test_ahead_of_the_line_a_notice_waits_for_spot_then_on_demand_once_behind() 
     assert first_od is not None
     ts, (la,) = first_od
     assert la.pool == A_OD
-    assert T0 + 565 <= ts < T0 + 580
-    assert not drv.job().force_on_demand  # the line, not the deadline fallback
+    assert T0 + 550 <= ts < T0 + 565
+    assert drv.job().force_on_demand  # the safety net, the same rule at the launch and the Tick
 
 
 def test_without_the_line_policy_on_demand_replaces_at_once() -> None:

@@ -81,32 +81,27 @@ def test_unsaved_work_on_on_demand_does_not_force_on_demand_for_good() -> None:
 
 
 def test_a_forced_job_on_on_demand_goes_back_to_spot_with_a_spot_interval_of_slack() -> None:
-    """Forced on-demand (the step time was estimated at 2 s), moved to an on-demand node; the trainer then
-    reports 1 s steps: ~1.9 h of spare slack, which covers a spot checkpoint interval and twice the margin
-    (not the 4 h on-demand interval the job runs with): back to spot."""
+    """The step time was estimated at 2 s: the deadline is out of reach on spot, so the first launch is
+    on-demand (the safety net) and the next Tick forces it. The trainer then reports 1 s steps: ~1.9 h of
+    spare slack, which covers the move's restart and the net with a spot checkpoint interval at risk (not
+    the 4 h on-demand interval the job runs with): back to spot, recorded with the slack after the move."""
     cfg = CoreConfig(price_confirm_s=0.0)
     drv = Driver(State.empty(cfg), now=T0)
     drv(price(A, 10.0, od=30.0))
     total = 20000
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=total,
                                                  deadline_ts=T0 + total + 2 * H, step_time_s_estimate=2.0)))
-    (spot,) = drv.launched(d)
-    drv.register([spot])
-    _start(drv, [spot], 1, 0, 2.0)
-    d = drv(Tick(), dt=5)
-    assert drv.job().force_on_demand
     (la,) = cmds(d, Launch)
     assert la.pool == A_OD
     (od,) = drv.launched(d)
     drv.register([od])
-    d = drv(RanksExited(id="x1", node_id=spot, job_id="j1", generation=1, exit_code=75,
-                        reason="emergency_checkpoint", last_step=1, ts=drv.now))
-    assert [s.node_id for s in cmds(d, StartGenerationCmd)] == [od]
-    _start(drv, [od], 2, 1, 2.0)
+    _start(drv, [od], 1, 0, 2.0)
+    drv(Tick(), dt=5)
     assert (drv.job().ckpt_interval_s or 0.0) >= 2 * H and drv.job().force_on_demand
-    drv.heartbeat(od, 2, 10, step_time=1.0)
+    drv.heartbeat(od, 1, 10, step_time=1.0)
     d = drv(Tick(), dt=5)
-    assert any(a.action == "spot_again" for a in d.audit), [a.action for a in d.audit]
+    (again,) = [a for a in d.audit if a.action == "spot_again"]
+    assert float(again.details["slack_after_move_s"]) >= 0, again  # type: ignore[arg-type]
     assert not drv.job().force_on_demand
 
 

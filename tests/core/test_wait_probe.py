@@ -80,7 +80,8 @@ def test_a_running_job_does_not_move_into_a_pool_before_its_backoff_ends() -> No
     """A job runs on on-demand in zone A (A's spot has no capacity); B's spot is cheaper, and every
     move there fails until B's backoff is at its cap. The job has a node to train on, so its next move
     to B waits out the whole backoff (``probe_s`` applies to waiting jobs only)."""
-    cfg = CoreConfig(price_confirm_s=0.0, progress_line=False)  # on-demand at once while spot is away
+    # on-demand at once while spot is away; moves back to spot unbounded (this is about the backoff)
+    cfg = CoreConfig(price_confirm_s=0.0, progress_line=False, spot_returns_per_h=1e9)
     drv = Driver(State.empty(cfg), now=T0)
     drv(price(A, 35.0, od=30.0))
     d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=40 * 3600,
