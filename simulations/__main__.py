@@ -108,7 +108,11 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--workers", type=int, default=2)
     t.add_argument("--family", action="append", help="only these families (repeatable; default all)")
     t.add_argument("--nodes", type=int, action="append", help="job sizes (default 1, 4, 16)")
-    t.add_argument("--notice-s", type=float, action="append", help="notices (default 120, 30)")
+    t.add_argument("--notice-s", type=float, action="append",
+                   help="notices (default 120, 30); with --world step: restart overheads r in s (default 180, 720)")
+    t.add_argument("--world", choices=("faithful", "step"), default="faithful",
+                   help="the faithful world (default) or the decision-step world of Can't Be Late (no notices, "
+                        "decisions at the trace's ticks, a fixed restart overhead)")
     t.add_argument("--shape", action="append", metavar="JOB_H/DEADLINE_H",
                    help="job/deadline hours (default 12/24, 24/36, 48/72, 48/60)")
     t.add_argument("--spot-price-ratio", type=float, action="append", help="spot/on-demand (default 0.25, 0.33, 0.5)")
@@ -244,8 +248,9 @@ def cmd_table(a: argparse.Namespace) -> int:
             shapes = tuple((float(x.split("/")[0]), float(x.split("/")[1])) for x in a.shape)
         except (IndexError, ValueError):
             raise ValueError(f"--shape takes JOB_H/DEADLINE_H, got {a.shape}") from None
-    grid = res.settings(nodes=tuple(a.nodes or res.NODES), notices=tuple(a.notice_s or res.NOTICES), shapes=shapes,
-                        ratios=tuple(a.spot_price_ratio or res.RATIOS))
+    notices = tuple(a.notice_s or (res.RESTARTS if a.world == "step" else res.NOTICES))
+    grid = res.settings(nodes=tuple(a.nodes or res.NODES), notices=notices, shapes=shapes,
+                        ratios=tuple(a.spot_price_ratio or res.RATIOS), world=a.world)
     rows = res.run_table(Path(a.traces_dir), jobs=a.jobs, progress=a.progress, families=fams, grid=grid,
                          workers=a.workers, tune_jobs=a.tune_jobs, loo=a.loo)
     print(res.results_json(rows) if a.json else res.format_results(rows))

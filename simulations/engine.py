@@ -56,6 +56,7 @@ class JobResult:
     starts: int
     timeline: list[tuple[int, int, int]] | None = None  # (tick, mode, progress_q)
     od_share: float | None = None  # on-demand node-hours / billed node-hours (world runs; None: the bound)
+    spot_returns: int = 0  # moves from on-demand back to spot (world runs)
 
 
 class Modes:

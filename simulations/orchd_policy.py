@@ -49,6 +49,7 @@ def world_job_result(sc: Scenario, job: Job, r: WorldResult) -> JobResult:
         billed_q=int(round(billed_h / q)),
         starts=0,
         od_share=r.od_node_s / r.billed_node_s if r.billed_node_s > 0 else 0.0,
+        spot_returns=r.spot_returns,
     )
 
 

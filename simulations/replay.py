@@ -42,6 +42,8 @@ class Summary:
     per_job_cost_ratio: tuple[float, ...] = field(default=(), repr=False)
     per_job_met: tuple[bool, ...] = field(default=(), repr=False)
     od_share: float | None = None  # mean share of billed node-hours on on-demand (None: the offline bound)
+    # median over the jobs of the moves from on-demand back to spot (None: the offline bound)
+    spot_returns: float | None = None
 
     def as_dict(self) -> dict[str, float | int | None]:
         return {
@@ -51,6 +53,7 @@ class Summary:
             "lost_hours": _r(self.lost_hours),
             "goodput": _r(self.goodput),
             "od_share": _r(self.od_share),
+            "spot_returns_median": _r(self.spot_returns),
             "jobs": self.jobs,
         }
 
@@ -81,6 +84,7 @@ def summarize(results: list[JobResult], sc: Scenario) -> Summary:
         per_job_cost_ratio=tuple(ratios),
         per_job_met=tuple(bool(r.deadline_met) for r in results),
         od_share=None if any(r.od_share is None for r in results) else float(np.mean([r.od_share for r in results])),
+        spot_returns=float(np.median([r.spot_returns for r in results])) if results else None,
     )
 
 

@@ -42,22 +42,33 @@ SHAPES = ((12.0, 24.0), (24.0, 36.0), (48.0, 72.0), (48.0, 60.0))
 RATIOS = (0.25, 0.33, 0.5)
 
 
+RESTARTS = (0.05 * 3600.0, 0.2 * 3600.0)  # the decision-step world's restart overheads r
+
+
 @dataclass(frozen=True)
 class Setting:
     nodes: int
-    notice_s: float
+    notice_s: float  # the faithful world's notice length; the decision-step world's restart overhead r
     job_h: float
     deadline_h: float
     ratio: float
+    world: str = "faithful"  # or "step": WorldParams.step_world, whose steps are the trace's ticks
 
     @property
     def label(self) -> str:
-        return (f"{self.nodes}n {self.notice_s:.0f}s {self.job_h:g}/{self.deadline_h:g}h "
-                f"spot {self.ratio:g}")
+        kind = f"r={self.notice_s / 3600:g}h" if self.world == "step" else f"{self.notice_s:.0f}s"
+        return f"{self.nodes}n {kind} {self.job_h:g}/{self.deadline_h:g}h spot {self.ratio:g}"
+
+    def world_params(self) -> WorldParams:
+        if self.world == "step":
+            return WorldParams.step_world(restart_s=self.notice_s)
+        return WorldParams(notice_override_s=self.notice_s)
 
 
-def settings(nodes=NODES, notices=NOTICES, shapes=SHAPES, ratios=RATIOS) -> list[Setting]:
-    return [Setting(n, nt, j, d, r) for n, nt, (j, d), r in itertools.product(nodes, notices, shapes, ratios)]
+def settings(nodes=NODES, notices=NOTICES, shapes=SHAPES, ratios=RATIOS, world: str = "faithful") -> list[Setting]:
+    """The grid; in the decision-step world ``notices`` are restart overheads (default ``RESTARTS``)."""
+    return [Setting(n, nt, j, d, r, world)
+            for n, nt, (j, d), r in itertools.product(nodes, notices, shapes, ratios)]
 
 
 @dataclass(frozen=True)
@@ -107,7 +118,7 @@ def _row(task: tuple[Family, Setting, int, tuple[str, ...], dict[str, Any], int]
     js = make_jobs(sc, job_hours=st.job_h, deadline_hours=st.deadline_h, nodes=st.nodes, count=jobs)
     seen = {j.start_tick for j in make_jobs(sc, job_hours=st.job_h, deadline_hours=st.deadline_h, nodes=st.nodes,
                                             count=tune_jobs)}
-    res = replay(sc, js, policies, WorldParams(notice_override_s=st.notice_s), orchd_kw=tuned)
+    res = replay(sc, js, policies, st.world_params(), orchd_kw=tuned)
     return Row(fam.key, st, tuple(z.name for z in sc.zones), probe, res, tuned, sc.truncated,
                tuple(j.start_tick not in seen for j in js))
 
@@ -190,6 +201,8 @@ def orchd_goal(r: Row) -> dict[str, Any]:
                                   zip(o.per_job_cost_ratio, res[b].per_job_cost_ratio, strict=True))
                            for b in met_all},
         "od_share": {p: _r3(res[p].od_share) for p in ("orchd", *met_all)},
+        "spot_returns_median": {p: res[p].spot_returns for p in ("orchd", *BASELINES) if p in res},
+        "preemptions": {p: _r3(res[p].preemptions) for p in ("orchd", *BASELINES) if p in res},
     }
 
 
@@ -285,8 +298,23 @@ def summary_lines(rows: list[Row]) -> str:
                      if b in g["not_above_baselines_that_met_all"]]
             if pairs:
                 out.append(f"  orchd <= {b} in {sum(pairs)} of the {len(pairs)} settings where {b} met 100%")
+        out.append("  " + _churn_line([g for _, g in sub]))
         out.append("  " + _why_counts([g for _, g in sub]))
     return "\n".join(out)
+
+
+def _churn_line(goals: list[dict[str, Any]]) -> str:
+    """Moves from on-demand back to spot: the settings where orchd's median per job is at most greedy's
+    plus one, and the medians over the settings."""
+    pairs = [(g["spot_returns_median"].get("orchd"), g["spot_returns_median"].get("greedy_spot")) for g in goals]
+    pairs = [(o, b) for o, b in pairs if o is not None and b is not None]
+    if not pairs:
+        return "churn: no figures"
+    within = sum(1 for o, b in pairs if o <= b + 1)
+    med_o = float(np.median([o for o, _ in pairs]))
+    med_b = float(np.median([b for _, b in pairs]))
+    return (f"churn: median moves back to spot per job <= greedy_spot's + 1 in {within} of {len(pairs)} settings "
+            f"(median over the settings: orchd {med_o:g}, greedy_spot {med_b:g})")
 
 
 def _why_counts(goals: list[dict[str, Any]]) -> str:

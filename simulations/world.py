@@ -78,6 +78,7 @@ class WorldResult:
     phase: str
     od_node_s: float = 0.0
     actions: dict[str, int] = field(default_factory=dict)  # audit "action:reason" -> count
+    spot_returns: int = 0  # moves from on-demand back to spot (a spot generation right after an on-demand one)
     timeline: list[tuple[float, str, str]] = field(default_factory=list)  # (t, what, detail)
     progress_log: list[tuple[float, float, str]] = field(default_factory=list)
     # (record) seconds of trace ticks in which a zone had room for the job and no member trained, and of
@@ -109,6 +110,10 @@ class World(CloudModel):
         # the core knows the world's pools, as orchd knows its providers' (registry.known_instance_types)
         known = tuple(sorted({f"{z.cloud}/{z.instance_type}" for z in sc.zones}))
         self.cfg = msgspec.structs.replace(self.cfg, known_instance_types=known)
+        if isinstance(self.cfg.decision_interval_s, msgspec.UnsetType):  # the feed's period: one trace tick
+            self.cfg = msgspec.structs.replace(self.cfg, decision_interval_s=sc.tick_s)
+        if self.wp.decision_step:  # the operator knows the restart overhead r that defines this world
+            self.cfg = msgspec.structs.replace(self.cfg, restart_overhead_s=self.wp.restart_s)
         self.state = State.empty(self.cfg)
         # job progress
         self.gen = 0
@@ -128,6 +133,9 @@ class World(CloudModel):
         self.progress_log: list[tuple[float, float, str]] = []  # (t, progress_s, idle|spot|od) per tick
         self.idle_capacity_s = 0.0
         self.idle_backoff_s = 0.0
+        self.held_events: list[CoreEvent] = []  # decision-step world: events waiting for the next boundary
+        self.last_market: Market | None = None  # the market of the last generation's nodes
+        self.spot_returns = 0  # generations on spot right after one on on-demand
 
     # --- progress ------------------------------------------------------------------------------
 
@@ -154,6 +162,19 @@ class World(CloudModel):
     # --- the core ------------------------------------------------------------------------------
 
     def feed(self, ev: CoreEvent) -> None:
+        """An event for the policy. In the decision-step world (``WorldParams.decision_step``) the policy
+        sees events only at step boundaries: one between them waits for the next boundary, in order."""
+        if not self.wp.decision_step:
+            self.consume(ev)
+            return
+        if abs((self.now - BASE_TS) / self.sc.tick_s - round((self.now - BASE_TS) / self.sc.tick_s)) > 1e-9:
+            self.held_events.append(ev)
+            return
+        while self.held_events:
+            self.consume(self.held_events.pop(0))
+        self.consume(ev)
+
+    def consume(self, ev: CoreEvent) -> None:
         d = decide(self.state, ev, self.now)
         self.decisions += 1
         self.state = d.state
@@ -219,6 +240,9 @@ class World(CloudModel):
         self.gen = gen
         self.gen_members = tuple(c.node_id for c in sorted(cmds, key=lambda c: c.node_rank))
         first = self.nodes[self.gen_members[0]]
+        if self.last_market == Market.ON_DEMAND and first.pool.market == Market.SPOT:
+            self.spot_returns += 1
+        self.last_market = first.pool.market
         dst = (first.pool.cloud, first.pool.region)
         resume = cmds[0].resume_from is not None
         self.p_base = self.committed if resume else 0.0
@@ -258,7 +282,7 @@ class World(CloudModel):
         for m in self.gen_members:
             self.nodes[m].training = True
         self.at(self.now + (self.work_s - self.p_base), "complete", gen)
-        if self.interval_s:
+        if self.interval_s and not self.wp.decision_step:
             self.at(self.now + self.interval_s, "periodic", gen)
         self.feed(GenerationStarted(id=f"g{next(self.msg)}", node_id=self.gen_members[0], job_id=JOB_ID,
                                     generation=gen, first_step=int(self.p_base // self.step_s) + 1, ts=self.now))
@@ -327,6 +351,8 @@ class World(CloudModel):
         """The market of trace tick ``k`` (CloudModel.market_tick), then liveness and progress, then
         the timer."""
         self.market_tick(k)
+        if self.wp.decision_step:
+            self.boundary_commit()
         if self.record:
             running = [n for n in self.live.values() if n.training]
             kind = "idle" if not running else ("spot" if running[0].pool.market == Market.SPOT else "od")
@@ -347,6 +373,15 @@ class World(CloudModel):
                                     step_time_s=self.step_s if training else None))
         self.feed(Tick())
         self.at(BASE_TS + (k + 1) * self.sc.tick_s, "tick", k + 1)
+
+    def boundary_commit(self) -> None:
+        """Decision-step world: the progress of a step whose nodes all lived through it is kept (only the
+        step in progress is lost to a preemption), committed at the boundary at no cost."""
+        if self.training_since is None or not all(self.nodes[m].alive for m in self.gen_members):
+            return
+        p = self.progress()
+        if p > self.committed and int(p // self.step_s) > 0:
+            self.periodic_commit(self.gen, p)
 
     def count_idle(self, k: int) -> None:
         """(record) A tick without training: count it when some zone has room for the job, and apart
@@ -405,4 +440,5 @@ class World(CloudModel):
             progress_log=self.progress_log,
             idle_capacity_s=self.idle_capacity_s,
             idle_backoff_s=self.idle_backoff_s,
+            spot_returns=self.spot_returns,
         )

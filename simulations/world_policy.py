@@ -90,7 +90,7 @@ class PolicyWorld(World):
 
     # --- the events orchd would get ---------------------------------------------------------------
 
-    def feed(self, ev: CoreEvent) -> None:
+    def consume(self, ev: CoreEvent) -> None:
         self.decisions += 1
         if isinstance(ev, Tick):
             self.decide()

@@ -68,6 +68,8 @@ class WorldParams:
     hint_window_ticks: int = 12
     hint_noise: float = 0.15
     seed: int = 0
+    # The decision-step world (``step_world``): the policy sees events only at trace-tick boundaries.
+    decision_step: bool = False
 
     def __post_init__(self) -> None:
         bad = []
@@ -83,6 +85,19 @@ class WorldParams:
             bad.append("launch_call_q must be >= 2 ascending quantiles")
         if bad:
             raise ValueError("; ".join(bad))
+
+    @classmethod
+    def step_world(cls, restart_s: float = 0.1 * 3600.0, seed: int = 0) -> WorldParams:
+        """The decision-step world of Wu et al., "Can't Be Late" (NSDI'24): time advances in steps (the
+        trace's tick, 600 s on the SkyPilot traces); at each boundary the policy sees only whether spot is
+        available now and chooses spot, on-demand or nothing; spot that becomes unavailable during a step
+        is gone at that step's end with no notice and the step's work is lost (the progress of completed
+        steps is kept: a free commit at each boundary); every change of instance, and every restart after a
+        loss, costs ``restart_s`` of no progress (0.05-0.2 h in the paper); on-demand is always available
+        and never preempted; launches never fail; moving a checkpoint costs nothing."""
+        return cls(no_notice_share=1.0, state_gib=0.0, save_fixed_s=0.0, launch_call_q=(0.0, 0.0),
+                   agent_start_s=0.0, capacity_error_p=0.0, restart_s=restart_s, region_migration_s=0.0,
+                   cloud_migration_s=0.0, seed=seed, decision_step=True)
 
     @property
     def save_s(self) -> float:

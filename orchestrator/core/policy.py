@@ -92,7 +92,8 @@ def job_tick(tx: Tx, job: Job, evals: list[int]) -> None:
         if tx.now - job.phase_ts > limit:
             _force_end(tx, job)
             job = tx.job(job.job_id)
-    elif job.phase == J.STARTING and tx.now - job.phase_ts > cfg.restart_overhead_s + cfg.checkpoint_timeout_s:
+    elif job.phase == J.STARTING and tx.now - job.phase_ts > (cfg.restart_overhead_s + cfg.checkpoint_timeout_s
+                                                              + cfg.decision_s()):  # a report lags up to Δ
         job = lc.abandon_generation(tx, job, "start_timeout")
         job = lc.maybe_end_generation(tx, job)
     if steady(job):
