@@ -3,6 +3,7 @@ many more examples than CI does, and print what was run.
 
     python benchmarks/properties.py --examples 5000          # both properties, 5000 examples each
     python benchmarks/properties.py --examples 500 --only deadline --json
+    python benchmarks/properties.py --examples 2000 --only step_world
 
 Exit status 1 when a property fails (hypothesis prints the shrunk counterexample).
 """
@@ -23,10 +24,13 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 
 # imported by name: the test tree is not type-checked with the product (pyproject [tool.mypy] files)
 props: Any = importlib.import_module("tests.core.test_policy_properties")
+steps: Any = importlib.import_module("tests.simulations.test_step_world_properties")
 
 PROPERTIES: dict[str, tuple[Any, dict[str, Any]]] = {
     "liveness": (props.check_liveness, props.liveness_args),
     "deadline": (props.check_deadline, props.deadline_args),
+    # the decision-step world: any availability, steps 1 s-15 min, restarts 0-0.5 h, notices or none, 1-16 nodes
+    "step_world": (steps.check_step_world, steps.step_world_args),
 }
 
 
