@@ -84,7 +84,8 @@ def load_figures(dir_url: str, opts: dict[str, Any], model: torch.nn.Module, opt
         dcp.load({"model": msd, "optim": osd}, storage_reader=reader)
         return time.perf_counter() - t0
 
-    ours, stock = [], []
+    ours: list[float] = []
+    stock: list[float] = []
     for i in range(pairs):
         order = [True, False] if i % 2 == 0 else [False, True]
         for mine in order:

@@ -55,6 +55,28 @@ def _overheads(a: argparse.Namespace) -> WorldParams:
     return WorldParams(**{f: getattr(a, f) for f, _, _ in _WORLD_FLAGS.values()})
 
 
+def _table_args(t: argparse.ArgumentParser) -> None:
+    t.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
+    t.add_argument("--jobs", type=int, default=8, help="jobs per setting (start times spread over the trace; "
+                   "those the tuning does not use are summarised apart too)")
+    t.add_argument("--tune-jobs", type=int, default=4, help="jobs per family at each tuning setting")
+    t.add_argument("--workers", type=int, default=2)
+    t.add_argument("--family", action="append", help="only these families (repeatable; default all)")
+    t.add_argument("--nodes", type=int, action="append", help="job sizes (default 1, 4, 16)")
+    t.add_argument("--notice-s", type=float, action="append",
+                   help="notices (default 120, 30); with --world step: restart overheads r in s (default 180, 720)")
+    t.add_argument("--world", choices=("faithful", "step"), default="faithful",
+                   help="the faithful world (default) or the decision-step world of Can't Be Late (no notices, "
+                        "decisions at the trace's ticks, a fixed restart overhead)")
+    t.add_argument("--shape", action="append", metavar="JOB_H/DEADLINE_H",
+                   help="job/deadline hours (default 12/24, 24/36, 48/72, 48/60)")
+    t.add_argument("--spot-price-ratio", type=float, action="append", help="spot/on-demand (default 0.25, 0.33, 0.5)")
+    t.add_argument("--no-loo", dest="loo", action="store_false",
+                   help="skip leave-one-family-out tuning (orchd with the core's defaults)")
+    t.add_argument("--json", action="store_true")
+    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m simulations", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,26 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--job-index", type=int, default=0)
     e.add_argument("--limit", type=int, default=200, help="timeline lines to print")
 
-    t = sub.add_parser("table", help="the documented results table over ../shared/traces")
-    t.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))
-    t.add_argument("--jobs", type=int, default=8, help="jobs per setting (start times spread over the trace; "
-                   "those the tuning does not use are summarised apart too)")
-    t.add_argument("--tune-jobs", type=int, default=4, help="jobs per family at each tuning setting")
-    t.add_argument("--workers", type=int, default=2)
-    t.add_argument("--family", action="append", help="only these families (repeatable; default all)")
-    t.add_argument("--nodes", type=int, action="append", help="job sizes (default 1, 4, 16)")
-    t.add_argument("--notice-s", type=float, action="append",
-                   help="notices (default 120, 30); with --world step: restart overheads r in s (default 180, 720)")
-    t.add_argument("--world", choices=("faithful", "step"), default="faithful",
-                   help="the faithful world (default) or the decision-step world of Can't Be Late (no notices, "
-                        "decisions at the trace's ticks, a fixed restart overhead)")
-    t.add_argument("--shape", action="append", metavar="JOB_H/DEADLINE_H",
-                   help="job/deadline hours (default 12/24, 24/36, 48/72, 48/60)")
-    t.add_argument("--spot-price-ratio", type=float, action="append", help="spot/on-demand (default 0.25, 0.33, 0.5)")
-    t.add_argument("--no-loo", dest="loo", action="store_false",
-                   help="skip leave-one-family-out tuning (orchd with the core's defaults)")
-    t.add_argument("--json", action="store_true")
-    t.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    _table_args(sub.add_parser("table", help="the documented results table over ../shared/traces"))
 
     u = sub.add_parser("tune", help="grid-search orchd's CoreConfig overrides on the tuning family")
     u.add_argument("--traces-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces"))

@@ -53,6 +53,7 @@ from wire.messages import (
     GenerationStarted,
     Heartbeat,
     InstanceId,
+    Market,
     NodeId,
     NodeLeaving,
     NodeRegistered,
@@ -353,6 +354,11 @@ def _launch_failed(tx: Tx, ev: LaunchFailed) -> None:
         tx.put_pool(name, launch_failed(ps, tx.cfg, tx.now))
     tx.record(failed[0].job_id, "launch_failed", str(ev.reason), pool=name, nodes=[n.node_id for n in failed],
               message=ev.message[:200])
+    owner = tx.jobs.get(failed[0].job_id)
+    if owner is not None and owner.spec.deadline_ts is not None and failed[0].pool.market == Market.ON_DEMAND:
+        # the safety net relies on on-demand: the job tries the other on-demand pools (this one is in backoff)
+        tx.record(owner.job_id, "deadline_at_risk", "on_demand_launch_failed", pool=name,
+                  deadline_ts=owner.spec.deadline_ts)
     for n in failed:
         lc.remove_node(tx, tx.jobs.get(n.job_id), n, reason=f"launch_failed_{ev.reason}", lost=True, terminate=False)
     job = tx.jobs.get(failed[0].job_id)

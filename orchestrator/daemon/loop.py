@@ -308,6 +308,8 @@ class Daemon:
             self.metrics.decisions.labels(type(c).__name__).inc()
         for reason, n in decided.holds.items():
             self.metrics.holds.labels(reason).inc(n)
+        for reason, n in decided.at_risk.items():
+            self.metrics.deadline_at_risk.labels(reason).inc(n)
 
     def _running(self) -> tuple[Store, Executor, State]:
         if self.store is None or self.executor is None or self.state is None:

@@ -67,6 +67,11 @@ class Metrics:
         )
         for reason in HOLD_REASONS:  # from 0: increase() sees the first hold
             self.holds.labels(reason)
+        self.deadline_at_risk = Counter(
+            "orchd_deadline_at_risk", "Decisions that put a job's deadline guarantee at risk (an on-demand launch "
+            "failed: the job tries the other on-demand pools), by reason", ["reason"], registry=r,
+        )
+        self.deadline_at_risk.labels("on_demand_launch_failed")  # from 0: increase() sees the first
         self.preemptions = Counter(
             "orchd_preemptions", "Preemptions by cloud, pool and kind (notice|vanished)",
             ["cloud", "pool", "kind"], registry=r,

@@ -258,6 +258,8 @@ class Decider:
             out.audit.append((a.job_id, encode(a)))
             if a.action == "hold":
                 out.holds[a.reason] += 1
+            elif a.action == "deadline_at_risk":
+                out.at_risk[a.reason] += 1
 
     def _count_preemption(self, state: State, event: ev.PreemptionNotice) -> None:
         node = state.nodes.get(event.node_id)

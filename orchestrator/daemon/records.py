@@ -79,6 +79,7 @@ class Decided:
     audit: list[tuple[str | None, bytes]] = field(default_factory=list)  # (job id, encoded entry)
     counts: Counter[str] = field(default_factory=Counter)  # decided events by type name
     holds: Counter[str] = field(default_factory=Counter)  # restart holds decided, by reason (a metric)
+    at_risk: Counter[str] = field(default_factory=Counter)  # deadline_at_risk audit entries, by reason (a metric)
     decided: int = 0
     notice_ts: dict[str, float] = field(default_factory=dict)  # checkpoint cmd_id -> its notice's publish ts
     to_ack: list[Msg] = field(default_factory=list)

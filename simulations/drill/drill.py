@@ -203,8 +203,10 @@ class Drill:
         return dict(self.ctl("jobs", "show", job)["summary"])
 
     def submit(self, job: str, *, nodes: int, budget_usd: float | None = None, market: str = "spot_with_fallback",
-               check: bool = True) -> None:
+               check: bool = True, zones: tuple[str, ...] = ("local-a", "local-b"), extra: str = "") -> None:
+        """``extra``: more top-level keys of the job file (TOML lines)."""
         budget = f"budget_usd = {budget_usd}\n" if budget_usd is not None else ""
+        budget += f"zones = {list(zones)!r}\n".replace("'", '"') + extra
         spec = self.tmp / f"{job}.toml"
         spec.write_text(f"""
 name = "{job}"

@@ -43,6 +43,7 @@ from simulations.drill.services import DrillError, wait_until
 
 JOB = "drill"
 BUDGET_JOB = "drill-budget"
+AT_RISK_JOB = "drill-at-risk"
 QUOTA_JOB = "drill-quota"
 NODES = 3
 
@@ -149,6 +150,17 @@ def budget_usd() -> float:
 
 def _budget_job_gone(d: Drill, _: Any) -> None:
     d.ctl("jobs", "cancel", BUDGET_JOB, check=False)
+
+
+def _on_demand_refused(d: Drill) -> None:
+    """A job with a deadline on on-demand in zone local-c, which has no capacity (the drill's orchd config):
+    every on-demand launch fails, orchd records deadline_at_risk and retries."""
+    d.submit(AT_RISK_JOB, nodes=1, market="on_demand", zones=("local-c",),
+             extra='deadline_in = "2h"\nbest_effort = true\n')
+
+
+def _at_risk_job_gone(d: Drill, _: Any) -> None:
+    d.ctl("jobs", "cancel", AT_RISK_JOB, check=False)
 
 
 def _pool(d: Drill) -> ev.PoolKey:
@@ -367,6 +379,7 @@ SCENARIOS = (
     Scenario("hang", ("OrchdNodeHeartbeatMissing", "OrchdTrainingStalled"), _hang, _resume),
     Scenario("storage", ("OrchdCheckpointStorageFailing",), _storage_fails, _storage_back),
     Scenario("price spike", ("OrchdPriceSpike",), _spike, _calm),
+    Scenario("on-demand refused", ("OrchdDeadlineAtRisk",), _on_demand_refused, _at_risk_job_gone),
     Scenario("backlog", ("OrchdEventBacklogGrowing",), _flood, _unflood),
     Scenario("budget", ("OrchdBudgetNearlySpent",), _budget, _budget_job_gone, fire_timeout_s=BUDGET_S + 180.0,
              at_setup=True),

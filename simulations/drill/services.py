@@ -165,7 +165,8 @@ format = "json"
 enabled = ["local"]
 [providers.local]
 work_dir = "{nodes_dir}"
-zones = ["local-a", "local-b"]
+zones = ["local-a", "local-b", "local-c"]
+capacity = {{ "local/local-1/local-c/cpu.local/on_demand" = 0, "local/local-1/local-c/cpu.local/spot" = 0 }}
 agent_args = ["--heartbeat-s", "0.5", "--metadata-poll-s", "0.25", "--sigterm-grace-s", "5"]
 terminate_grace_s = 3.0
 agent_env = {{ PYTHONPATH = "{agent_pythonpath()}"{agent_env} }}

@@ -21,7 +21,6 @@ from tests.core.harness import (
     GenerationStarted,
     Heartbeat,
     NodeRegistered,
-    RanksExited,
     StartGenerationCmd,
     cmds,
     pool,

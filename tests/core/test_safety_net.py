@@ -10,7 +10,7 @@ import msgspec
 
 from orchestrator.core import CoreConfig, JobPhase, State
 from orchestrator.core.commands import Launch
-from orchestrator.core.inputs import JobSubmitted, Tick
+from orchestrator.core.inputs import JobSubmitted, LaunchFailed, Tick
 from orchestrator.core.pricing import restart_loss_s, spare_slack_s
 from orchestrator.core.safety import detect_s
 from tests.core.harness import (
@@ -24,7 +24,7 @@ from tests.core.harness import (
     spec,
 )
 from wire import CheckpointPolicy, Market, MarketPolicy
-from wire.messages import CheckpointCommitted, PreemptionNotice
+from wire.messages import CheckpointCommitted, FailureReason, PreemptionNotice
 
 A = pool("p4d.24xlarge", "us-east-1a")
 A_OD = pool("p4d.24xlarge", "us-east-1a", market=Market.ON_DEMAND)
@@ -164,3 +164,23 @@ def test_a_job_fleeing_a_reclaim_does_not_move_into_a_pool_being_reclaimed() -> 
     assert la.pool == C, la
     ps = drv.state.pools[msgspec.structs.replace(B, market=Market.SPOT).name]
     assert ps.last_preempted_ts is not None and drv.now - ps.last_preempted_ts < cfg.reclaim_s()
+
+
+def test_a_failed_on_demand_launch_puts_the_deadline_at_risk_and_tries_other_on_demand_pools() -> None:
+    """The net relies on on-demand: when a deadline job's on-demand launch fails, the audit says the
+    guarantee is at risk (orchd_deadline_at_risk_total, alert OrchdDeadlineAtRisk) and the job launches into
+    another on-demand pool at once (the failed one is in backoff)."""
+    cfg = CoreConfig(price_confirm_s=0.0, progress_line=False)
+    drv = Driver(State.empty(cfg), now=T0)
+    drv(price(A, 35.0, od=30.0))  # no spot capacity anywhere: on-demand
+    drv(price(B, 36.0, od=31.0))
+    d = drv(JobSubmitted(job_id="j1", spec=spec(nodes=1, nodes_min=1, nodes_max=1, total_steps=10_000,
+                                                 deadline_ts=T0 + 20_000, step_time_s_estimate=1.0)))
+    (la,) = cmds(d, Launch)
+    assert la.pool == A_OD
+    d = drv(LaunchFailed(node_ids=la.node_ids, job_id="j1", pool=la.pool, token=la.token,
+                         reason=FailureReason.CAPACITY))
+    (risk,) = [a for a in d.audit if a.action == "deadline_at_risk"]
+    assert risk.reason == "on_demand_launch_failed" and risk.details["pool"] == A_OD.name
+    (again,) = cmds(d, Launch)
+    assert again.pool == msgspec.structs.replace(B, market=Market.ON_DEMAND)

@@ -9,6 +9,7 @@ binding - the hardware edge - and Debian's ``prometheus`` scraping orchd's ``/me
     its node vanishes (no notice) preemptions{kind="vanished"}, recovery time; the lost steps lower goodput
     a notice it cannot meet      emergency checkpoint margin (negative) and a miss; the alert fires;
                                   the replacement runs on demand
+    on-demand refused            a deadline job's on-demand launch fails: the deadline is at risk
     the market consumer paused   event backlog
     NVML stops answering         the GPU series go away (no reading: no value)
 
@@ -62,6 +63,21 @@ market = "spot_with_fallback"
 [checkpoint]
 url = "file:///tmp/orch-metrics-ckpt"
 interval_s = 600
+"""
+
+
+RISK_JOB = """
+name = "metrics-risk"
+total_steps = 1000
+step_time_s_estimate = 1.0
+gpu_type = "A100"
+gpus_per_node = 1
+clouds = ["fake"]
+zones = ["r1b"]
+market = "on_demand"
+deadline_in = "30d"
+[checkpoint]
+url = "file:///tmp/orch-metrics-risk-ckpt"
 """
 
 
@@ -209,7 +225,7 @@ async def test_every_metric_from_its_source(nats_srv: NatsServer, tmp_path: Path
             code, out, err = await h.actl(nats_srv.url, "jobs", "submit", str(tmp_path / "job.toml"), "-o", "json")
             assert code == 0, err
             job_id = json.loads(out)["job_id"]
-            await _scenario(d, prom, fleet, cloud, nvml, js, job_id)
+            await _scenario(d, prom, fleet, cloud, nvml, js, job_id, (nats_srv.url, tmp_path))
             fleet_scope.cancel()
             d.request_stop()
     finally:
@@ -218,7 +234,7 @@ async def test_every_metric_from_its_source(nats_srv: NatsServer, tmp_path: Path
 
 
 async def _scenario(d: Any, prom: Prometheus, fleet: SimFleet, cloud: FileFakeCloud, nvml: StubNvml, js: Any,
-                    job_id: str) -> None:
+                    job_id: str, where: tuple[str, Path]) -> None:
     # 1. training on spot: heartbeats with GPU readings
     n1 = await h.wait_for(lambda: _gen_node(d, job_id, 1), timeout=20)
     assert n1.pool == h.POOL
@@ -259,7 +275,19 @@ async def _scenario(d: Any, prom: Prometheus, fleet: SimFleet, cloud: FileFakeCl
     cost = await _until(prom, f'orchd_job_cost_usd{{job_id="{job_id}"}}', lambda v: v > 0)
     assert od[0][1] > cost[0][1]  # the spot node-hours (a third of on-demand) cost more on demand
 
-    # 4. the market consumer paused by an operator: price ticks pile up in the stream
+    # 4. an on-demand launch of a job with a deadline fails (zone r1b has no on-demand capacity): the
+    #    guarantee is at risk, orchd retries the job's other on-demand pools
+    od_b = ev.PoolKey(cloud="fake", region="r1", zone="r1b", instance_type="gpu.small", market=ev.Market.ON_DEMAND)
+    cloud.capacity[od_b] = 0
+    await h.publish_js(js, ev.subject_price("fake", "r1"), h.price(od_b, 3.0, 3.0))
+    await h.wait_for(lambda: od_b.name in d.state.pools)
+    nats_url, tmp = where
+    (tmp / "risk.toml").write_text(RISK_JOB)
+    code, _, err = await h.actl(nats_url, "jobs", "submit", str(tmp / "risk.toml"), "--id", "metrics-risk")
+    assert code == 0, err
+    await _until(prom, 'orchd_deadline_at_risk_total{reason="on_demand_launch_failed"}', lambda v: v >= 1)
+
+    # 5. the market consumer paused by an operator: price ticks pile up in the stream
     until = (datetime.now(UTC) + timedelta(minutes=5)).isoformat().replace("+00:00", "Z")
     await js.pause_consumer(bus.STREAM_MARKET, bus.CONSUMER_MARKET, until)
     for i in range(150):
@@ -267,7 +295,7 @@ async def _scenario(d: Any, prom: Prometheus, fleet: SimFleet, cloud: FileFakeCl
     await js.publish(ev.subject_notice("fake", "ghost"), b"{not json")  # counted as rejected
     await _until(prom, "orchd_event_backlog", lambda v: v >= 150)
 
-    # 5. the checkpoint store fails: the generation ends with a storage error, orchd holds the job
+    # 6. the checkpoint store fails: the generation ends with a storage error, orchd holds the job
     await h.publish_js(js, ev.subject_node_event(n3.node_id), ev.RanksExited(
         id="x-storage", node_id=n3.node_id, job_id=job_id, generation=3, exit_code=76, reason="storage_error",
         last_step=d.state.nodes[n3.node_id].step, ts=time.time()))
@@ -280,7 +308,7 @@ async def _scenario(d: Any, prom: Prometheus, fleet: SimFleet, cloud: FileFakeCl
     await js.resume_consumer(bus.STREAM_MARKET, bus.CONSUMER_MARKET)
     await _until(prom, "orchd_event_backlog", lambda v: v == 0)
 
-    # 6. NVML stops answering: the heartbeats carry no readings, the GPU series go away
+    # 7. NVML stops answering: the heartbeats carry no readings, the GPU series go away
     nvml.broken = True
     await h.wait_for(lambda: f'node="{n3.node_id}"' not in _scrape(d.metrics_url).split(
         "orchd_node_gpu_utilization_ratio", 1)[-1], timeout=10)
