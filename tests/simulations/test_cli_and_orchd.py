@@ -16,7 +16,7 @@ from simulations.worldparams import WorldParams
 
 from .conftest import tiny_scenario
 
-FIELDS = {"cost_ratio", "deadline_met", "preemptions", "lost_hours", "goodput", "od_share", "jobs"}
+FIELDS = {"cost_ratio", "deadline_met", "preemptions", "lost_hours", "goodput", "od_share", "jobs", "spot_returns_median"}
 
 
 def test_replay_json_shape(shared, capsys):
@@ -34,6 +34,7 @@ def test_replay_json_shape(shared, capsys):
         assert set(f) == FIELDS, name
         assert 0.0 <= f["deadline_met"] <= 1.0
         assert (f["od_share"] is None) == (name == "optimal")
+        assert (f["spot_returns_median"] is None) == (name == "optimal")
     p = doc["policies"]
     assert p["on_demand"]["od_share"] == 1.0 and 0.0 <= p["orchd"]["od_share"] <= 1.0
     assert p["optimal"]["cost_ratio"] <= p["greedy_spot"]["cost_ratio"] <= p["on_demand"]["cost_ratio"]
