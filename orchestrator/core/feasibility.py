@@ -22,6 +22,7 @@ import msgspec
 from orchestrator.core.model import CoreConfig, Job, JobPhase, PoolStats
 from orchestrator.core.placement import matches, reopens
 from orchestrator.core.pricing import spare_slack_s, wait_reserve_s
+from orchestrator.core.safety import at_risk_s, net_slack_s
 from wire.messages import JobSpec, MarketPolicy
 
 _TRAINING = frozenset({JobPhase.STARTING, JobPhase.RUNNING, JobPhase.CHECKPOINTING, JobPhase.RECOVERING})
@@ -88,5 +89,8 @@ def wake_up(job: Job, pools: Mapping[str, PoolStats], cfg: CoreConfig, now: floa
         reserve = wait_reserve_s(job, job.step, cfg, now)
         if spare is not None and spare >= reserve:
             times.append(now + (spare - reserve))  # waiting for spot ends here at the latest
+        left = net_slack_s(job, job.step, cfg, now, None, at_risk_s(job, job.step, job.committed_step, None))
+        if left is not None and left >= 0:
+            times.append(now + left)  # or here, where the safety net takes on-demand
     return job.reason or str(job.phase), (min(times) if times else None)
 
