@@ -11,7 +11,8 @@ import pytest
 from agent.ranks import classify
 from orchestrator.jobspec import JobSpecError, load_jobspec, parse_jobspec
 from tests.trainer import hf_fixtures
-from tests.trainer.helpers import GPT_CMD, REPO, Generation, trainer_env
+from tests.trainer.forked import ForkedGeneration
+from tests.trainer.helpers import GPT_CMD, REPO, trainer_env
 from trainer import contract
 from trainer.contract import trainer_args_problems
 
@@ -62,10 +63,11 @@ def test_dataset_without_the_column_is_a_spec_error(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_generation_start_fails_with_spec_error_and_the_example_spec_trains(tmp_path: Path) -> None:
     (tmp_path / "bad").mkdir()
-    bad = Generation(GPT_CMD, 1, trainer_env(tmp_path / "bad", total_steps=3, args={"model": str(tmp_path / "none")}))
+    bad_args = {"model": str(tmp_path / "none")}
+    bad = ForkedGeneration(GPT_CMD, 1, trainer_env(tmp_path / "bad", total_steps=3, args=bad_args))
     spec = load_jobspec(REPO / "config" / "jobs" / "llama-spot.toml")
     (tmp_path / "ok").mkdir()
-    ok = Generation(GPT_CMD, 1, trainer_env(tmp_path / "ok", total_steps=3, args=dict(spec.trainer.args)))
+    ok = ForkedGeneration(GPT_CMD, 1, trainer_env(tmp_path / "ok", total_steps=3, args=dict(spec.trainer.args)))
     assert bad.wait() == [1], bad.log()
     (exit_report,) = bad.reports(contract.ExitReport)
     assert exit_report.reason.startswith(f"{contract.SPEC_ERROR_REASON}: trainer.args.model: "), exit_report

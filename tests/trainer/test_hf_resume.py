@@ -1,6 +1,7 @@
 """A Hugging Face model (2-layer Llama from save_pretrained, BPE tokenizer trained here) on a jsonl dataset,
-real gloo ranks under FSDP2: noticed mid-epoch, resumed on 2 ranks (bitwise) and on 1 (resharded, 1e-4),
-and the export loads with from_pretrained and gives the trained model's logits."""
+real gloo ranks (forked from one preloaded process: tests/trainer/forked.py) under FSDP2: noticed mid-epoch,
+resumed on 2 ranks (bitwise) and on 1 (resharded, 1e-4), and the export loads with from_pretrained and gives
+the trained model's logits."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 from tests.trainer import hf_fixtures
-from tests.trainer.helpers import GPT_CMD, Generation, flatten, load_checkpoint_tensors, step_records, trainer_env
+from tests.trainer.forked import ForkedGeneration
+from tests.trainer.helpers import GPT_CMD, flatten, load_checkpoint_tensors, step_records, trainer_env
 from trainer import contract
 
 pytest.importorskip("transformers")
@@ -40,8 +42,8 @@ def test_hf_model_resume_bitwise_reshard_and_export(tmp_path: Path, files: dict[
     ref, run, one = tmp_path / "ref", tmp_path / "run", tmp_path / "one"
     for d in (ref, run, one):
         d.mkdir()
-    g_ref = Generation(GPT_CMD, 2, trainer_env(ref, total_steps=TOTAL, args=args))
-    g = Generation(GPT_CMD, 2, trainer_env(run, total_steps=TOTAL, args=args))
+    g_ref = ForkedGeneration(GPT_CMD, 2, trainer_env(ref, total_steps=TOTAL, args=args))
+    g = ForkedGeneration(GPT_CMD, 2, trainer_env(run, total_steps=TOTAL, args=args))
     g.wait_step(3, timeout=120)
     g.request_checkpoint(run / "control0")
     assert g.wait() == [contract.EXIT_PREEMPTED] * 2, g.log()
@@ -52,8 +54,8 @@ def test_hf_model_resume_bitwise_reshard_and_export(tmp_path: Path, files: dict[
     # the same checkpoint, resumed on 2 ranks (in place) and on 1 rank (a copy of the root)
     shutil.copytree(run / "ckpt", one / "ckpt")
     shutil.copy(run / "steps.jsonl", one / "steps.jsonl")
-    g2 = Generation(GPT_CMD, 2, trainer_env(run, total_steps=TOTAL, args=args, resume="latest", generation=1))
-    g1 = Generation(GPT_CMD, 1, trainer_env(one, total_steps=TOTAL, args=args, resume="latest", generation=1))
+    g2 = ForkedGeneration(GPT_CMD, 2, trainer_env(run, total_steps=TOTAL, args=args, resume="latest", generation=1))
+    g1 = ForkedGeneration(GPT_CMD, 1, trainer_env(one, total_steps=TOTAL, args=args, resume="latest", generation=1))
     assert g2.wait() == [0, 0], g2.log()
     assert g1.wait() == [0], g1.log()
     assert any(f"step={stop} saved_world_size=2 world_size=1" in line for line in g1.ranks[0].lines), g1.log()

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.helpers import REPO, Generation, step_records, trainer_env
+from tests.trainer.forked import ForkedGeneration
+from tests.trainer.helpers import REPO, step_records, trainer_env
 from trainer import contract
 
 pytest.importorskip("transformers")
@@ -34,7 +35,7 @@ def test_hf_trainer_script_noticed_and_resumed_elsewhere(tmp_path: Path) -> None
     node_a, node_b = tmp_path / "node-a", tmp_path / "node-b"
     node_a.mkdir()
     node_b.mkdir()
-    g = Generation(_cmd(node_a), RANKS, trainer_env(node_a, total_steps=TOTAL, args={}, ckpt_url=root))
+    g = ForkedGeneration(_cmd(node_a), RANKS, trainer_env(node_a, total_steps=TOTAL, args={}, ckpt_url=root))
     g.wait_step(4, timeout=120)
     g.request_checkpoint(node_a / "control0", ranks=[1], deadline_s=20.0)  # one rank told is enough
     assert g.wait() == [contract.EXIT_PREEMPTED] * RANKS, g.log()
@@ -44,7 +45,7 @@ def test_hf_trainer_script_noticed_and_resumed_elsewhere(tmp_path: Path) -> None
     records = step_records(node_a / "steps.jsonl")
     shutil.rmtree(node_a)  # node A is gone with everything it wrote locally
 
-    g = Generation(_cmd(node_b), RANKS, trainer_env(node_b, total_steps=TOTAL, args={}, ckpt_url=root,
+    g = ForkedGeneration(_cmd(node_b), RANKS, trainer_env(node_b, total_steps=TOTAL, args={}, ckpt_url=root,
                                                     resume="latest", generation=1))
     assert g.wait() == [0] * RANKS, g.log()
     assert any(f"resumed_from dir={root}/step_{r0.step:09d} step={r0.step}" in ln for ln in g.ranks[0].lines), g.log()

@@ -1,0 +1,116 @@
+"""Rank processes forked from one process that imported torch and transformers once (the Hugging Face tests).
+
+A rank of a Hugging Face job spends most of its CPU importing torch, transformers and datasets (about 8 s on
+a shared 2-core host); the tests start a dozen of them. Here the imports happen once, in multiprocessing's
+fork server (``PRELOAD``), and every rank is a fresh process forked from it: its own pid, signals, gloo
+process group, exit code and stdout, its environment replaced and its program run as ``__main__`` (runpy),
+as the agent's warm processes do (agent/warm.py). What runs is the same program as ``python -m trainer`` or
+``python script.py``; only the interpreter start and imports are shared.
+
+``ForkedGeneration`` is ``helpers.Generation`` with forked ranks (same methods, same reports).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import runpy
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+from tests.trainer.helpers import REPO, Generation, Rank
+from trainer.launch import free_port, rank_env
+
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "transformers",
+           "transformers.models.llama.modeling_llama", "transformers.trainer", "datasets", "tokenizers",
+           "safetensors.torch", "trainer.gpt", "trainer.lib", "trainer.hf.build", "trainer.hf.callback",
+           "trainer.hf.export"]
+
+_ctx: Any = None
+
+
+def _context() -> Any:
+    global _ctx
+    if _ctx is None:
+        _ctx = multiprocessing.get_context("forkserver")
+        _ctx.set_forkserver_preload(PRELOAD)
+    return _ctx
+
+
+def _run(argv: list[str], env: dict[str, str], cwd: str, out: socket.socket) -> None:
+    """In the forked rank: stdout and stderr to ``out``, the environment replaced, ``argv`` as __main__."""
+    os.dup2(out.fileno(), 1)
+    os.dup2(out.fileno(), 2)
+    out.close()
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 - the process's own stdout
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(s, signal.SIG_DFL)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    import torch
+
+    torch.set_num_threads(int(env.get("OMP_NUM_THREADS") or torch.get_num_threads()))  # read at import otherwise
+    if argv[1:2] == ["-m"]:
+        sys.argv = argv[2:]
+        runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = argv[1:]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(argv[1])))
+        runpy.run_path(argv[1], run_name="__main__")
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+class _Proc:
+    """The part of ``subprocess.Popen`` that ``Generation`` uses, over a forked process."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
+        mine, theirs = socket.socketpair()
+        self.p = _context().Process(target=_run, args=(argv, env, cwd, theirs), daemon=True)
+        self.p.start()
+        theirs.close()
+        self.pid = self.p.pid
+        self.stdout = mine.makefile("r", encoding="utf-8", errors="replace")
+        mine.close()
+
+    @property
+    def returncode(self) -> int | None:
+        return self.p.exitcode
+
+    def poll(self) -> int | None:
+        return self.p.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        self.p.join(timeout)
+        if self.p.exitcode is None:
+            raise subprocess.TimeoutExpired("forked rank", timeout or 0)
+        return self.p.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedGeneration(Generation):
+    """``Generation`` whose ranks are forked from the preloaded fork server instead of exec'd."""
+
+    def __init__(self, cmd: list[str], world_size: int, env: dict[str, str]) -> None:  # noqa: D107
+        port = free_port()
+        base = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **env}
+        self.ranks = []
+        for r in range(world_size):
+            rank = Rank(_Proc(cmd, rank_env(r, world_size, port, base), str(REPO)))  # type: ignore[arg-type]
+            rank.reader = threading.Thread(target=self._read, args=(rank,), daemon=True)
+            rank.reader.start()
+            self.ranks.append(rank)
