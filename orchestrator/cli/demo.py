@@ -43,10 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 
 from orchestrator.cli import demo_tracking, statedir
 from orchestrator.cli.demo_display import View, format_report, render, status_line
+from orchestrator.cli.demo_job import MODELS, demo_jobspec, missing_extra
 from orchestrator.cli.demo_report import Injection, compute_report, load_step_logs
 
 JOB_ID = "demo"
@@ -72,6 +72,13 @@ class DemoOptions:
     """Fractions of the steps at which each fault is injected (each waits for the previous recovery). The
     spike needs enough steps left: the job moves only after the new nodes booted, while it keeps training."""
     spike: bool = True
+    vanish: bool = True
+    model: str = "gpt-tiny"
+    """What the nodes train: ``gpt-tiny`` (the built-in GPT) or ``llama-tiny`` (a Hugging Face Llama; the [hf]
+    extra), demo_job.MODELS."""
+    spec: Any = None
+    """A whole job (a wire JobSpec) instead of ``model``: e.g. your own trainer command (the e2e tests); its
+    total_steps and nodes must be ``steps`` and ``nodes``."""
     prices: str = "fixed"
     """fixed | replay (the bundled AWS p3.2xlarge us-west-2 history, 1 trace hour per second)."""
     timeout_s: float = 175.0
@@ -134,21 +141,6 @@ def demo_provider(state_dir: Path, opts: DemoOptions) -> Any:
         agent_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         terminate_grace_s=3.0,
     ))
-
-
-def demo_jobspec(state_dir: Path, opts: DemoOptions) -> Any:
-    from wire import CheckpointPolicy, JobSpec, MarketPolicy, TrainerSpec
-
-    return JobSpec(
-        name="tiny-gpt-demo",
-        trainer=TrainerSpec(args={"size": "tiny", "seed": opts.seed},
-                            env={"ORCH_COLLECTIVE_TIMEOUT_S": "10", "OMP_NUM_THREADS": "1"}),
-        total_steps=opts.steps, step_time_s_estimate=0.3, gpu_type="cpu", gpus_per_node=1,
-        nodes=opts.nodes, nodes_min=min(opts.nodes_min, opts.nodes), nodes_max=opts.nodes, clouds=("local",),
-        market=MarketPolicy.SPOT_WITH_FALLBACK,
-        checkpoint=CheckpointPolicy(url=f"file://{state_dir / 'checkpoints'}", interval_s=opts.ckpt_interval_s,
-                                    save_s_estimate=1.0, replica_every=opts.replica_every or msgspec.UNSET),
-    )
 
 
 # --- the run ----------------------------------------------------------------------------------------
@@ -214,7 +206,7 @@ async def _run_and_report(opts: DemoOptions, state_dir: Path, settings: Any, pro
             async with anyio.create_task_group() as tasks:
                 await _wait_for_prices(client, finished)  # orchd's price feed polls the provider every second
                 await client.submit(spec, JOB_ID)
-                view.event(f"job submitted: {opts.nodes} nodes x tiny GPT, {opts.steps} steps")
+                view.event(f"job submitted: {spec.nodes} nodes x {spec.name}, {spec.total_steps} steps")
                 tasks.start_soon(monitor)
                 tasks.start_soon(_scenario, opts, provider, view, injections, finished)
                 with anyio.move_on_after(opts.timeout_s):
@@ -277,8 +269,9 @@ async def _scenario(opts: DemoOptions, provider: Any, view: View, injections: li
     steps = opts.steps
 
     def running_at(frac: float, after_gen: int) -> Any:
+        want = min(2, opts.nodes)
         return lambda: (view.job.get("phase") == "running" and view.job.get("generation", 0) > after_gen
-                        and view.job.get("step", 0) >= frac * steps and len(_gen_nodes(view)) >= 2)
+                        and view.job.get("step", 0) >= frac * steps and len(_gen_nodes(view)) >= want)
 
     # 1. a preemption with a notice, on the highest rank of the running generation
     if not await _wait(view, finished, running_at(opts.notice_at, 0)):
@@ -289,7 +282,7 @@ async def _scenario(opts: DemoOptions, provider: Any, view: View, injections: li
     injections.append(Injection("notice", time.time(), victim, f"deadline in {opts.notice_s:.0f}s"))
     view.notice(victim, opts.notice_s)
     # 2. a node that vanishes, once the job runs again (a later generation)
-    if not await _wait(view, finished, running_at(opts.vanish_at, gen)):
+    if not opts.vanish or not await _wait(view, finished, running_at(opts.vanish_at, gen)):
         return
     gen = view.job["generation"]
     candidates = [n for n in _gen_nodes(view) if n["node_id"] != victim]
@@ -319,6 +312,8 @@ def add_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     s.add_argument("--steps", type=int, default=None, help="training steps (default 200, --fast 90)")
     s.add_argument("--fast", action="store_true", help="shorter run: fewer steps, shorter notice, no price spike")
     s.add_argument("--prices", choices=("fixed", "replay"), default="fixed")
+    s.add_argument("--model", dest="demo_model", choices=sorted(MODELS), default="gpt-tiny",
+                   help="what the nodes train: the built-in GPT, or a Hugging Face Llama (the [hf] extra)")
     s.add_argument("--state-dir", dest="demo_state_dir", default=None,
                    help="keep everything here (an empty or new directory, unless --resume or --fresh)")
     again = s.add_mutually_exclusive_group()
@@ -334,7 +329,7 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
     fast = bool(getattr(args, "fast", False))
     steps = args.steps or (90 if fast else 200)
     kw: dict[str, Any] = dict(steps=steps, prices=args.prices, state_dir=args.demo_state_dir,
-                              keep=args.demo_state_dir is not None)
+                              keep=args.demo_state_dir is not None, model=getattr(args, "demo_model", "gpt-tiny"))
     if fast:
         kw.update(notice_s=10.0, spike=False, notice_at=0.15, vanish_at=0.5)
     if args.demo_timeout:
@@ -345,17 +340,16 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
 
 def run_options(opts: DemoOptions) -> dict[str, Any]:
     """The options that shape the run: a run is resumed only with the same ones."""
-    return {"steps": opts.steps, "notice_s": opts.notice_s, "spike": opts.spike, "prices": opts.prices}
+    return {"steps": opts.steps, "notice_s": opts.notice_s, "spike": opts.spike, "prices": opts.prices,
+            "model": opts.model}
 
 
 def run(args: argparse.Namespace) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        sys.stderr.write("orchctl demo trains a real (tiny) model: install the trainer extra first, e.g.\n"
-                         "  pip install torch==2.13.0 && pip install -e '.[trainer]'\n")
-        return 2
     opts = options_from_args(args)
+    missing = missing_extra(opts.model)
+    if missing is not None:
+        sys.stderr.write(missing)
+        return 2
     if demo_tracking.refuse_without_package(opts.tracking):  # said why on stderr
         return 2
     if opts.state_dir is not None:
