@@ -5,23 +5,18 @@
   (``builtin://llama-tiny``, byte tokenizer, the built-in text) under the same FSDP2 trainer; needs the
   ``[hf]`` extra as well.
 
-The demo runs its nodes on this host, so what the ranks will import must be importable here: checked with
-``importlib.util.find_spec`` (nothing is imported: orchctl stays torch-free).
+The demo runs its nodes on this host, so what the ranks will import must be importable here (extras.py says
+which extra is missing; nothing is imported: orchctl stays torch-free).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-TRAINER_EXTRA = ("orchctl demo trains a real (tiny) model: install the trainer extra first, e.g.\n"
-                 "  pip install torch==2.13.0 && pip install -e '.[trainer]'\n")
-HF_EXTRA = ("orchctl demo --model {model} trains a Hugging Face model: install the [hf] extra first "
-            "(missing here: {missing}), e.g.\n  pip install -e '.[trainer,hf]'\n")
-HF_MODULES = ("transformers", "tokenizers", "safetensors")
+from orchestrator.cli import extras
 
 MODELS: dict[str, dict[str, str | int | float | bool]] = {
     "gpt-tiny": {"size": "tiny"},
@@ -30,27 +25,9 @@ MODELS: dict[str, dict[str, str | int | float | bool]] = {
 }
 
 
-def _absent(modules: tuple[str, ...]) -> list[str]:
-    out = []
-    for m in modules:
-        try:
-            found = importlib.util.find_spec(m) is not None
-        except (ImportError, ValueError):  # a parent package that fails to import, or a blocked module
-            found = False
-        if not found:
-            out.append(m)
-    return out
-
-
 def missing_extra(model: str) -> str | None:
     """What to install before the demo can train ``model`` on this host (None: nothing)."""
-    if _absent(("torch",)):
-        return TRAINER_EXTRA
-    if model != "gpt-tiny":
-        missing = _absent(HF_MODULES)
-        if missing:
-            return HF_EXTRA.format(model=model, missing=", ".join(missing))
-    return None
+    return extras.missing(f"orchctl demo --model {model}", hf=model != "gpt-tiny")
 
 
 def demo_jobspec(state_dir: Path, opts: Any) -> Any:

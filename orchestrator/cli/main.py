@@ -13,7 +13,8 @@
       dead list [--limit N] | replay SEQ   dead letters (ORCH_DEAD): messages orchd gave up on;
                                       replay republishes one to its original subject
       logs JOB [--node N] [--follow]  trainer output shipped by the agents (orchestrator/cli/logs.py)
-      demo                            the whole loop on this machine (orchestrator/cli/demo.py)
+      demo [--model gpt-tiny|llama-tiny]  the whole loop on this machine (orchestrator/cli/demo.py)
+      checkpoint owner URL | take-over URL ... | export URL OUT   checkpoint roots; a Hugging Face export
       sweep submit FILE | list | show SWEEP | cancel SWEEP | run   Optuna sweeps (orchestrator/cli/sweep.py)
       completion bash|zsh             print the shell completion script
       examples DIR [--force] | --list the example configs, systemd units, alert rules, dashboard
