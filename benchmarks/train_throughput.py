@@ -1,12 +1,22 @@
-"""Training throughput of the built-in GPT trainer: tokens/s and MFU on one device.
+"""Training throughput of the built-in trainer: tokens/s and MFU on one device; with ``--model``, against the
+same Hugging Face model in a plain Hugging Face ``Trainer`` loop.
 
     python benchmarks/train_throughput.py --json                      # GPU: 1.3b, bf16, compile; CPU: "mini"
     python benchmarks/train_throughput.py --json --size 1.3b --seq-len 2048 --global-batch 16 --micro-batch 8
+    python benchmarks/train_throughput.py --json --model builtin://llama-tiny     # or a save_pretrained dir
 
 World size 1 through the same code as ``python -m trainer`` (FSDP2 wrapping, micro-batching, AdamW,
 clipping). MFU = flops_per_token x tokens/s / peak bf16 dense FLOP/s of the device (trainer.lib's table,
 matched on the CUDA device name, no NVML); null on CPU, where there is no meaningful peak to divide by.
 Output keys: tokens_per_s, mfu, device, plus the configuration measured.
+
+With ``--model`` (the [hf] extra): the same model (same weights, loaded by trainer.hf), the same batch of
+``global_batch x seq_len`` tokens per optimizer step, AdamW, is trained in turns (``--rounds``) by our trainer
+and by ``transformers.Trainer.train()`` (its own loop; a callback timestamps its steps, so its set-up is not
+counted), on the same machine in one run. Each side's tokens/s is the median of its rounds; ``ours_vs_hf`` is
+ours / theirs. Our side runs FSDP2 (gloo on CPU, world size 1); the Trainer runs with ``fsdp="full_shard"``
+when it accepts it here, else without a wrapper (single process: what DDP does at world size 1): the JSON's
+``ours_wrap`` and ``hf_wrap`` say which ran.
 """
 
 from __future__ import annotations
@@ -15,34 +25,41 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from trainer.gpt import TrainerArgs, _grad_norm, build, make_session
+from trainer.gpt import Built, TrainerArgs, _grad_norm, build, make_session
 
 
-def main() -> None:
+def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--size", default=None)
+    ap.add_argument("--model", default="", help="a Hugging Face model (trainer.args.model): against its Trainer")
     ap.add_argument("--seq-len", type=int, default=None)
     ap.add_argument("--global-batch", type=int, default=None)
     ap.add_argument("--micro-batch", type=int, default=None)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (per round with --model)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (compile, allocator)")
+    ap.add_argument("--rounds", type=int, default=3, help="--model: turns of each side")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--mode", default="fsdp")
-    a = ap.parse_args()
+    return ap.parse_args()
 
-    gpu = torch.cuda.is_available()
-    args = TrainerArgs(
-        size=a.size or ("1.3b" if gpu else "mini"),
+
+def trainer_args(a: argparse.Namespace, gpu: bool) -> TrainerArgs:
+    return TrainerArgs(
+        size=a.size or ("" if a.model else "1.3b" if gpu else "mini"),
+        model=a.model,
+        tokenizer="bytes" if a.model.startswith("builtin://") else "",
         seq_len=a.seq_len or (2048 if gpu else 128),
         global_batch=a.global_batch or (16 if gpu else 8),
         micro_batch=a.micro_batch or (8 if gpu else 8),
@@ -52,52 +69,149 @@ def main() -> None:
         total_steps=10**9,
         warmup_steps=1,
     )
-    os.environ.pop("ORCH_CKPT_URL", None)
-    sess = make_session(args)
-    b = build(args, sess)
 
-    def step() -> None:
+
+def our_steps(args: TrainerArgs, b: Built, n: int, gpu: bool) -> float:
+    """Seconds for ``n`` optimizer steps of our trainer."""
+    if gpu:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
         b.runner.run()
         _grad_norm(b.model, args.grad_clip)
         b.opt.step()
         b.sched.step()
         b.opt.zero_grad(set_to_none=True)
+    if gpu:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
-    warmup = a.warmup if a.warmup is not None else (5 if gpu else 1)
-    steps = a.steps if a.steps is not None else (10 if gpu else 3)
-    for _ in range(warmup):
-        step()
-    if gpu:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    if gpu:
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    tokens_per_s = steps * args.global_batch * args.seq_len / dt
+
+def main() -> None:
+    a = parse()
+    gpu = torch.cuda.is_available()
+    args = trainer_args(a, gpu)
+    os.environ.pop("ORCH_CKPT_URL", None)
+    sess = make_session(args)
+    b = build(args, sess)
+    warmup = a.warmup if a.warmup is not None else (5 if gpu else 2 if a.model else 1)
+    steps = a.steps if a.steps is not None else (10 if gpu else 20 if a.model else 3)
+    our_steps(args, b, warmup, gpu)
+    tokens = args.global_batch * args.seq_len
     peak = sess.peak_flops
-    out = {
-        "tokens_per_s": round(tokens_per_s, 1),
-        "mfu": round(b.cfg.flops_per_token() * tokens_per_s / peak, 4) if peak else None,
+    fpt = b.cfg.flops_per_token()
+    if a.model:
+        out = compare(a, args, b, sess, warmup, steps, gpu)
+    else:
+        dt = our_steps(args, b, steps, gpu)
+        tps = steps * tokens / dt
+        out = {"tokens_per_s": round(tps, 1), "mfu": round(fpt * tps / peak, 4) if peak else None,
+               "step_s": round(dt / steps, 4)}
+    out.update({
         "device": torch.cuda.get_device_name() if gpu else "cpu",
-        "size": args.size,
+        "size": args.model or args.size,
         "params": b.cfg.n_params(),
         "seq_len": args.seq_len,
         "global_batch": args.global_batch,
         "micro_batch": b.runner.micro_batch,
         "bf16": b.bf16,
         "compile": args.compile,
-        "step_s": round(dt / steps, 4),
         "peak_flops": peak,
         "max_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
         "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
         "args": dataclasses.asdict(args) if not a.json else None,
-    }
-    print(json.dumps({k: v for k, v in out.items() if v is not None or k == "mfu"}) if a.json else out)
+    })
+    print(json.dumps({k: v for k, v in out.items() if v is not None or k.startswith("mfu")}) if a.json else out)
     sys.stdout.flush()
     os._exit(0)
+
+
+# --- the same model in a plain Hugging Face Trainer loop -------------------------------------------------
+
+
+def hf_trainer(args: TrainerArgs, sess: Any, gpu: bool, fsdp: bool) -> tuple[Any, list[float]]:
+    """A ``transformers.Trainer`` on a fresh copy of the model (trainer.hf's loader: the same weights), on
+    random token windows of the same shape; and the list its callback appends step end times to."""
+    import datasets
+    from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
+
+    from trainer.hf.model import load_model
+
+    model, _ = load_model(args.model, seed=args.seed)
+    vocab = int(model.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (4096, args.seq_len), generator=g).tolist()
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
+    ends: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            if gpu:
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+
+    layers = sorted(getattr(model, "_no_split_modules", None) or [])  # what our FSDP2 shards one by one
+    kw: dict[str, Any] = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": layers}}
+    kw = kw if fsdp else {}
+    targs = TrainingArguments(output_dir=os.path.join("/tmp", f"hf-bench-{os.getpid()}"), report_to=[],
+                              per_device_train_batch_size=args.global_batch // sess.world_size,
+                              learning_rate=args.lr, weight_decay=args.weight_decay, adam_beta2=0.95,
+                              max_grad_norm=args.grad_clip, max_steps=1, save_strategy="no", logging_strategy="no",
+                              use_cpu=not gpu, bf16=gpu, torch_compile=args.compile, disable_tqdm=True, seed=0,
+                              dataloader_num_workers=0, **kw)
+    trainer = Trainer(model=model, args=targs, train_dataset=ds, data_collator=default_data_collator,
+                      callbacks=[Clock()])
+    return trainer, ends
+
+
+def hf_round(trainer: Any, ends: list[float], warmup: int, steps: int) -> float:
+    """Seconds of ``steps`` Trainer steps after ``warmup`` untimed ones, in one ``train()``."""
+    ends.clear()
+    trainer.args.max_steps = warmup + steps
+    trainer.train()
+    return ends[-1] - ends[warmup - 1] if warmup else ends[-1] - ends[0]
+
+
+def wrapper(model: Any) -> str:
+    """What the Trainer actually wrapped its model in: fsdp, ddp or none."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP1
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(model, (FSDP1, FSDPModule)):
+        return "fsdp"
+    return "ddp" if isinstance(model, DDP) else "none"
+
+
+def compare(a: argparse.Namespace, args: TrainerArgs, b: Built, sess: Any, warmup: int, steps: int,
+            gpu: bool) -> dict[str, Any]:
+    """Alternating rounds of our trainer and the Hugging Face Trainer; medians, ratio, MFU (GPU only)."""
+    hf_wrap = "asked fsdp"
+    try:
+        trainer, ends = hf_trainer(args, sess, gpu, fsdp=True)
+        hf_round(trainer, ends, max(1, warmup), 1)
+    except Exception as e:  # FSDP through accelerate needs what this host may not have (e.g. CPU)
+        hf_wrap = f"fsdp refused: {type(e).__name__}: {str(e)[:120]}"
+        trainer, ends = hf_trainer(args, sess, gpu, fsdp=False)
+    warm = max(1, warmup)
+    hf_round(trainer, ends, warm, 1)
+    hf_wrap = f"{wrapper(trainer.model_wrapped)} ({hf_wrap})"
+    tokens = args.global_batch * args.seq_len
+    ours: list[float] = []
+    theirs: list[float] = []
+    for _ in range(a.rounds):
+        ours.append(steps * tokens / our_steps(args, b, steps, gpu))
+        theirs.append(steps * tokens / hf_round(trainer, ends, warm, steps))
+    o, t = statistics.median(ours), statistics.median(theirs)
+    peak, fpt = sess.peak_flops, b.cfg.flops_per_token()
+    return {
+        "tokens_per_s": round(o, 1), "hf_tokens_per_s": round(t, 1), "ours_vs_hf": round(o / t, 3),
+        "ours_rounds": [round(x, 1) for x in ours], "hf_rounds": [round(x, 1) for x in theirs],
+        "mfu": round(fpt * o / peak, 4) if peak else None, "mfu_hf": round(fpt * t / peak, 4) if peak else None,
+        "ours_wrap": args.mode, "hf_wrap": hf_wrap, "rounds": a.rounds, "steps_per_round": steps,
+        "transformers": __import__("transformers").__version__,
+    }
 
 
 if __name__ == "__main__":

@@ -332,6 +332,8 @@ def options_from_args(args: argparse.Namespace) -> DemoOptions:
                               keep=args.demo_state_dir is not None, model=getattr(args, "demo_model", "gpt-tiny"))
     if fast:
         kw.update(notice_s=10.0, spike=False, notice_at=0.15, vanish_at=0.5)
+    if kw["model"] != "gpt-tiny":  # a Hugging Face model: each rank imports transformers, steps are slower
+        kw["timeout_s"] = 360.0
     if args.demo_timeout:
         kw["timeout_s"] = args.demo_timeout
     kw["tracking"] = getattr(args, "tracking_uri", None) or ("local" if getattr(args, "tracking", False) else "")
