@@ -139,7 +139,8 @@ def hf_trainer(args: TrainerArgs, sess: Any, gpu: bool, fsdp: bool) -> tuple[Any
     from trainer.hf.model import load_model
 
     model, _ = load_model(args.model, seed=args.seed)
-    vocab = int(model.config.vocab_size)
+    config: Any = model.config
+    vocab = int(config.vocab_size)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (4096, args.seq_len), generator=g).tolist()
     ds = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
