@@ -22,6 +22,7 @@ when it accepts it here, else without a wrapper (single process: what DDP does a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -170,7 +171,8 @@ def hf_round(trainer: Any, ends: list[float], warmup: int, steps: int) -> float:
     """Seconds of ``steps`` Trainer steps after ``warmup`` untimed ones, in one ``train()``."""
     ends.clear()
     trainer.args.max_steps = warmup + steps
-    trainer.train()
+    with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its metrics: stdout is the JSON's
+        trainer.train()
     return ends[-1] - ends[warmup - 1] if warmup else ends[-1] - ends[0]
 
 
