@@ -82,6 +82,7 @@ ENV_SIGTERM_GRACE_S: Final = "ORCH_SIGTERM_GRACE_S"
 ENV_CKPT_INTERVAL_S: Final = "ORCH_CKPT_INTERVAL_S"
 ENV_CLUSTER_ID: Final = "ORCH_CLUSTER_ID"
 ENV_INTEGRATION: Final = "ORCH_INTEGRATION"  # "hf": the job's command is a Hugging Face Trainer script
+ENV_MODEL_SCHEMES: Final = "ORCH_MODEL_SCHEMES"  # schemes a node loads models and data from: the node's, not the job's
 SPEC_ERROR_REASON: Final = "spec_error"
 """ExitReport reason prefix (exit 1) for a job spec that cannot run: a model path that does not exist, a dataset
 without the text column. orchd fails the job at once instead of restarting it (the same spec fails again)."""

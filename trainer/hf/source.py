@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import storage
+from trainer.contract import ENV_MODEL_SCHEMES
 
-ENV_MODEL_SCHEMES = "ORCH_MODEL_SCHEMES"
 DEFAULT_SCHEMES = "file,s3,gs,az,hub,builtin"
 BUILTIN = "builtin://"  # builtin://NAME: a model config shipped in trainer/hf/configs (NAME.json), e.g. llama-tiny
 CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
