@@ -39,7 +39,7 @@ pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(400)]
 
 REPO = Path(__file__).resolve().parents[2]
-SAMPLES, BATCH = 60, 2
+SAMPLES, BATCH = 120, 2
 STEPS = 2 * SAMPLES // BATCH  # two epochs on one rank
 
 
@@ -92,7 +92,7 @@ async def _delete_noticed_node(nodes: Path, kept: Path, done: dict[str, Any]) ->
 
 
 async def test_hf_trainer_script_noticed_and_resumed_by_orchd_on_another_node(tmp_path: Path) -> None:
-    opts = DemoOptions(steps=STEPS, nodes=1, nodes_min=1, notice_s=5.0, notice_at=0.25, vanish=False, spike=False,
+    opts = DemoOptions(steps=STEPS, nodes=1, nodes_min=1, notice_s=5.0, notice_at=0.1, vanish=False, spike=False,
                        replica_every=0, timeout_s=300.0, state_dir=str(tmp_path / "demo"), keep=True,
                        spec=_spec(tmp_path))
     deleted: dict[str, Any] = {}
