@@ -16,7 +16,8 @@ from simulations.worldparams import WorldParams
 
 from .conftest import tiny_scenario
 
-FIELDS = {"cost_ratio", "deadline_met", "preemptions", "lost_hours", "goodput", "od_share", "jobs", "spot_returns_median"}
+FIELDS = {"cost_ratio", "deadline_met", "preemptions", "lost_hours", "goodput", "od_share", "jobs",
+          "spot_returns_median"}
 
 
 def test_replay_json_shape(shared, capsys):
