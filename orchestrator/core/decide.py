@@ -448,9 +448,12 @@ def _ranks_exited(tx: Tx, ev: RanksExited) -> None:
         node = tx.update_node(node, step=ev.last_step)
     job = replicas.note_exit(tx, tx.update_job(job, gen_exited=job.gen_exited + (ev.node_id,)), ev)
     tx.record(job.job_id, "ranks_exited", ev.reason, node_id=ev.node_id, exit_code=ev.exit_code, last_step=ev.last_step)
-    if ev.reason == "completed" and ev.last_step >= job.spec.total_steps:
+    # completed: every step ran - reported, or committed already (a generation that resumed from the final
+    # checkpoint, whose commit report came with an earlier generation, runs no step and reports none)
+    done = max(ev.last_step, job.committed_step)
+    if ev.reason == "completed" and done >= job.spec.total_steps:
         loss = None if isinstance(ev.last_loss, msgspec.UnsetType) else fin(ev.last_loss)
-        job = tx.update_job(job, step=ev.last_step, **({"final_loss": loss} if loss is not None else {}))
+        job = tx.update_job(job, step=done, **({"final_loss": loss} if loss is not None else {}))
         job = lc.terminate_all(tx, job, "completed")
         tx.job_phase(job, J.SUCCEEDED, reason="completed")
         return

@@ -184,3 +184,4 @@ def test_a_failed_on_demand_launch_puts_the_deadline_at_risk_and_tries_other_on_
     assert risk.reason == "on_demand_launch_failed" and risk.details["pool"] == A_OD.name
     (again,) = cmds(d, Launch)
     assert again.pool == msgspec.structs.replace(B, market=Market.ON_DEMAND)
+
