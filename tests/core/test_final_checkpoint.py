@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from orchestrator.core import CoreConfig, JobPhase, State
 from tests.core.harness import Driver, RanksExited
-from tests.core.test_safety_net import H, T0, _commit, _spot_job
+from tests.core.test_safety_net import T0, H, _commit, _spot_job
 
 
 def test_a_generation_resumed_from_the_final_checkpoint_completes_the_job() -> None:
