@@ -244,7 +244,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
         job.job_id, "start_generation", job.reason or "nodes_ready", generation=gen, nodes=ids,
         resume_from=resume, checkpoint_interval_s=interval, master_addr=master, master_port=port,
     )
-    job = replicas.record_choice(tx, job, choice, gen)
+    job = replicas.record_choice(tx, job, choice, gen, nn * gpn)
     return tx.job_phase(
         job, J.STARTING, reason="generation_started", generation=gen, gen_nodes=tuple(ids), gen_exited=(),
         gen_ts=tx.now, gen_confirmed=False, intent=Intent.NONE, ckpt_interval_s=interval, avoid_pools=(),
@@ -356,8 +356,6 @@ def try_start(tx: Tx, job: Job) -> Job:
     enough = len(ready) >= target or (
         len(ready) >= max(spec.nodes_min, 1) and (job.phase == J.RESIZING or not inflight)
     )
-    if enough and inflight and len(ready) < target and replicas.worth_waiting(job, ready, target * spec.gpus_per_node):
-        enough = False  # the replacement restores the full world from replicas: fewer ranks would reshard
     if not enough:
         return replenish(tx, job)
     big = 1 << 30

@@ -5,8 +5,9 @@ memory of its own node and of the next node every k steps (trainer.replicas). Ag
 holder keeps when a generation's ranks exit (``RanksExited.replicas``); ``note_exit`` keeps those facts
 per node. When the next generation starts, ``choose`` picks its source: the newest step for which every
 rank's shard has a complete replica on a member of the new generation (a survivor: the lost node's
-memory is gone), at the same world size, not older than the durable checkpoint and not found unusable
-before; else the durable checkpoint, with the reason. ``start_generation`` records the choice in the
+memory is gone), not older than the durable checkpoint and not found unusable before; else the durable
+checkpoint, with the reason. A step made by a world of another size (the survivors start without the
+lost node) is resharded by the ranks, as a durable checkpoint is: no wait for a replacement. ``start_generation`` records the choice in the
 audit (``recovery``: ``orchctl explain``). A generation whose ranks could not restore the chosen step
 exits ``replica_unusable``; ``note_exit`` then refuses that step and the next choice falls back (an
 older complete replica, then the durable checkpoint).
@@ -43,33 +44,38 @@ class Choice:
     step: int  # the step the generation resumes after (durable: the committed step, 0 when none)
     reason: str  # why this source
     candidates: tuple[int, ...] = ()  # complete replica steps, newest first
+    saved_world_size: int = 0  # the world size that made the replica step (another one: the ranks reshard)
+
+
+def complete_steps(held: Iterable[tuple[str, int, int, int]], members: Sequence[str], world_size: int,
+                   *, not_before: int = 0, refused: Iterable[int] = ()) -> tuple[dict[int, int], str]:
+    """{step: world size that made it} of the complete replica steps, from facts (node, rank, step,
+    world_size): a step is complete when every rank 0..ws-1 of the world that made it has a replica on
+    one of ``members``. A step complete at ``world_size`` is restored shard by shard; one complete only at
+    another size is resharded by the ranks (trainer.replicas.reshard); the same size wins when both are.
+    When there are none: why."""
+    live, bad = set(members), set(refused)
+    ranks: dict[tuple[int, int], set[int]] = {}
+    for node, rank, step, ws in held:
+        if node in live and step >= not_before and step not in bad and 0 <= rank < ws:
+            ranks.setdefault((step, ws), set()).add(rank)
+    complete: dict[int, int] = {}
+    for (step, ws), got in sorted(ranks.items(), key=lambda kv: (kv[0][0], kv[0][1] == world_size, kv[0][1])):
+        if len(got) == ws:
+            complete[step] = ws  # sorted: the same world size, else the largest, is the last written
+    if complete:
+        return dict(sorted(complete.items(), reverse=True)), ""
+    if ranks:
+        (step, ws), got = max(ranks.items(), key=lambda kv: kv[0])
+        return {}, f"incomplete: step {step} lacks ranks {sorted(set(range(ws)) - got)[:8]}"
+    return {}, "no_replica_on_survivors"
 
 
 def newest_complete(held: Iterable[tuple[str, int, int, int]], members: Sequence[str], world_size: int,
                     *, not_before: int = 0, refused: Iterable[int] = ()) -> tuple[tuple[int, ...], str]:
-    """Complete replica steps (newest first) from facts (node, rank, step, world_size): a step is complete
-    when every rank 0..world_size-1 has a replica of it, made at ``world_size``, on one of ``members``;
-    and, when there are none, why."""
-    live, bad = set(members), set(refused)
-    ranks: dict[int, set[int]] = {}
-    other_ws = False
-    for node, rank, step, ws in held:
-        if node not in live:
-            continue
-        if ws != world_size:
-            other_ws = True
-            continue
-        if step >= not_before and step not in bad and 0 <= rank < world_size:
-            ranks.setdefault(step, set()).add(rank)
-    complete = tuple(sorted((s for s, r in ranks.items() if len(r) == world_size), reverse=True))
-    if complete:
-        return complete, ""
-    if ranks:
-        step = max(ranks)
-        return (), f"incomplete: step {step} lacks ranks {sorted(set(range(world_size)) - ranks[step])[:8]}"
-    if other_ws:
-        return (), "world_size_changed"
-    return (), "no_replica_on_survivors"
+    """The complete replica steps (``complete_steps``), newest first; and, when there are none, why."""
+    complete, why = complete_steps(held, members, world_size, not_before=not_before, refused=refused)
+    return tuple(complete), why
 
 
 def choose(job: Job, members: Sequence[str], world_size: int) -> Choice:
@@ -79,29 +85,18 @@ def choose(job: Job, members: Sequence[str], world_size: int) -> Choice:
         return Choice("durable", durable, "replicas_off")
     held = () if isinstance(job.replica_held, msgspec.UnsetType) else job.replica_held
     refused = () if isinstance(job.replica_refused, msgspec.UnsetType) else job.replica_refused
-    complete, why = newest_complete(held, members, world_size, not_before=max(durable, 1), refused=refused)
+    complete, why = complete_steps(held, members, world_size, not_before=max(durable, 1), refused=refused)
     if not complete:
         return Choice("durable", durable, why)
-    return Choice("replica", complete[0], "newest_complete_replica", complete)
+    step, ws = next(iter(complete.items()))
+    reason = "newest_complete_replica" if ws == world_size else f"newest_complete_replica_resharded_{ws}_to_{world_size}"
+    return Choice("replica", step, reason, tuple(complete), ws)
 
 
 class ReplicaFields(TypedDict, total=False):
     replica_secret: str
     replica_every: int
     replica_step: int
-
-
-def worth_waiting(job: Job, ready: Sequence[Node], world_size: int) -> bool:
-    """Wait for the replacement in flight rather than start a smaller world: the ready nodes hold a complete
-    replica step of the full world (``world_size``) newer than the durable checkpoint, which a smaller
-    world could not use (replicas are per shard)."""
-    if not every(job) or isinstance(job.replica_held, msgspec.UnsetType):
-        return False
-    durable = job.committed_step if job.committed_url is not None else 0
-    refused = () if isinstance(job.replica_refused, msgspec.UnsetType) else job.replica_refused
-    complete, _ = newest_complete(job.replica_held, [n.node_id for n in ready], world_size,
-                                  not_before=durable + 1, refused=refused)
-    return bool(complete)
 
 
 def command_fields(job: Job, choice: Choice) -> ReplicaFields:
@@ -115,13 +110,14 @@ def command_fields(job: Job, choice: Choice) -> ReplicaFields:
     return fields
 
 
-def record_choice(tx: Tx, job: Job, choice: Choice, generation: int) -> Job:
+def record_choice(tx: Tx, job: Job, choice: Choice, generation: int, world_size: int) -> Job:
     """The audit entry ``recovery`` (``orchctl explain``) for a job with replicas, and the step tried."""
     if not every(job):
         return job
     durable = job.committed_step if job.committed_url is not None else 0
     tx.record(job.job_id, "recovery", choice.reason, generation=generation, source=choice.source,
               step=choice.step, durable_step=durable, replica_steps=list(choice.candidates[:4]),
+              saved_world_size=choice.saved_world_size or None, world_size=world_size,
               refused=list(job.replica_refused) if isinstance(job.replica_refused, tuple) else [])
     return tx.update_job(job, replica_step=choice.step if choice.source == "replica" else 0)
 

@@ -32,12 +32,21 @@ def test_newest_step_complete_on_the_survivors() -> None:
 
 @pytest.mark.parametrize(("held", "members", "ws", "why"), [
     (HELD[4:], ["b", "d", "e"], 3, "incomplete"),  # two neighbours lost: rank 2's shard is gone
-    (HELD, ["a", "b"], 2, "world_size_changed"),  # the shrunk world: replicas are per shard, not resharded
     ((), ["a", "b", "d"], 3, "no_replica_on_survivors"),
 ])
 def test_durable_when_replicas_cannot_cover(held: tuple, members: list[str], ws: int, why: str) -> None:
     c = choose(_job(held=held, committed=5), members, ws)
     assert c.source == "durable" and c.step == 5 and c.reason.startswith(why), c
+
+
+def test_a_shrunk_world_reshards_the_full_worlds_replicas() -> None:
+    # the survivors a and b start alone: they hold all 3 shards of step 8 between them
+    c = choose(_job(held=HELD, committed=5), ["a", "b"], 2)
+    assert (c.source, c.step, c.saved_world_size) == ("replica", 8, 3), c
+    assert c.reason == "newest_complete_replica_resharded_3_to_2"
+    # a step complete at the new size wins over the same step at another size
+    both = HELD + (("a", 0, 8, 2), ("b", 1, 8, 2))
+    assert choose(_job(held=both, committed=5), ["a", "b"], 2).saved_world_size == 2
 
 
 def test_a_refused_step_falls_back_to_an_older_complete_one_then_durable() -> None:

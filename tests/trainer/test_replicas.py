@@ -1,6 +1,14 @@
 """Shard replicas with real gloo ranks and real holder processes: a node that vanishes without notice
 (its ranks, its holder's memory and its work directory destroyed) costs at most k + 1 steps, and the
-resumed job is exact (bitwise the uninterrupted run's losses, every sample fed once)."""
+resumed job is exact.
+
+One chain of generations (the uninterrupted reference run goes on meanwhile, in parallel):
+1. 3 nodes; node 2 vanishes. The next generation has a replacement (3 ranks): each rank restores its own
+   shard, the lost one from its buddy's holder over the network; bitwise the reference's losses.
+2. Node 1 vanishes; the next generation starts on the 2 survivors alone: they hold all 3 shards between
+   them and restore the 3-rank state resharded to 2 ranks (no durable checkpoint read). Losses within
+   LOSS_TOL of the reference (another world size sums in another order), every sample fed once.
+"""
 
 from __future__ import annotations
 
@@ -11,23 +19,24 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.core.replicas import newest_complete
+from orchestrator.core.replicas import complete_steps
 from tests.trainer.helpers import GPT_CMD, Generation, step_records, trainer_env
-from tests.trainer.replica_nodes import Node, launch
+from tests.trainer.replica_nodes import Node, ReplicaGeneration, launch
 from trainer import contract
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("replicas")]
 
 ARGS = {"size": "tiny", "seq_len": 32, "global_batch": 6, "micro_batch": 2, "lr": 3e-3, "warmup_steps": 3, "seed": 7}
-TOTAL = 14
+TOTAL = 16
 EVERY = 1
+LOSS_TOL = 1e-4  # as the demo's test: FSDP's reduction order differs across world sizes (~1e-7 measured)
 
 
 def _losses(recs: list[contract.StepRecord]) -> dict[int, float]:
-    return {r.step: r.loss for r in recs}
+    return {r.step: r.loss for r in recs if r.rank == 0}
 
 
-def _wait_step(g, step: int, timeout: float = 90.0) -> None:
+def _wait_step(g: ReplicaGeneration, step: int, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     while g.max_step() < step:
         assert time.monotonic() < deadline, g.log()
@@ -39,52 +48,84 @@ def _facts(nodes: list[Node]) -> list[tuple[str, int, int, int]]:
     return [(n.name, rank, step, ws) for n in nodes for (rank, step, ws, _gen) in n.inventory()]
 
 
-def test_vanished_node_recovers_from_peers_memory_exactly(tmp_path: Path) -> None:
+def _vanish(g: ReplicaGeneration, nodes: list[Node], lost: int) -> int:
+    """Node ``lost`` vanishes (holder memory, work directory, its rank mid-step); the survivors' ranks exit
+    peer_lost. The newest step any rank finished."""
+    nodes[lost].vanish()
+    os.killpg(g.ranks[lost].proc.pid, signal.SIGKILL)
+    codes = g.wait()
+    assert [c for i, c in enumerate(codes) if i != lost] == [contract.EXIT_PEER_LOST] * (len(nodes) - 1), g.log()
+    return g.max_step()
+
+
+def _choose(members: list[Node], gen: int, done: int, saved_ws: int) -> int:
+    """orchd's choice from the survivors' reports: the newest complete step, made at ``saved_ws``."""
+    for n in members:
+        n.set_generation(gen)
+    complete, why = complete_steps(_facts(members), [n.name for n in members], len(members), not_before=1)
+    assert complete, why
+    step, ws = next(iter(complete.items()))
+    assert ws == saved_ws, complete
+    assert done - step <= EVERY + 1, (done, step)
+    assert done - step <= 1, (done, step)  # the demo's figure: k = 1 loses at most the step in flight
+    return step
+
+
+def _lines(g: ReplicaGeneration, rank: int, needle: str) -> list[str]:
+    return [line for line in g.ranks[rank].lines if needle in line]
+
+
+def test_vanished_nodes_recover_from_peers_memory_exactly(tmp_path: Path) -> None:
     ref = tmp_path / "ref"
     ref.mkdir()
-    g = Generation(GPT_CMD, 3, trainer_env(ref, total_steps=TOTAL, args=ARGS))
-    assert g.wait() == [0, 0, 0], g.log()
-    reference = _losses(step_records(ref / "steps.jsonl"))
-
+    reference_run = Generation(GPT_CMD, 3, trainer_env(ref, total_steps=TOTAL, args=ARGS))  # in parallel
     run = tmp_path / "run"
     run.mkdir()
     env = trainer_env(run, total_steps=TOTAL, args={**ARGS, "ckpt_every": 5})
+    resume = {**env, contract.ENV_RESUME_FROM: "latest"}
     nodes = [Node(f"n{i}", run / f"node{i}", "job-r", 1).start() for i in range(3)]
     try:
         g1 = launch(nodes, 1, env, every=EVERY)
-        _wait_step(g1, 8)
-        nodes[2].vanish()  # holder memory and work directory gone ...
-        os.killpg(g1.ranks[2].proc.pid, signal.SIGKILL)  # ... and its rank, mid-step
-        codes = g1.wait()
-        assert codes[:2] == [contract.EXIT_PEER_LOST] * 2, g1.log()
-        done = g1.max_step()  # the newest step any rank finished before the loss
+        _wait_step(g1, 7)
+        done1 = _vanish(g1, nodes, 2)
+        nodes.append(Node("n3", run / "node3", "job-r", 2).start())  # the replacement: an empty holder
+        members2 = [nodes[0], nodes[1], nodes[3]]
+        step1 = _choose(members2, 2, done1, saved_ws=3)
+        g2 = launch(members2, 2, resume, every=EVERY, replica_step=step1)
+        _wait_step(g2, 12)
+        assert _lines(g2, 2, f"replica_resumed step={step1} rank=2") and not _lines(g2, 2, "source=local"), g2.log()
+        assert _lines(g2, 0, f"replica_resumed step={step1} rank=0 source=local saved_world_size=3"), g2.log()
 
-        # orchd's choice from the survivors' reports (the replacement's holder is empty)
-        replacement = Node("n3", run / "node3", "job-r", 2).start()
-        members = [nodes[0], nodes[1], replacement]
-        for n in members[:2]:
-            n.set_generation(2)
-        complete, why = newest_complete(_facts(members), [n.name for n in members], 3, not_before=5)
-        assert complete, why
-        step = complete[0]
-        assert done - step <= EVERY + 1, (done, step)
-        assert done - step <= 1, (done, step)  # the demo's figure: k = 1 loses at most the step in flight
-
-        g2 = launch(members, 2, {**env, contract.ENV_RESUME_FROM: "latest"}, every=EVERY, replica_step=step)
-        assert g2.wait() == [0, 0, 0], g2.log()
-        assert any(f"replica_resumed step={step} rank=2" in line and "source=local" not in line
-                   for line in g2.ranks[2].lines), g2.log()  # the lost shard came over the network
-        assert any(f"replica_resumed step={step} rank=0 source=local" in line for line in g2.ranks[0].lines)
-        assert not any("resumed_from dir=" in line for r in g2.ranks for line in r.lines)  # no durable load
+        done2 = _vanish(g2, members2, 1)
+        members3 = [nodes[0], nodes[3]]  # the survivors alone: 2 ranks from the 3-rank replicas
+        step2 = _choose(members3, 3, done2, saved_ws=3)
+        g3 = launch(members3, 3, resume, every=EVERY, replica_step=step2)
+        assert g3.wait() == [0, 0], g3.log()
+        assert all(_lines(g3, r, f"replica_resumed step={step2} rank={r} ") for r in (0, 1)), g3.log()
+        assert all(_lines(g3, r, "saved_world_size=3 world_size=2") for r in (0, 1)), g3.log()
+        for g in (g2, g3):
+            assert not any("resumed_from dir=" in line for r in g.ranks for line in r.lines), g.log()
+        assert reference_run.wait() == [0, 0, 0], reference_run.log()
     finally:
-        for n in [*nodes, *locals().get("members", [])]:
+        for n in nodes:
             n.stop()
+    _assert_exact(step_records(run / "steps.jsonl"), _losses(step_records(ref / "steps.jsonl")), step1, step2)
 
-    recs = step_records(run / "steps.jsonl")
-    final = {(r.step, r.rank): r for r in recs if r.generation == 1 and r.step <= step}
-    final.update({(r.step, r.rank): r for r in recs if r.generation == 2})
-    assert min(r.step for r in recs if r.generation == 2) == step + 1
+
+def _assert_exact(recs: list[contract.StepRecord], reference: dict[int, float], step1: int, step2: int) -> None:
+    """Each step as the generation that kept it ran it: every sample of the step once, the losses of the
+    3-rank generations bitwise the reference's, the resharded 2-rank generation's within LOSS_TOL."""
+    kept = {1: step1, 2: step2, 3: TOTAL}
+    final: dict[int, dict[int, contract.StepRecord]] = {}
+    for r in recs:
+        if r.step <= kept[r.generation] and (r.generation == 1 or r.step > kept[r.generation - 1]):
+            final.setdefault(r.step, {})[r.rank] = r
+    assert min(r.step for r in recs if r.generation == 2) == step1 + 1
+    assert min(r.step for r in recs if r.generation == 3) == step2 + 1
     for s in range(1, TOTAL + 1):
-        ids = sorted(i for rank in range(3) for i in final[(s, rank)].sample_ids)
+        ids = sorted(i for r in final[s].values() for i in r.sample_ids)
         assert ids == list(range((s - 1) * 6, s * 6)), s  # every sample of the step once, none twice
-        assert final[(s, 0)].loss == reference[s], (s, final[(s, 0)].loss, reference[s])  # bitwise
+        if s <= step2:
+            assert final[s][0].loss == reference[s], (s, final[s][0].loss, reference[s])  # bitwise
+        else:
+            assert abs(final[s][0].loss - reference[s]) <= LOSS_TOL, (s, final[s][0].loss, reference[s])

@@ -8,9 +8,12 @@ state into reused host buffers (``snapshot.Stager``) and a background thread ser
 into this node's holder and the buddy's. The next replica waits for the previous one (never two in
 flight, and every rank replicates the same steps): its wait is the only time replicas take from the step.
 
-Resume (ORCH_REPLICA_STEP = S, orchd's choice): each rank gets its shard of step S from its own holder,
-else from any other rank's holder, checksum verified; the ranks agree (one all-reduce) that every one
-has it, then each restores in place. When any rank could not, every rank exits EXIT_REPLICA_UNUSABLE
+Resume (ORCH_REPLICA_STEP = S, orchd's choice): the ranks read the holders' inventories and agree on the
+world size whose replicas of S are complete (this one's when it can, else the largest other one). At the
+same world size each rank gets its shard of step S from its own holder, else from any other rank's
+holder, checksum verified; at another size (the survivors of a lost node) each rank reads every old
+shard, one at a time, and takes its slice of each (trainer.replicas.reshard). The ranks agree (one
+all-reduce) that every one has restored. When any rank could not, every rank exits EXIT_REPLICA_UNUSABLE
 with the reason, and orchd chooses again (an older complete replica or the durable checkpoint).
 """
 
@@ -31,7 +34,7 @@ import torch.distributed as dist
 from trainer import contract
 from trainer.dist import DistInfo
 from trainer.replicas import protocol as p
-from trainer.replicas import snapshot
+from trainer.replicas import reshard, snapshot
 from trainer.replicas.client import HolderClient
 
 
@@ -129,37 +132,99 @@ class Replicator:
 
     # --- resume ------------------------------------------------------------------------------------
 
-    def _fetch(self, step: int) -> tuple[bytes | None, str]:
-        """This rank's replica of ``step``: its own holder first, then the others'."""
+    def _world_of(self, step: int) -> tuple[int, str]:
+        """The world size whose replicas of ``step`` are complete on the reachable holders: this world's when
+        complete, else the largest other complete one (restored by resharding); 0 and why when none."""
+        ranks: dict[int, set[int]] = {}
+        why = []
+        for addr in dict.fromkeys(self.holders):
+            try:
+                with HolderClient(addr, self.job, self.generation, self.key) as c:
+                    inv = c.inventory()
+            except (OSError, p.ProtocolError) as e:
+                why.append(f"{addr}: {type(e).__name__}: {e}"[:120])
+                continue
+            for rank, s, ws, _gen in inv:
+                if s == step and 0 <= rank < ws:
+                    ranks.setdefault(ws, set()).add(rank)
+        complete = sorted((ws for ws, r in ranks.items() if len(r) == ws), reverse=True)
+        if not complete:
+            return 0, "; ".join(why) or f"no complete set of replicas of step {step} ({ {w: sorted(r) for w, r in ranks.items()} })"
+        return (self.info.world_size if self.info.world_size in complete else complete[0]), ""
+
+    def _fetch(self, rank: int, step: int, world_size: int) -> tuple[bytes | None, str]:
+        """Rank ``rank``'s replica of ``step`` made at ``world_size``: this rank's own holder first, then the
+        others' (a checksum mismatch, an absent or unreachable holder: the next one)."""
         why = []
         order = [self.holder] + [h for h in dict.fromkeys(self.holders) if h != self.holder]
         for addr in order:
             try:
                 with HolderClient(addr, self.job, self.generation, self.key) as c:
-                    got = c.get(self.info.rank, step)
+                    got = c.get(rank, step)
             except (OSError, p.ProtocolError) as e:
                 why.append(f"{addr}: {type(e).__name__}: {e}"[:160])
                 continue
             if got is None:
                 why.append(f"{addr}: absent")
-            elif got[1] != self.info.world_size:
+            elif got[1] != world_size:
                 why.append(f"{addr}: world size {got[1]}")
             else:
                 return got[0], addr
         return None, "; ".join(why)
 
+    def _agree(self, value: int) -> bool:
+        """Every rank holds the same ``value`` (> 0)."""
+        t = torch.tensor([value, -value], dtype=torch.float64)
+        if self.info.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.info.ckpt_group)
+        return value > 0 and t[0].item() == value and -t[1].item() == value
+
+    def _load_own(self, step: int, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any] | None, str, int]:
+        body, source = self._fetch(self.info.rank, step, self.info.world_size)
+        if body is None:
+            return None, source, 0
+        extra = snapshot.restore(body, model, optimizer)
+        if int(extra["step"]) != step or int(extra["rank"]) != self.info.rank:
+            raise ValueError(f"it names step {extra['step']} rank {extra['rank']}")
+        return extra, ("local" if source == self.holder else source), len(body)
+
+    def _load_resharded(self, step: int, saved_ws: int, model: torch.nn.Module,
+                        optimizer: torch.optim.Optimizer | None) -> tuple[dict[str, Any] | None, str, int]:
+        """Every old rank's replica, one at a time, sliced into this rank's blocks (trainer.replicas.reshard)."""
+        r = reshard.Resharder(model, optimizer, self.info.rank)
+        nbytes, sources = 0, []
+        for old in range(saved_ws):
+            body, source = self._fetch(old, step, saved_ws)
+            if body is None:
+                return None, f"old rank {old}: {source}", nbytes
+            saved = snapshot.decode(body)
+            got = saved["extra"]
+            if (int(got["step"]), int(got["rank"]), int(got["world_size"])) != (step, old, saved_ws):
+                raise ValueError(f"it names step {got['step']} rank {got['rank']} world size {got['world_size']}")
+            r.add(saved)
+            nbytes += len(body)
+            sources.append("local" if source == self.holder else source)
+            del saved, body
+        return r.finish(), ",".join(dict.fromkeys(sources)), nbytes
+
     def restore(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-        """Collective: every rank restores its shard of ``step`` or every rank raises ReplicaUnusable."""
+        """Collective: every rank restores its part of ``step`` or every rank raises ReplicaUnusable. Replicas
+        made by a world of another size are resharded (each rank takes its slice of every old shard)."""
         t0 = time.monotonic()
-        body, source = self._fetch(step)
+        saved_ws, source = self._world_of(step)
         extra: dict[str, Any] | None = None
-        if body is not None:
+        nbytes = 0
+        if self._agree(saved_ws):
             try:
-                extra = snapshot.restore(body, model, optimizer)
-                if int(extra["step"]) != step or int(extra["rank"]) != self.info.rank:
-                    raise ValueError(f"it names step {extra['step']} rank {extra['rank']}")
+                if saved_ws == self.info.world_size:
+                    extra, source, nbytes = self._load_own(step, model, optimizer)
+                else:
+                    extra, source, nbytes = self._load_resharded(step, saved_ws, model, optimizer)
             except Exception as e:  # another model, another layout, undecodable: unusable, never half-used
-                extra, source = None, f"{source}: {type(e).__name__}: {e}"
+                extra, source = None, f"{source or 'restore'}: {type(e).__name__}: {e}"
+        elif saved_ws > 0:
+            source = f"the ranks found different world sizes for step {step}"
         failed = torch.tensor([0.0 if extra is not None else 1.0], dtype=torch.float64)
         if self.info.world_size > 1:
             dist.all_reduce(failed, group=self.info.ckpt_group)
@@ -167,9 +232,7 @@ class Replicator:
             raise ReplicaUnusable(f"rank {self.info.rank} step {step}: {source}"[:280])
         if failed.item() > 0:
             raise ReplicaUnusable(f"step {step}: another rank's replica is unusable")
-        assert body is not None  # extra came from it
-        local = source == self.holder
-        print(f"replica_resumed step={step} rank={self.info.rank} source={'local' if local else source} "
-              f"bytes={len(body)} load_s={time.monotonic() - t0:.3f}", flush=True)
+        print(f"replica_resumed step={step} rank={self.info.rank} source={source} saved_world_size={saved_ws} "
+              f"world_size={self.info.world_size} bytes={nbytes} load_s={time.monotonic() - t0:.3f}", flush=True)
         sys.stdout.flush()
         return extra

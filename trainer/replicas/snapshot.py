@@ -4,7 +4,8 @@ tensors), plus the extra state a checkpoint holds (step, data position, schedule
 Role: what one replica is. ``Stager.capture`` copies the state into host buffers allocated once and reused
 (on the training thread: one memcpy, like the async checkpoint's staging); ``encode`` serializes the copy
 (``torch.save``, in the background thread); ``restore`` loads bytes back in place, at the same world size
-and rank layout only (no resharding: a replica is one rank's shard), read with ``weights_only=True``.
+and rank layout, read with ``weights_only=True``. ``layout`` records where each sharded tensor's local block
+lies in the global tensor, so that a world of another size can take its slices (trainer.replicas.reshard).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trainer.extra_state import rng_state, set_rng_state
+from trainer.replicas.reshard import Chunk, chunk_of
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -31,6 +33,7 @@ class Stager:
 
     def __init__(self) -> None:
         self._buf: dict[str, torch.Tensor] = {}
+        self.layout: dict[str, Chunk] = {}  # sharded tensors: their block in the global tensor
 
     def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         src = _local(t).detach()
@@ -38,6 +41,8 @@ class Stager:
         if dst is None or dst.shape != src.shape or dst.dtype != src.dtype:
             dst = self._buf[key] = torch.empty(src.shape, dtype=src.dtype, device="cpu",
                                                pin_memory=src.is_cuda)
+            if isinstance(t, DTensor):
+                self.layout[key] = chunk_of(t)
         dst.copy_(src, non_blocking=src.is_cuda)
         return dst
 
@@ -60,7 +65,7 @@ class Stager:
             optim = {"state": state, "param_groups": osd["param_groups"], "dtensors": dtensors}
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        return {"model": model_sd, "optim": optim, "extra": {**extra, "rng": rng_state()}}
+        return {"model": model_sd, "optim": optim, "extra": {**extra, "rng": rng_state()}, "layout": self.layout}
 
 
 def encode(captured: dict[str, Any]) -> bytes:
@@ -69,9 +74,17 @@ def encode(captured: dict[str, Any]) -> bytes:
     return buf.getvalue()
 
 
+def decode(body: bytes) -> dict[str, Any]:
+    out = torch.load(io.BytesIO(body), weights_only=True)
+    if not isinstance(out, dict) or not {"model", "optim", "extra"} <= set(out):
+        raise ValueError("not a replica")
+    return out
+
+
 def restore(body: bytes, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
-    """Load a replica into ``model`` and ``optimizer`` in place; returns its extra state (RNG restored)."""
-    saved = torch.load(io.BytesIO(body), weights_only=True)
+    """Load a replica of this rank's shard into ``model`` and ``optimizer`` in place (same world size);
+    returns its extra state (RNG restored)."""
+    saved = decode(body)
     with torch.no_grad():
         current = model.state_dict()
         if set(current) != set(saved["model"]):
