@@ -223,7 +223,8 @@ class GenerationRunner:
             id=f"exit-{group.job_id}-{group.generation}-{self.node_id}", node_id=self.node_id,
             job_id=JobId(group.job_id), generation=group.generation, exit_code=result.exit_code,
             reason=result.reason, last_step=result.last_step, ts=time.time(),
-            last_loss=msgspec.UNSET if group.last_loss is None else group.last_loss, replicas=held))
+            last_loss=msgspec.UNSET if group.last_loss is None else group.last_loss, replicas=held,
+            detail=result.detail or msgspec.UNSET))
         if self.group is group and self.state is not AgentState.DRAINING:
             self.state = AgentState.IDLE
         self.on_emergency_end()

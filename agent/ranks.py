@@ -37,7 +37,7 @@ import structlog
 
 from agent.warm import WarmPool, module_of, rank_base_env
 from trainer import contract
-from wire import StartGenerationCmd
+from wire import MAX_EXIT_DETAIL, StartGenerationCmd
 
 log = structlog.get_logger("agent.ranks")
 
@@ -52,6 +52,7 @@ class GenerationResult:
     #              | peer_lost | failed | abandoned | stopped
     exit_code: int
     last_step: int
+    detail: str = ""  # a replica_unusable exit: the first rank's reason (which replica, what failed)
 
 
 def classify(codes: list[int], *, abandoned: bool = False, stopped: bool = False,
@@ -66,7 +67,8 @@ def classify(codes: list[int], *, abandoned: bool = False, stopped: bool = False
         return contract.EXIT_REASONS[contract.EXIT_COMPLETED], 0
     if all(c in (0, contract.EXIT_PREEMPTED) for c in codes):
         return (("stopped" if stopped else contract.EXIT_REASONS[contract.EXIT_PREEMPTED]), contract.EXIT_PREEMPTED)
-    for special in (contract.EXIT_PEER_LOST, contract.EXIT_NO_CHECKPOINT, contract.EXIT_CHECKPOINT_FAILED):
+    for special in (contract.EXIT_PEER_LOST, contract.EXIT_NO_CHECKPOINT, contract.EXIT_CHECKPOINT_FAILED,
+                    contract.EXIT_REPLICA_UNUSABLE):
         if special in codes:
             if special == contract.EXIT_CHECKPOINT_FAILED and storage_error:
                 return contract.STORAGE_ERROR_REASON, special
@@ -121,6 +123,7 @@ class RankGroup:
     stopped: bool = False
     storage_error: bool = False  # some rank's ExitReport reason is "storage_error: ..."
     spec_error: bool = False  # some rank's ExitReport reason is "spec_error: ..."
+    replica_detail: str = ""  # the first ExitReport reason "replica_unusable: ..."
     checkpoint_requested: bool = False
     result: GenerationResult | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
@@ -212,7 +215,8 @@ class RankGroup:
         codes = {r.rank: (r.exit_code if r.exit_code is not None else -9) for r in self.ranks}
         reason, code = classify(list(codes.values()), abandoned=self.abandoned, stopped=self.stopped,
                                 storage_error=self.storage_error, spec_error=self.spec_error)
-        self.result = GenerationResult(codes, reason, code, self.last_step)
+        detail = self.replica_detail if code == contract.EXIT_REPLICA_UNUSABLE else ""
+        self.result = GenerationResult(codes, reason, code, self.last_step, detail)
         self.done.set()
         log.info("ranks_exited", job_id=self.job_id, generation=c.generation, reason=reason, exit_codes=codes)
         return self.result
@@ -273,6 +277,9 @@ class RankGroup:
             self.storage_error = True
         elif isinstance(report, contract.ExitReport) and report.reason.startswith(contract.SPEC_ERROR_REASON):
             self.spec_error = True
+        elif (isinstance(report, contract.ExitReport) and report.exit_code == contract.EXIT_REPLICA_UNUSABLE
+              and not self.replica_detail):
+            self.replica_detail = report.reason[:MAX_EXIT_DETAIL]
         self.on_report(r.rank, report)
 
     # --- control ---------------------------------------------------------------------------------

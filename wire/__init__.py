@@ -42,6 +42,7 @@ from wire.codec import (
 )
 from wire.messages import (
     MAX_MESSAGE_BYTES,
+    MAX_EXIT_DETAIL,
     MAX_REPLICAS_REPORTED,
     SCHEMA_VERSION,
     SUPPORTED_VERSIONS,
@@ -141,6 +142,7 @@ __all__ = [
     "PriceTick",
     "PricesReply",
     "RanksExited",
+    "MAX_EXIT_DETAIL",
     "MAX_REPLICAS_REPORTED",
     "ReplicaHeld",
     "ReapReply",

@@ -192,6 +192,8 @@ class ReplicaHeld(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 MAX_REPLICAS_REPORTED: Final = 4096
 """At most this many ReplicaHeld in one RanksExited (the screen refuses more)."""
+MAX_EXIT_DETAIL: Final = 300
+"""At most this many characters in RanksExited.detail (the screen refuses more)."""
 
 
 class RanksExited(_Wire, frozen=True, kw_only=True, tag="ranks_exited"):
@@ -209,6 +211,9 @@ class RanksExited(_Wire, frozen=True, kw_only=True, tag="ranks_exited"):
     # The complete replicas this node's holder keeps (a job with replicas): the facts of orchd's choice
     # between a replica step and the durable checkpoint (orchestrator/core/replicas.py). Unset is not encoded.
     replicas: tuple[ReplicaHeld, ...] | msgspec.UnsetType = msgspec.UNSET
+    # Why, for a ``replica_unusable`` exit: a rank's reason (at most MAX_EXIT_DETAIL characters: which
+    # replica, from which holder, what failed), for orchd's audit. Unset is not encoded.
+    detail: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class NodeLeaving(_Wire, frozen=True, kw_only=True, tag="node_leaving"):

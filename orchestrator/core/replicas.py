@@ -124,7 +124,7 @@ def record_choice(tx: Tx, job: Job, choice: Choice, generation: int, world_size:
 
 def note_exit(tx: Tx, job: Job, ev: RanksExited) -> Job:
     """Keep the node's reported replicas (replacing what it reported before); a ``replica_unusable`` exit
-    refuses the step the generation tried."""
+    refuses the step the generation tried (the audit entry ``replica_refused``: the cause and the ranks' detail)."""
     changes: dict[str, object] = {}
     if not isinstance(ev.replicas, msgspec.UnsetType):
         held = () if isinstance(job.replica_held, msgspec.UnsetType) else job.replica_held
@@ -137,7 +137,24 @@ def note_exit(tx: Tx, job: Job, ev: RanksExited) -> Job:
         refused = () if isinstance(job.replica_refused, msgspec.UnsetType) else job.replica_refused
         if tried not in refused:
             changes["replica_refused"] = (*refused, tried)[-16:]
+            detail = "" if isinstance(ev.detail, msgspec.UnsetType) else ev.detail[:300]
+            tx.record(job.job_id, "replica_refused", cause(detail), generation=ev.generation, step=tried,
+                      node_id=ev.node_id, detail=detail)
     return tx.update_job(job, **changes) if changes else job
+
+
+_CAUSES = (("checksum", "checksum_mismatch"), ("shard layout", "layout_mismatch"), ("another model", "layout_mismatch"),
+           ("world size", "world_size_mismatch"), ("no complete set", "incomplete"), ("absent", "absent"),
+           ("OSError", "holder_unreachable"), ("ConnectionRefused", "holder_unreachable"),
+           ("closed after", "holder_unreachable"))
+
+
+def cause(detail: str) -> str:
+    """The audit's reason for a refused replica step, from the ranks' detail (the first match wins)."""
+    for needle, why in _CAUSES:
+        if needle in detail:
+            return why
+    return REPLICA_UNUSABLE
 
 
 def expected_lost_work_s(job: Job, step_time_s: float, ckpt_interval_s: float | None, *,

@@ -148,7 +148,9 @@ def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent)
             return "bad_value"
     if getattr(msg, "generation", 0) > MAX_GENERATION:
         return "bad_value"
-    if isinstance(msg, ev.RanksExited) and not _replicas_ok(msg.replicas):
+    if isinstance(msg, ev.RanksExited) and not (
+            _replicas_ok(msg.replicas) and (isinstance(msg.detail, msgspec.UnsetType)
+                                            or len(msg.detail) <= ev.MAX_EXIT_DETAIL)):
         return "bad_value"
     if isinstance(msg, ev.CheckpointCommitted) and not (
             _finite(msg.save_s, hi=MAX_DURATION_S)

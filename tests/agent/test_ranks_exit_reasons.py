@@ -15,6 +15,9 @@ def test_no_usable_checkpoint_and_storage_error_are_reported_as_such() -> None:
     assert classify([76, 76], storage_error=True) == ("storage_error", contract.EXIT_CHECKPOINT_FAILED)
     assert classify([1, 0], storage_error=True) == ("failed", 1)  # only a 76 becomes storage_error
     assert classify([77, 78]) == ("peer_lost", contract.EXIT_PEER_LOST)
+    # orchd refuses the replica step only for this reason (it used to arrive as "failed", counted and held)
+    assert classify([79, 79]) == ("replica_unusable", contract.EXIT_REPLICA_UNUSABLE)
+    assert classify([77, 79])[0] == "peer_lost"  # a rank died during the recovery: a peer is gone
 
 
 def test_resume_step_comes_from_the_commit_marker_not_the_name(tmp_path: Path) -> None:

@@ -228,10 +228,14 @@ class Replicator:
         failed = torch.tensor([0.0 if extra is not None else 1.0], dtype=torch.float64)
         if self.info.world_size > 1:
             dist.all_reduce(failed, group=self.info.ckpt_group)
-        if extra is None:
-            raise ReplicaUnusable(f"rank {self.info.rank} step {step}: {source}"[:280])
-        if failed.item() > 0:
-            raise ReplicaUnusable(f"step {step}: another rank's replica is unusable")
+        if failed.item() > 0:  # every rank says why the first rank that failed did
+            mine = None if extra is not None else f"rank {self.info.rank} step {step}: {source}"[:280]
+            whys: list[Any] = [mine]
+            if self.info.world_size > 1:
+                whys = [None] * self.info.world_size
+                dist.all_gather_object(whys, mine, group=self.info.ckpt_group)
+            raise ReplicaUnusable(next((str(w) for w in whys if w is not None), f"step {step}: unusable"))
+        assert extra is not None
         print(f"replica_resumed step={step} rank={self.info.rank} source={source} saved_world_size={saved_ws} "
               f"world_size={self.info.world_size} bytes={nbytes} load_s={time.monotonic() - t0:.3f}", flush=True)
         sys.stdout.flush()
