@@ -41,8 +41,8 @@ from wire.codec import (
     to_builtins,
 )
 from wire.messages import (
-    MAX_MESSAGE_BYTES,
     MAX_EXIT_DETAIL,
+    MAX_MESSAGE_BYTES,
     MAX_REPLICAS_REPORTED,
     SCHEMA_VERSION,
     SUPPORTED_VERSIONS,

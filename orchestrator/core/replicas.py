@@ -7,10 +7,11 @@ per node. When the next generation starts, ``choose`` picks its source: the newe
 rank's shard has a complete replica on a member of the new generation (a survivor: the lost node's
 memory is gone), not older than the durable checkpoint and not found unusable before; else the durable
 checkpoint, with the reason. A step made by a world of another size (the survivors start without the
-lost node) is resharded by the ranks, as a durable checkpoint is: no wait for a replacement. ``start_generation`` records the choice in the
-audit (``recovery``: ``orchctl explain``). A generation whose ranks could not restore the chosen step
-exits ``replica_unusable``; ``note_exit`` then refuses that step and the next choice falls back (an
-older complete replica, then the durable checkpoint).
+lost node) is resharded by the ranks, as a durable checkpoint is: no wait for a replacement.
+``start_generation`` records the choice in the audit (``recovery``: ``orchctl explain``). A generation
+whose ranks could not restore the chosen step exits ``replica_unusable``; ``note_exit`` then refuses that
+step, audits why (``replica_refused``), and the next choice falls back (an older complete replica, then
+the durable checkpoint).
 
 ``expected_lost_work_s`` is the work since the last usable restore point that a failure without notice
 costs: the part of the restart cost r that the policy and the deadline guarantee use.
@@ -24,7 +25,7 @@ from typing import TypedDict
 
 import msgspec
 
-from orchestrator.core.model import Job, Node
+from orchestrator.core.model import Job
 from orchestrator.core.tx import Tx
 from wire.messages import RanksExited
 
@@ -89,7 +90,9 @@ def choose(job: Job, members: Sequence[str], world_size: int) -> Choice:
     if not complete:
         return Choice("durable", durable, why)
     step, ws = next(iter(complete.items()))
-    reason = "newest_complete_replica" if ws == world_size else f"newest_complete_replica_resharded_{ws}_to_{world_size}"
+    reason = "newest_complete_replica"
+    if ws != world_size:
+        reason += f"_resharded_{ws}_to_{world_size}"
     return Choice("replica", step, reason, tuple(complete), ws)
 
 

@@ -11,8 +11,17 @@ from typing import Any
 
 from orchestrator.core import JobPhase
 from orchestrator.core.inputs import JobSubmitted, NodeGone, Tick
-from tests.core.harness import CheckpointCommitted, Driver, GenerationStarted, RanksExited, StartGenerationCmd, cmds
-from tests.core.harness import pool, price, spec
+from tests.core.harness import (
+    CheckpointCommitted,
+    Driver,
+    GenerationStarted,
+    RanksExited,
+    StartGenerationCmd,
+    cmds,
+    pool,
+    price,
+    spec,
+)
 from wire import CheckpointPolicy, ReplicaHeld
 
 CKPT = "file:///ckpt/j1"
@@ -41,7 +50,8 @@ def _running_job() -> tuple[Driver, list[str]]:
     ids = drv.launched(d)
     drv.register(ids)
     drv(GenerationStarted(id="g1", node_id=ids[0], job_id="j1", generation=1, first_step=1, ts=drv.now))
-    drv(CheckpointCommitted(id="c5", node_id=ids[0], job_id="j1", generation=1, step=5, url=f"{CKPT}/step_5", checkpoint_id="ck5",
+    drv(CheckpointCommitted(id="c5", node_id=ids[0], job_id="j1", generation=1, step=5, url=f"{CKPT}/step_5",
+                            checkpoint_id="ck5",
                             save_s=1.0, ts=drv.now), dt=1.0)
     return drv, ids
 

@@ -149,7 +149,8 @@ class Replicator:
                     ranks.setdefault(ws, set()).add(rank)
         complete = sorted((ws for ws, r in ranks.items() if len(r) == ws), reverse=True)
         if not complete:
-            return 0, "; ".join(why) or f"no complete set of replicas of step {step} ({ {w: sorted(r) for w, r in ranks.items()} })"
+            found = {w: sorted(r) for w, r in ranks.items()}
+            return 0, "; ".join(why) or f"no complete set of replicas of step {step} (world size: ranks {found})"
         return (self.info.world_size if self.info.world_size in complete else complete[0]), ""
 
     def _fetch(self, rank: int, step: int, world_size: int) -> tuple[bytes | None, str]:

@@ -1,0 +1,318 @@
+"""Shard replicas benchmark: what they cost per step, in memory and on the wire, and what they save.
+
+    python benchmarks/replicas.py --json [--size mini] [--nodes 3] [--ks 1,4] [--steps 40] [--rounds 2]
+
+Real gloo ranks of the built-in GPT (one per node, ``LOCAL_WORLD_SIZE=1``), real holder processes, one
+run. Figures:
+
+  step_s_off / step_s_k<k>   median step time (rank 0's StepReport.step_time_s, first 5 steps skipped)
+                             without replicas and with replicas every k steps; the runs alternate
+                             (off, k1, k2, ..., --rounds times) and each figure is the median of its rounds
+  overhead_k<k>              step_s_k<k> / step_s_off (goal <= 1.05 on CPU)
+  shard_bytes                one replica: one rank's model + optimizer shard and extra state, serialized
+  bytes_per_copy             what one rank sends per replica: shard_bytes to its own holder and to its
+                             buddy's (copies_per_replica = 2 unless the buddy is on the same node)
+  holder_bytes / holder_rss_bytes   per node after the run: the replicas it keeps (its own rank's and its
+                             neighbour's, the newest 2 steps of each) and the holder process's RSS
+  holder_over_shard          holder_bytes / shard_bytes (4 = 2 ranks x 2 versions)
+  recovery_s.<path>          next generation's launch -> its first step done, after one node vanished:
+                             replica (same world, the lost shard from its buddy over the network),
+                             replica_resharded (the survivors alone, resharding the full world's replicas),
+                             durable (the same world from the durable checkpoint), and the notice path
+                             (emergency checkpoint request -> commit -> exit, then restart from it:
+                             notice_save_s + notice_restart_s)
+  lost_steps.<path>          steps the next generation runs again (the notice path loses none)
+  replica_vs_durable         recovery_s.replica / recovery_s.durable (goal <= 1.0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from orchestrator.core.replicas import complete_steps  # noqa: E402
+from trainer import contract  # noqa: E402
+from trainer.launch import free_port  # noqa: E402
+from trainer.replicas import protocol as p  # noqa: E402
+from trainer.replicas.client import HolderClient, start_holder  # noqa: E402
+
+SECRET = "replica-benchmark-secret-0123456789"
+JOB = "bench"
+
+
+@dataclass
+class Node:
+    name: str
+    work: Path
+    holder: subprocess.Popen[bytes] | None = None
+    addr: str = ""
+
+    def start(self, gen: int) -> Node:
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.holder, self.addr = start_holder(JOB, SECRET, gen)
+        return self
+
+    def agent(self) -> HolderClient:
+        return HolderClient(self.addr, JOB, 0, SECRET.encode(), role=p.ROLE_AGENT)
+
+    def rss(self) -> int:
+        assert self.holder is not None
+        for line in Path(f"/proc/{self.holder.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def stop(self) -> None:
+        if self.holder is not None and self.holder.poll() is None:
+            os.killpg(self.holder.pid, signal.SIGKILL)
+            self.holder.wait()
+
+
+@dataclass
+class Gen:
+    procs: list[subprocess.Popen[str]]
+    lines: list[list[str]] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
+
+    def steps(self, rank: int = 0) -> list[contract.StepReport]:
+        out = (contract.parse_report(x) for x in list(self.lines[rank]))
+        return [r for r in out if isinstance(r, contract.StepReport)]
+
+    def max_step(self) -> int:
+        return max((r.step for i in range(len(self.procs)) for r in self.steps(i)), default=0)
+
+    def wait_step(self, step: int, timeout: float = 300.0) -> float:
+        """Seconds from the launch until some rank reported ``step`` (0: any step)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = [r for i in range(len(self.procs)) for r in self.steps(i) if r.step >= step]
+            if got:
+                return time.monotonic() - self.t0
+            if time.monotonic() > deadline or any(x.poll() is not None for x in self.procs):
+                raise RuntimeError("generation ended or stalled:\n" + "\n".join(self.lines[0][-30:]))
+            time.sleep(0.005)
+
+    def wait(self) -> list[int]:
+        return [x.wait(timeout=300) for x in self.procs]
+
+    def kill(self) -> None:
+        for x in self.procs:
+            if x.poll() is None:
+                os.killpg(x.pid, signal.SIGKILL)
+        self.wait()
+
+
+def launch(nodes: list[Node], gen: int, base: dict[str, str], every: int, replica_step: int = 0) -> Gen:
+    port, ws = free_port(), len(nodes)
+    g = Gen([])
+    for r, node in enumerate(nodes):
+        control = node.work / f"control{gen}"
+        control.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **base,
+               "RANK": str(r), "WORLD_SIZE": str(ws), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), contract.ENV_GENERATION: str(gen),
+               contract.ENV_CONTROL_DIR: str(control), contract.ENV_JOB_ID: JOB}
+        if every:
+            env.update({p.ENV_HOLDER: node.addr, p.ENV_KEY: p.generation_key(SECRET, gen).hex(),
+                        p.ENV_EVERY: str(every)})
+            if replica_step:
+                env[p.ENV_STEP] = str(replica_step)
+        proc = subprocess.Popen([sys.executable, "-m", "trainer"], env=env, cwd=REPO, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1, start_new_session=True)
+        lines: list[str] = []
+        threading.Thread(target=_read, args=(proc, lines), daemon=True).start()
+        g.procs.append(proc)
+        g.lines.append(lines)
+    return g
+
+
+def _read(proc: subprocess.Popen[str], lines: list[str]) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+
+
+def _env(tmp: Path, args: dict[str, Any], steps: int, ckpt: bool) -> dict[str, str]:
+    return {contract.ENV_CKPT_URL: f"file://{tmp / 'ckpt'}" if ckpt else "", contract.ENV_RESUME_FROM: "",
+            contract.ENV_TOTAL_STEPS: str(steps), contract.ENV_COLLECTIVE_TIMEOUT_S: "30",
+            contract.ENV_TRAINER_ARGS: json.dumps(args)}
+
+
+def overhead(tmp: Path, a: argparse.Namespace, ks: list[int]) -> dict[str, Any]:
+    """Step time without replicas and with them every k steps (interleaved rounds); memory and bytes."""
+    times: dict[int, list[float]] = {k: [] for k in [0, *ks]}
+    out: dict[str, Any] = {}
+    for rnd in range(a.rounds):
+        for k in times:
+            run = tmp / f"ovh-{rnd}-{k}"
+            nodes = [Node(f"n{i}", run / f"n{i}").start(1) for i in range(a.nodes)]
+            try:
+                g = launch(nodes, 1, _env(run, _args(a), a.steps, ckpt=False), every=k)
+                if g.wait() != [0] * a.nodes:
+                    raise RuntimeError("\n".join(g.lines[0][-30:]))
+                times[k].append(statistics.median(r.step_time_s for r in g.steps(0)[5:]))
+                if k == ks[0] and rnd == 0:
+                    out.update(_memory(nodes))
+            finally:
+                for n in nodes:
+                    n.stop()
+            shutil.rmtree(run, ignore_errors=True)
+    base = statistics.median(times[0])
+    out["step_s_off"] = round(base, 5)
+    for k in ks:
+        out[f"step_s_k{k}"] = round(statistics.median(times[k]), 5)
+        out[f"overhead_k{k}"] = round(statistics.median(times[k]) / base, 4)
+    out["step_s_runs"] = {("off" if k == 0 else f"k{k}"): [round(x, 5) for x in v] for k, v in times.items()}
+    return out
+
+
+def _memory(nodes: list[Node]) -> dict[str, Any]:
+    with nodes[0].agent() as c:
+        stats, inv = c.stats(), c.inventory()
+    shard = stats["bytes"] // max(len(inv), 1)
+    return {"shard_bytes": shard, "copies_per_replica": 2 if len(nodes) > 1 else 1,
+            "bytes_per_copy": shard * (2 if len(nodes) > 1 else 1), "holder_bytes": stats["bytes"],
+            "holder_replicas": len(inv), "holder_over_shard": round(stats["bytes"] / max(shard, 1), 2),
+            "holder_rss_bytes": nodes[0].rss()}
+
+
+def _args(a: argparse.Namespace) -> dict[str, Any]:
+    return {"size": a.size, "seq_len": 64, "global_batch": 6 * a.nodes, "micro_batch": 6, "seed": 1}
+
+
+def _vanish(g: Gen, nodes: list[Node], lost: int) -> int:
+    nodes[lost].stop()
+    os.killpg(g.procs[lost].pid, signal.SIGKILL)
+    g.wait()
+    return g.max_step()
+
+
+def _chosen(members: list[Node], gen: int) -> tuple[int, int]:
+    facts = []
+    for n in members:
+        with n.agent() as c:
+            c.set_generation(gen)
+            facts += [(n.name, r, s, ws) for (r, s, ws, _g) in c.inventory()]
+    complete, why = complete_steps(facts, [n.name for n in members], len(members), not_before=1)
+    if not complete:
+        raise RuntimeError(f"no complete replica step: {why}")
+    return next(iter(complete.items()))
+
+
+def _restart(nodes: list[Node], gen: int, env: dict[str, str], every: int, step: int = 0) -> tuple[float, Gen]:
+    g = launch(nodes, gen, {**env, contract.ENV_RESUME_FROM: "latest"}, every, replica_step=step)
+    t = g.wait_step(0)
+    return t, g
+
+
+def recovery(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """One node vanishes; the next generation from replicas (same world, resharded) or the durable checkpoint;
+    and the notice path for comparison."""
+    run = tmp / "rec"
+    env = _env(run, {**_args(a), "ckpt_every": a.ckpt_every}, 10_000, ckpt=True)
+    nodes = [Node(f"n{i}", run / f"n{i}").start(1) for i in range(a.nodes)]
+    out: dict[str, Any] = {"recovery_s": {}, "lost_steps": {}}
+    try:
+        g = launch(nodes, 1, env, every=1)
+        g.wait_step(a.ckpt_every + a.ckpt_every // 2)
+        done = _vanish(g, nodes, a.nodes - 1)
+        # what a recovery from the durable checkpoint would lose here (the restart below times its load)
+        out["lost_steps"]["durable"] = done - max((int(x.name.split("_")[-1]) for x in (run / "ckpt").glob("step_*")),
+                                                  default=0)
+        nodes.append(Node("new", run / "new").start(2))
+        full = [*nodes[:-2], nodes[-1]]  # the survivors and the replacement
+        step, _ws = _chosen(full, 2)
+        out["recovery_s"]["replica"], g = _restart(full, 2, env, 1, step)
+        out["lost_steps"]["replica"] = done - step
+        out["replica_load_s"] = _load_s(g)
+        g.wait_step(step + 3)
+        done = _vanish(g, full, len(full) - 1)  # the replacement vanishes in its turn
+        step, ws = _chosen(nodes[:-2], 3)  # the survivors alone
+        out["recovery_s"]["replica_resharded"], g = _restart(nodes[:-2], 3, env, 1, step)
+        out["lost_steps"]["replica_resharded"] = done - step
+        out["replica_resharded_load_s"], out["resharded_from_world_size"] = _load_s(g), ws
+        g.kill()
+        nodes.append(Node("new2", run / "new2").start(4))
+        full = [*nodes[:-3], nodes[-1]]
+        out["recovery_s"]["durable"], g = _restart(full, 4, env, 0)
+        out.update(_notice(g, full, env))
+    finally:
+        for n in nodes:
+            n.stop()
+    r = out["recovery_s"]
+    r["notice"] = round(out["notice_save_s"] + out["notice_restart_s"], 3)
+    out["lost_steps"]["notice"] = 0
+    out["replica_vs_durable"] = round(r["replica"] / r["durable"], 3)
+    out["replica_resharded_vs_durable"] = round(r["replica_resharded"] / r["durable"], 3)
+    out["replica_vs_notice"] = round(r["replica"] / r["notice"], 3)
+    out["recovery_s"] = {k: round(v, 3) for k, v in r.items()}
+    return out
+
+
+def _load_s(g: Gen) -> float:
+    for line in g.lines[0]:
+        if line.startswith("replica_resumed"):
+            return float(line.rsplit("load_s=", 1)[1])
+    raise RuntimeError("no replica_resumed line:\n" + "\n".join(g.lines[0][-20:]))
+
+
+def _notice(g: Gen, nodes: list[Node], env: dict[str, str]) -> dict[str, float]:
+    """The notice path on generation ``g``: an emergency checkpoint at one agreed step, every rank exits 75;
+    then the next generation from it."""
+    g.wait_step(g.max_step() + 2)
+    now = time.time()
+    req = contract.CheckpointRequest(request_id="bench", reason="preemption_notice", deadline_ts=now + 60,
+                                     issued_ts=now)
+    t0 = time.monotonic()
+    for node, proc in zip(nodes, g.procs, strict=True):
+        contract.write_checkpoint_request(str(node.work / "control4"), req)
+        proc.send_signal(signal.SIGUSR1)
+    codes = g.wait()
+    save_s = time.monotonic() - t0
+    if codes != [contract.EXIT_PREEMPTED] * len(nodes):
+        raise RuntimeError(f"notice path exits {codes}:\n" + "\n".join(g.lines[0][-20:]))
+    restart_s, g2 = _restart(nodes, 5, env, 0)
+    g2.kill()
+    return {"notice_save_s": round(save_s, 3), "notice_restart_s": round(restart_s, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--size", default="mini")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--ks", default="1,4")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ckpt-every", type=int, default=10)
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="orch-replicas-bench-"))
+    t0 = time.monotonic()
+    try:
+        out = {"size": a.size, "nodes": a.nodes, "steps": a.steps, "rounds": a.rounds, "cpus": os.cpu_count(),
+               "load_avg_1m": round(os.getloadavg()[0], 2)}
+        out.update(overhead(tmp, a, [int(k) for k in a.ks.split(",")]))
+        out.update(recovery(tmp, a))
+        out["wall_s"] = round(time.monotonic() - t0, 1)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(json.dumps(out) if a.json else json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
