@@ -62,3 +62,10 @@ def test_bad_node_event_values_and_heartbeats():
     hb = ev.Heartbeat(node_id="n", seq=1, ts=1.0, state=ev.AgentState.IDLE)
     assert screen_heartbeat("orch.node.m.hb", hb) == "subject_mismatch"
     assert screen_heartbeat("orch.node.n.hb", R(hb, step=-1)) == "bad_value"
+
+
+def test_a_replica_unusable_exit_says_why_in_bounded_words():
+    x = ev.RanksExited(id="x", node_id="n", job_id="j", generation=2, exit_code=79, reason="replica_unusable",
+                       ts=1.0, detail="rank 0 step 8: 10.0.0.2:4000: ProtocolError: checksum mismatch")
+    assert screen("orch.node.n.event", x) is None
+    assert screen("orch.node.n.event", R(x, detail="x" * (ev.MAX_EXIT_DETAIL + 1))) == "bad_value"
