@@ -146,8 +146,9 @@ def demo_provider(state_dir: Path, opts: DemoOptions) -> Any:
 # --- the run ----------------------------------------------------------------------------------------
 
 
-async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
-    """Run the scenario; return the report. ``progress(view)`` is called about twice a second."""
+async def run_demo(opts: DemoOptions, *, progress: Any = None, scenario: Any = None) -> DemoResult:
+    """Run the scenario; return the report. ``progress(view)`` is called about twice a second. ``scenario``
+    replaces the demo's faults (``_scenario``'s signature: simulations/replica_drill.py's drills)."""
 
     from wire.logs import configure
 
@@ -166,7 +167,7 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
         spec = await anyio.to_thread.run_sync(tracked.start, spec)  # the job's MLflow run (demo_tracking.py)
         settings = tracked.settings(settings)
         result = await _run_and_report(opts, state_dir, settings, provider, view, injections, spec, finished,
-                                       progress)
+                                       progress, scenario or _scenario)
         result.report.update(await anyio.to_thread.run_sync(tracked.report, JOB_ID))
         return result
     finally:
@@ -177,7 +178,8 @@ async def run_demo(opts: DemoOptions, *, progress: Any = None) -> DemoResult:
 
 
 async def _run_and_report(opts: DemoOptions, state_dir: Path, settings: Any, provider: Any, view: View,
-                          injections: list[Injection], spec: Any, finished: anyio.Event, progress: Any) -> DemoResult:
+                          injections: list[Injection], spec: Any, finished: anyio.Event, progress: Any,
+                          scenario: Any) -> DemoResult:
     from orchestrator.cli.client import AdminClient
     from orchestrator.daemon.run import run_daemon
 
@@ -208,7 +210,7 @@ async def _run_and_report(opts: DemoOptions, state_dir: Path, settings: Any, pro
                 await client.submit(spec, JOB_ID)
                 view.event(f"job submitted: {spec.nodes} nodes x {spec.name}, {spec.total_steps} steps")
                 tasks.start_soon(monitor)
-                tasks.start_soon(_scenario, opts, provider, view, injections, finished)
+                tasks.start_soon(scenario, opts, provider, view, injections, finished)
                 with anyio.move_on_after(opts.timeout_s):
                     await finished.wait()
                 if not finished.is_set():

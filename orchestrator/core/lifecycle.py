@@ -244,7 +244,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
         job.job_id, "start_generation", job.reason or "nodes_ready", generation=gen, nodes=ids,
         resume_from=resume, checkpoint_interval_s=interval, master_addr=master, master_port=port,
     )
-    job = replicas.record_choice(tx, job, choice, gen, nn * gpn)
+    job = replicas.record_choice(tx, job, choice, gen, nn * gpn, replicas.egress_usd_h(job, members, cfg))
     return tx.job_phase(
         job, J.STARTING, reason="generation_started", generation=gen, gen_nodes=tuple(ids), gen_exited=(),
         gen_ts=tx.now, gen_confirmed=False, intent=Intent.NONE, ckpt_interval_s=interval, avoid_pools=(),

@@ -25,9 +25,9 @@ from typing import TypedDict
 
 import msgspec
 
-from orchestrator.core.model import Job
+from orchestrator.core.model import CoreConfig, Job, Node
 from orchestrator.core.tx import Tx
-from wire.messages import RanksExited
+from wire.messages import PoolKey, RanksExited
 
 REPLICA_UNUSABLE = "replica_unusable"
 MAX_FACTS_PER_NODE = 256  # a node's holder keeps 2 steps of 2 ranks per GPU: far below this
@@ -113,12 +113,40 @@ def command_fields(job: Job, choice: Choice) -> ReplicaFields:
     return fields
 
 
-def record_choice(tx: Tx, job: Job, choice: Choice, generation: int, world_size: int) -> Job:
-    """The audit entry ``recovery`` (``orchctl explain``) for a job with replicas, and the step tried."""
+CROSS_ZONE_USD_PER_GB = 0.01  # between zones of one region (AWS, GCP: about 0.01 $/GB each way)
+
+
+def buddy_usd_per_gb(src: PoolKey, dst: PoolKey, cfg: CoreConfig) -> float:
+    """$ per GB a copy from a node in ``src`` to its buddy in ``dst`` costs."""
+    if src.cloud != dst.cloud:
+        return cfg.cross_cloud_usd_per_gb
+    if src.region != dst.region:
+        return cfg.cross_region_usd_per_gb
+    return CROSS_ZONE_USD_PER_GB if src.zone != dst.zone else 0.0
+
+
+def egress_usd_h(job: Job, members: Sequence[Node], cfg: CoreConfig) -> float:
+    """$/h of the buddies' copies of a generation on ``members`` (rank order): every k steps each node sends
+    its ranks' shards (the checkpoint's size estimate / nodes) to the next node around the ring, priced by
+    where that node is (another zone, region or cloud; the same zone: free)."""
+    k, n = every(job), len(members)
+    if not k or n < 2:
+        return 0.0
+    step_s = job.step_time_s if job.step_time_s else job.spec.step_time_s_estimate
+    copies_h = 3600.0 / (k * max(step_s, 1e-3))
+    rate = sum(buddy_usd_per_gb(m.pool, members[(i + 1) % n].pool, cfg) for i, m in enumerate(members))
+    return rate * (cfg.checkpoint_gb_estimate / n) * copies_h
+
+
+def record_choice(tx: Tx, job: Job, choice: Choice, generation: int, world_size: int,
+                  egress: float = 0.0) -> Job:
+    """The audit entry ``recovery`` (``orchctl explain``) for a job with replicas, and the step tried;
+    ``egress``: what the generation's buddy copies cost per hour (``egress_usd_h``)."""
     if not every(job):
         return job
     durable = job.committed_step if job.committed_url is not None else 0
     tx.record(job.job_id, "recovery", choice.reason, generation=generation, source=choice.source,
+              replica_egress_usd_h=round(egress, 6),
               step=choice.step, durable_step=durable, replica_steps=list(choice.candidates[:4]),
               saved_world_size=choice.saved_world_size or None, world_size=world_size,
               refused=list(job.replica_refused) if isinstance(job.replica_refused, tuple) else [])

@@ -6,9 +6,19 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from orchestrator.core.model import Job
-from orchestrator.core.replicas import choose, command_fields, expected_lost_work_s, max_lost_steps, newest_complete
-from wire import CheckpointPolicy, JobId, JobSpec
+from orchestrator.core import CoreConfig
+from orchestrator.core.model import Job, Node
+from orchestrator.core.replicas import (
+    CROSS_ZONE_USD_PER_GB,
+    choose,
+    command_fields,
+    egress_usd_h,
+    expected_lost_work_s,
+    max_lost_steps,
+    newest_complete,
+)
+from tests.core.harness import pool
+from wire import CheckpointPolicy, JobId, JobSpec, NodeId
 
 
 def _job(every: int | None = 1, held: tuple = (), refused: tuple = (), committed: int = 0) -> Job:
@@ -72,3 +82,23 @@ def test_expected_lost_work_and_bound() -> None:
 def test_facts_of_other_nodes_and_ranks_out_of_range_do_not_count() -> None:
     facts = [("a", 0, 4, 2), ("zz", 1, 4, 2), ("a", 5, 4, 2)]
     assert newest_complete(facts, ["a", "b"], 2) == ((), "incomplete: step 4 lacks ranks [1]")
+
+
+def _nodes(*where: tuple[str, str, str]) -> list[Node]:
+    return [Node(node_id=NodeId(f"n{i}"), job_id=JobId("j"), pool=pool(cloud=c, region=r, zone=z), pool_name="p",
+                 token="t", phase_ts=0.0, requested_ts=0.0) for i, (c, r, z) in enumerate(where)]
+
+
+def test_the_buddies_egress_is_priced_by_where_the_next_node_is() -> None:
+    cfg = CoreConfig()
+    job = _job(every=2)  # step_time_s_estimate 1.0 s: 1800 copies an hour, each of 20 GB / 3 per node
+    same = _nodes(("aws", "r1", "a"), ("aws", "r1", "a"), ("aws", "r1", "a"))
+    assert egress_usd_h(job, same, cfg) == 0.0 and egress_usd_h(_job(every=None), same, cfg) == 0.0
+    gb_h = cfg.checkpoint_gb_estimate / 3 * 1800
+    # a -> b crosses zones, b -> x crosses clouds, x -> a crosses clouds
+    mixed = _nodes(("aws", "r1", "a"), ("aws", "r1", "b"), ("gcp", "g1", "x"))
+    want = gb_h * (CROSS_ZONE_USD_PER_GB + 2 * cfg.cross_cloud_usd_per_gb)
+    assert egress_usd_h(job, mixed, cfg) == pytest.approx(want)
+    regions = _nodes(("aws", "r1", "a"), ("aws", "r2", "a"))
+    assert egress_usd_h(job, regions, cfg) == pytest.approx(2 * cfg.checkpoint_gb_estimate / 2 * 1800
+                                                             * cfg.cross_region_usd_per_gb)
