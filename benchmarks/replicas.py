@@ -23,6 +23,10 @@ run. Figures:
                              notice_save_s + notice_restart_s)
   lost_steps.<path>          steps the next generation runs again (the notice path loses none)
   replica_vs_durable         recovery_s.replica / recovery_s.durable (goal <= 1.0)
+  resume_s.<path>            rank 0's ``trainer_start`` line -> its first step done: the restore and one
+                             step without the process start all paths share (torch import, process
+                             group), which on a loaded CPU host dominates recovery_s;
+                             resume_replica_vs_durable = resume_s.replica / resume_s.durable
 """
 
 from __future__ import annotations
@@ -87,7 +91,17 @@ class Node:
 class Gen:
     procs: list[subprocess.Popen[str]]
     lines: list[list[str]] = field(default_factory=list)
+    times: list[list[float]] = field(default_factory=list)  # when each line arrived (monotonic)
     t0: float = field(default_factory=time.monotonic)
+
+    def resume_s(self) -> float:
+        """Rank 0: its ``trainer_start`` line (imports, process group, model built) -> its first step done:
+        the restore plus one step, without the process start that every path shares."""
+        lines, times = self.lines[0], self.times[0]
+        start = next(t for x, t in zip(lines, times, strict=False) if x.startswith("trainer_start"))
+        step = next(t for x, t in zip(lines, times, strict=False)
+                    if isinstance(contract.parse_report(x), contract.StepReport))
+        return step - start
 
     def steps(self, rank: int = 0) -> list[contract.StepReport]:
         out = (contract.parse_report(x) for x in list(self.lines[rank]))
@@ -135,15 +149,18 @@ def launch(nodes: list[Node], gen: int, base: dict[str, str], every: int, replic
         proc = subprocess.Popen([sys.executable, "-m", "trainer"], env=env, cwd=REPO, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1, start_new_session=True)
         lines: list[str] = []
-        threading.Thread(target=_read, args=(proc, lines), daemon=True).start()
+        times: list[float] = []
+        threading.Thread(target=_read, args=(proc, lines, times), daemon=True).start()
         g.procs.append(proc)
         g.lines.append(lines)
+        g.times.append(times)
     return g
 
 
-def _read(proc: subprocess.Popen[str], lines: list[str]) -> None:
+def _read(proc: subprocess.Popen[str], lines: list[str], times: list[float]) -> None:
     assert proc.stdout is not None
     for line in proc.stdout:
+        times.append(time.monotonic())
         lines.append(line.rstrip("\n"))
 
 
@@ -214,9 +231,15 @@ def _chosen(members: list[Node], gen: int) -> tuple[int, int]:
     return next(iter(complete.items()))
 
 
-def _restart(nodes: list[Node], gen: int, env: dict[str, str], every: int, step: int = 0) -> tuple[float, Gen]:
+RESUME: dict[str, float] = {}  # path -> Gen.resume_s of its restart
+
+
+def _restart(nodes: list[Node], gen: int, env: dict[str, str], every: int, step: int = 0,
+             path: str = "") -> tuple[float, Gen]:
     g = launch(nodes, gen, {**env, contract.ENV_RESUME_FROM: "latest"}, every, replica_step=step)
     t = g.wait_step(0)
+    if path:
+        RESUME[path] = round(g.resume_s(), 3)
     return t, g
 
 
@@ -237,19 +260,19 @@ def recovery(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
         nodes.append(Node("new", run / "new").start(2))
         full = [*nodes[:-2], nodes[-1]]  # the survivors and the replacement
         step, _ws = _chosen(full, 2)
-        out["recovery_s"]["replica"], g = _restart(full, 2, env, 1, step)
+        out["recovery_s"]["replica"], g = _restart(full, 2, env, 1, step, "replica")
         out["lost_steps"]["replica"] = done - step
         out["replica_load_s"] = _load_s(g)
         g.wait_step(step + 3)
         done = _vanish(g, full, len(full) - 1)  # the replacement vanishes in its turn
         step, ws = _chosen(nodes[:-2], 3)  # the survivors alone
-        out["recovery_s"]["replica_resharded"], g = _restart(nodes[:-2], 3, env, 1, step)
+        out["recovery_s"]["replica_resharded"], g = _restart(nodes[:-2], 3, env, 1, step, "replica_resharded")
         out["lost_steps"]["replica_resharded"] = done - step
         out["replica_resharded_load_s"], out["resharded_from_world_size"] = _load_s(g), ws
         g.kill()
         nodes.append(Node("new2", run / "new2").start(4))
         full = [*nodes[:-3], nodes[-1]]
-        out["recovery_s"]["durable"], g = _restart(full, 4, env, 0)
+        out["recovery_s"]["durable"], g = _restart(full, 4, env, 0, path="durable")
         out.update(_notice(g, full, env))
     finally:
         for n in nodes:
@@ -261,6 +284,8 @@ def recovery(tmp: Path, a: argparse.Namespace) -> dict[str, Any]:
     out["replica_resharded_vs_durable"] = round(r["replica_resharded"] / r["durable"], 3)
     out["replica_vs_notice"] = round(r["replica"] / r["notice"], 3)
     out["recovery_s"] = {k: round(v, 3) for k, v in r.items()}
+    out["resume_s"] = dict(RESUME)
+    out["resume_replica_vs_durable"] = round(RESUME["replica"] / RESUME["durable"], 3)
     return out
 
 
@@ -286,7 +311,7 @@ def _notice(g: Gen, nodes: list[Node], env: dict[str, str]) -> dict[str, float]:
     save_s = time.monotonic() - t0
     if codes != [contract.EXIT_PREEMPTED] * len(nodes):
         raise RuntimeError(f"notice path exits {codes}:\n" + "\n".join(g.lines[0][-20:]))
-    restart_s, g2 = _restart(nodes, 5, env, 0)
+    restart_s, g2 = _restart(nodes, 5, env, 0, path="notice_restart")
     g2.kill()
     return {"notice_save_s": round(save_s, 3), "notice_restart_s": round(restart_s, 3)}
 
