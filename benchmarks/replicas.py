@@ -238,6 +238,9 @@ def _restart(nodes: list[Node], gen: int, env: dict[str, str], every: int, step:
              path: str = "") -> tuple[float, Gen]:
     g = launch(nodes, gen, {**env, contract.ENV_RESUME_FROM: "latest"}, every, replica_step=step)
     t = g.wait_step(0)
+    deadline = time.monotonic() + 60
+    while not g.steps(0) and time.monotonic() < deadline:  # rank 0's own first step, for resume_s
+        time.sleep(0.005)
     if path:
         RESUME[path] = round(g.resume_s(), 3)
     return t, g
