@@ -60,7 +60,7 @@ class HolderClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, header: dict[str, Any], body: bytes | memoryview | None = None) -> dict[str, Any]:
+    def _call(self, header: dict[str, Any], body: bytes | bytearray | memoryview | None = None) -> dict[str, Any]:
         self.sock.sendall(p.encode_frame(header))
         if body is not None:
             self.sock.sendall(body)
@@ -69,7 +69,8 @@ class HolderClient:
             raise p.ProtocolError(f"refused: {str(reply.get('reason'))[:80]}")
         return reply
 
-    def put(self, rank: int, step: int, world_size: int, body: bytes | memoryview, crc: int | None = None) -> None:
+    def put(self, rank: int, step: int, world_size: int, body: bytes | bytearray | memoryview,
+            crc: int | None = None) -> None:
         crc = crc32c.crc32c(body) if crc is None else crc
         reply = self._call({"op": "put", "rank": rank, "step": step, "world_size": world_size,
                             "nbytes": len(body), "crc": crc}, body)
