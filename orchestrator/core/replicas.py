@@ -177,7 +177,8 @@ def note_exit(tx: Tx, job: Job, ev: RanksExited) -> Job:
 _CAUSES = (("checksum", "checksum_mismatch"), ("shard layout", "layout_mismatch"), ("another model", "layout_mismatch"),
            ("world size", "world_size_mismatch"), ("no complete set", "incomplete"), ("absent", "absent"),
            ("OSError", "holder_unreachable"), ("ConnectionRefused", "holder_unreachable"),
-           ("closed after", "holder_unreachable"))
+           ("closed after", "holder_unreachable"), ("TimeoutError", "holder_unreachable"),
+           ("timed out", "holder_unreachable"))
 
 
 def cause(detail: str) -> str:

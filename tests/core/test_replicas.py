@@ -10,6 +10,7 @@ from orchestrator.core import CoreConfig
 from orchestrator.core.model import Job, Node
 from orchestrator.core.replicas import (
     CROSS_ZONE_USD_PER_GB,
+    cause,
     choose,
     command_fields,
     egress_usd_h,
@@ -102,3 +103,17 @@ def test_the_buddies_egress_is_priced_by_where_the_next_node_is() -> None:
     regions = _nodes(("aws", "r1", "a"), ("aws", "r2", "a"))
     assert egress_usd_h(job, regions, cfg) == pytest.approx(2 * cfg.checkpoint_gb_estimate / 2 * 1800
                                                              * cfg.cross_region_usd_per_gb)
+
+
+@pytest.mark.parametrize(("detail", "why"), [
+    ("rank 0 step 8: 10.0.0.2:4000: ProtocolError: checksum mismatch in the replica of rank 2 step 8",
+     "checksum_mismatch"),
+    ("rank 1 step 7: old rank 2: 10.0.0.3:4000: ConnectionRefusedError: [Errno 111] Connection refused",
+     "holder_unreachable"),
+    ("rank 0 step 7: 10.0.0.3:4000: TimeoutError: timed out", "holder_unreachable"),
+    ("rank 0 step 7: restore: ValueError: replica of another shard layout: w (4,)", "layout_mismatch"),
+    ("rank 0 step 9: 10.0.0.2:4000: absent; 10.0.0.3:4000: absent", "absent"),
+    ("something else", "replica_unusable"),
+])
+def test_the_audit_names_the_cause_of_a_refused_step(detail: str, why: str) -> None:
+    assert cause(detail) == why
