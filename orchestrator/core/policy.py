@@ -169,11 +169,10 @@ def _deadline(tx: Tx, job: Job) -> None:
     step = progress_step(tx, job)
     per_step = live_step_time(tx, job)
     if job.force_on_demand:
-        spot_interval = checkpoint_interval_s(job, None, job.target_nodes, cfg, tx.now)
-        left = return_slack_s(job, step, cfg, tx.now, per_step, spot_interval)
+        left = _return_slack(tx, job, step)
         if left is not None and left >= 0 and returns_left(tx, job) > 0:
             tx.record(job.job_id, "spot_again", "deadline_slack_regained", slack_after_move_s=round(left, 3),
-                      spot_interval_s=round(spot_interval, 3), step=step)
+                      step=step)
             tx.update_job(job, force_on_demand=False)
         return
     # Work on on-demand nodes is not at risk (they are not preempted); a job waiting for nodes counts
@@ -188,26 +187,31 @@ def _deadline(tx: Tx, job: Job) -> None:
     tx.update_job(job, force_on_demand=True)
 
 
+def _recent_returns(tx: Tx, job: Job) -> tuple[int, ...]:
+    done = () if isinstance(job.spot_returns, msgspec.UnsetType) else job.spot_returns
+    return tuple(t for t in done if tx.now - t < 3600.0)
+
+
 def returns_left(tx: Tx, job: Job) -> float:
     """Moves from on-demand back to spot the job may still make in the hour up to now."""
-    done = () if isinstance(job.spot_returns, msgspec.UnsetType) else job.spot_returns
-    return tx.cfg.returns_per_h() - sum(1 for t in done if tx.now - t < 3600.0)
+    return tx.cfg.returns_per_h() - len(_recent_returns(tx, job))
 
 
-def _note_return(tx: Tx, job: Job) -> Job:
-    done = () if isinstance(job.spot_returns, msgspec.UnsetType) else job.spot_returns
-    return tx.update_job(job, spot_returns=(*(t for t in done if tx.now - t < 3600.0), int(tx.now)))
+def _return_slack(tx: Tx, job: Job, step: int) -> float | None:
+    """``safety.return_slack_s`` with a spot checkpoint interval (at the prior rate: not the long
+    on-demand interval the job may run with) and the job's live step time."""
+    spot_interval = checkpoint_interval_s(job, None, job.target_nodes, tx.cfg, tx.now)
+    return return_slack_s(job, step, tx.cfg, tx.now, live_step_time(tx, job), spot_interval)
 
 
 def _may_return(tx: Tx, job: Job, step: int) -> bool:
     """A move from on-demand to spot is within the bound per hour and, with a deadline under fallback,
-    leaves the slack to cover its restart and the net (``safety.return_slack_s``)."""
+    leaves the slack to cover its restart and the net."""
     if returns_left(tx, job) <= 0:
         return False
     if job.spec.deadline_ts is None or job.spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
         return True
-    spot_interval = checkpoint_interval_s(job, None, job.target_nodes, tx.cfg, tx.now)
-    left = return_slack_s(job, step, tx.cfg, tx.now, live_step_time(tx, job), spot_interval)
+    left = _return_slack(tx, job, step)
     return left is not None and left >= 0
 
 
@@ -331,7 +335,8 @@ def _price(tx: Tx, job: Job, prev_eval_ts: float = 0.0) -> Job:
                 if _may_return(tx, job, step):
                     tx.record(job.job_id, "spot_return", "saving_over_move", saving_usd=round(saving, 6),
                               move_usd=round(move, 6), returns_left=returns_left(tx, job))
-                    return _migrate(tx, _note_return(tx, job), rank, "cheaper_pool", cur)
+                    job = tx.update_job(job, spot_returns=(*_recent_returns(tx, job), int(tx.now)))
+                    return _migrate(tx, job, rank, "cheaper_pool", cur)
     # Scale up toward nodes_max while spot is cheap.
     ratio = _ratio(cur)
     if (
