@@ -221,7 +221,8 @@ def format_results(rows: list[Row]) -> str:
     pols = list(dict.fromkeys(p for r in rows for p in r.results))
     jobs = next(iter(rows[0].results.values())).jobs
     lines = [
-        f"cost_ratio (deadline_met) per policy, {jobs} jobs per setting; every policy in the faithful world, "
+        f"cost_ratio (deadline_met) per policy, {jobs} jobs per setting; every policy in the "
+        f"{'decision-step' if rows[0].setting.world == 'step' else 'faithful'} world, "
         f"optimal = offline bound; orchestrator/core {core_version()}",
         "not families: " + "; ".join(NOT_FAMILIES),
     ]
