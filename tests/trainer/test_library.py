@@ -4,12 +4,14 @@ process-based async saver, resume at another world size, exactly-once samples.""
 from __future__ import annotations
 
 import sys
+import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from tests.storage_emulators import Store
 from tests.trainer.helpers import REPO, Generation, step_records, trainer_env
-from tests.trainer.test_store import moto_s3  # noqa: F401 - module-scoped fixture
 from trainer import contract, store
 
 pytestmark = pytest.mark.slow  # real multi-process generations (run in CI too)
@@ -17,8 +19,10 @@ pytestmark = pytest.mark.slow  # real multi-process generations (run in CI too)
 SCRIPT = [sys.executable, str(REPO / "tests" / "trainer" / "scripts" / "regression.py")]
 
 
-def test_non_gpt_script_on_s3_with_process_async(tmp_path: Path, moto_s3: dict) -> None:  # noqa: F811
-    root = "s3://ckpt-bucket/regression"
+def test_non_gpt_script_on_s3_with_process_async(tmp_path: Path, object_stores: Callable[[str], Store]) -> None:
+    s3 = object_stores("s3")
+    moto_s3 = s3.options
+    root = s3.url(f"regression-{uuid.uuid4().hex[:8]}")
     total = 30
     # periodic saves timed by orchd's ORCH_CKPT_INTERVAL_S (agreed per step), not by a step count
     args = {"async_mode": "process", "storage_options": moto_s3}

@@ -19,7 +19,9 @@ BASE = 'name = "j"\ntotal_steps = 10\ngpu_type = "A100"\n[checkpoint]\nurl = "fi
 def test_shipped_specs_load() -> None:
     now = 1_900_000_000.0  # the submission time: the example's relative deadline never expires
     specs = {p.name: load_jobspec(p, now=now) for p in sorted(JOBS.iterdir())}
-    assert set(specs) == {"custom-command.yaml", "gpt-small-spot.toml", "local-demo.toml"}
+    assert set(specs) == {"custom-command.yaml", "gpt-small-spot.toml", "llama-spot.toml", "local-demo.toml"}
+    llama = specs["llama-spot.toml"]
+    assert llama.trainer.args["model"] == "builtin://llama-tiny" and "size" not in llama.trainer.args
     gpt = specs["gpt-small-spot.toml"]
     assert gpt.deadline_ts == now + 72 * 3600  # deadline_in = "72h"
     assert gpt.trainer.args["size"] == "small" and gpt.trainer.command == ()
