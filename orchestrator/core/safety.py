@@ -35,15 +35,20 @@ def detect_s(cfg: CoreConfig) -> float:
     return max(cfg.heartbeat_timeout_s, 0.0) + max(cfg.tick_s, 0.0)
 
 
-def at_risk_s(job: Job, step: int, committed_step: int, per_step_s: float | None) -> float:
-    """Work that a loss now would send back: the steps since the last durable checkpoint (k + 1 steps at
-    most with replicas on a job of two or more nodes, whose lost shards survive on a neighbour)."""
-    per = per_step_s if per_step_s else step_seconds(job)
-    steps = max(0, step - committed_step)
+def _replica_cap_s(job: Job, per_step_s: float) -> float | None:
+    """The most work one loss costs a job of two or more nodes with replicas (k + 1 steps: its lost shards
+    survive on a neighbour); None without that cover."""
     bound = max_lost_steps(job)
-    if bound is not None and job.target_nodes >= 2:
-        steps = min(steps, bound)
-    return steps * per
+    return bound * per_step_s if bound is not None and job.target_nodes >= 2 else None
+
+
+def at_risk_s(job: Job, step: int, committed_step: int, per_step_s: float | None) -> float:
+    """Work that a loss now would send back: the steps since the last durable checkpoint, at most
+    ``_replica_cap_s``."""
+    per = per_step_s if per_step_s else step_seconds(job)
+    work = max(0, step - committed_step) * per
+    cap = _replica_cap_s(job, per)
+    return work if cap is None else min(work, cap)
 
 
 def safety_net_s(job: Job, cfg: CoreConfig, at_risk: float) -> float:
@@ -71,10 +76,7 @@ def return_slack_s(job: Job, step: int, cfg: CoreConfig, now: float, per_step_s:
     """``net_slack_s`` after a move from on-demand to spot: the move's own restart (checkpoint, boot,
     load), then the net with a whole spot checkpoint interval at risk (the most it holds before its next
     commit) - so a job that moved back is not forced off again while spot holds."""
-    per = per_step_s if per_step_s else step_seconds(job)
-    at_risk = spot_interval_s
-    bound = max_lost_steps(job)
-    if bound is not None and job.target_nodes >= 2:
-        at_risk = min(at_risk, bound * per)
+    cap = _replica_cap_s(job, per_step_s if per_step_s else step_seconds(job))
+    at_risk = spot_interval_s if cap is None else min(spot_interval_s, cap)
     left = net_slack_s(job, step, cfg, now, per_step_s, at_risk)
     return None if left is None else left - restart_loss_s(job, cfg)
