@@ -33,6 +33,7 @@ from pathlib import Path
 
 import anyio
 import anyio.abc
+import msgspec
 import structlog
 
 from agent.warm import WarmPool, module_of, rank_base_env
@@ -176,10 +177,10 @@ class RankGroup:
         env.update(self.extra_env)  # but not over the replica holder's address and this generation's key
         # but not over the cluster's identity (it names the owner of the checkpoint root): orchd's, else the agent's
         env[contract.ENV_CLUSTER_ID] = c.cluster_id or os.environ.get(contract.ENV_CLUSTER_ID, "")
-        # where models and data may come from is the node operator's to say (trainer.hf.source), never the job's
+        # where models and data may come from is orchd's configuration to say (trainer.hf.source), never the job's
         env.pop(contract.ENV_MODEL_SCHEMES, None)
-        if os.environ.get(contract.ENV_MODEL_SCHEMES):
-            env[contract.ENV_MODEL_SCHEMES] = os.environ[contract.ENV_MODEL_SCHEMES]
+        if not isinstance(c.model_schemes, msgspec.UnsetType):
+            env[contract.ENV_MODEL_SCHEMES] = ",".join(c.model_schemes)
         return env
 
     async def run(self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> GenerationResult:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from trainer.contract import MODEL_SCHEMES, scheme_names
 from wire.config import (
     SettingsError,
     from_env,
@@ -229,6 +230,17 @@ class TrackingSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class TrainerSettings:
+    """``[trainer]``: what the jobs' trainers may do on the nodes, whatever a job spec says."""
+
+    model_schemes: tuple[str, ...] = MODEL_SCHEMES
+    """Where a Hugging Face model, tokenizer or dataset (``trainer.args.model`` / ``tokenizer`` / ``dataset``) may
+    come from: any of file, s3, gs, az, hub, builtin (aliases s3a, gcs, abfs, abfss). A job whose source shows
+    another scheme is refused at submit; every generation gets the list (``ORCH_MODEL_SCHEMES``) and its trainer
+    refuses the rest (a bare name: a hub id or a relative path, only the node can tell). A job cannot set it."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
     nats: NatsSettings = NatsSettings()
     daemon: DaemonSettings = DaemonSettings()
@@ -238,6 +250,7 @@ class Settings:
     providers: ProvidersSettings = ProvidersSettings()
     credentials: CredentialsSettings = CredentialsSettings()
     tracking: TrackingSettings = TrackingSettings()
+    trainer: TrainerSettings = TrainerSettings()
 
     @property
     def state_path(self) -> Path:
@@ -323,7 +336,17 @@ def _cross_checks(s: Settings) -> list[str]:
         for name in ("static_users_file", *needed):
             if not getattr(c, name):
                 out.append(f"credentials.{name}: required when credentials.enabled (mode {c.mode})")
-    return out + _tracking_checks(s.tracking)
+    return out + _tracking_checks(s.tracking) + _trainer_checks(s.trainer)
+
+
+def _trainer_checks(t: TrainerSettings) -> list[str]:
+    unknown = [x for x in scheme_names(t.model_schemes) if x not in MODEL_SCHEMES]
+    if unknown:
+        return [f"trainer.model_schemes: {', '.join(repr(x) for x in unknown)} not among {', '.join(MODEL_SCHEMES)}"]
+    if not scheme_names(t.model_schemes):
+        return [f"trainer.model_schemes: name at least one of {', '.join(MODEL_SCHEMES)} (builtin alone: only the "
+                "model configs shipped with the trainer)"]
+    return []
 
 
 def _tracking_checks(t: TrackingSettings) -> list[str]:

@@ -8,13 +8,13 @@ from __future__ import annotations
 import math
 import re
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Literal
 
 import msgspec
 
 from orchestrator.core.roots import relation
-from trainer.contract import trainer_args_problems
+from trainer.contract import ENV_MODEL_SCHEMES, model_scheme_problems, trainer_args_problems
 from wire import JobSpec
 from wire.names import BadName, check_key, check_token, is_token
 
@@ -43,8 +43,19 @@ def spec_problems(spec: JobSpec) -> list[str]:
 
 def _trainer_problems(spec: JobSpec) -> list[str]:
     """The built-in trainer's arguments (an empty ``trainer.command``) against its torch-free schema; a job's
-    own command is not checked (its program owns its arguments)."""
-    return [] if spec.trainer.command else trainer_args_problems(spec.trainer.args)
+    own command is not checked (its program owns its arguments). No job sets where models may come from."""
+    p = [] if spec.trainer.command else trainer_args_problems(spec.trainer.args)
+    if ENV_MODEL_SCHEMES in spec.trainer.env:
+        p.append(f"trainer.env.{ENV_MODEL_SCHEMES}: where models and data may come from is orchd's configuration "
+                 "([trainer] model_schemes), never a job's")
+    return p
+
+
+def model_source_problems(spec: JobSpec, allowed: Iterable[str]) -> list[str]:
+    """The built-in trainer's model, tokenizer and dataset sources against ``allowed`` (orchd's ``[trainer]
+    model_schemes``: a check bound to orchd's configuration, run at submit after ``SPEC_CHECKS``). A job's own
+    command loads its own model; its generations get the same list (``ORCH_MODEL_SCHEMES``) all the same."""
+    return [] if spec.trainer.command else model_scheme_problems(spec.trainer.args, allowed)
 
 
 def _field_problems(spec: JobSpec) -> list[str]:

@@ -22,6 +22,8 @@ torch.distributed variables and ours:
     ORCH_TRAINER_ARGS      JSON object of trainer arguments (TrainerSpec.args)
     ORCH_CKPT_INTERVAL_S   optional periodic checkpoint interval in seconds chosen by orchd (Young/Daly);
                            overrides the trainer's own checkpoint-every setting when present
+    ORCH_MODEL_SCHEMES     where Hugging Face models and data may come from (orchd's [trainer] model_schemes,
+                           comma-separated); unset: every scheme (MODEL_SCHEMES)
 
 Control channel. To ask for an emergency checkpoint the agent writes a CheckpointRequest as JSON to
 ``<ORCH_CONTROL_DIR>/checkpoint.json`` (write to a temp file, then rename) and sends SIGUSR1 to every
@@ -42,6 +44,8 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Final, Literal
 
 import msgspec
+
+from trainer.storage import SCHEMES as STORE_SCHEMES  # torch-free: the stores' scheme names and their aliases
 
 # --- exit codes --------------------------------------------------------------------------------------
 EXIT_COMPLETED: Final = 0  # reached ORCH_TOTAL_STEPS; final checkpoint committed
@@ -81,8 +85,8 @@ ENV_TRAINER_ARGS: Final = "ORCH_TRAINER_ARGS"
 ENV_SIGTERM_GRACE_S: Final = "ORCH_SIGTERM_GRACE_S"
 ENV_CKPT_INTERVAL_S: Final = "ORCH_CKPT_INTERVAL_S"
 ENV_CLUSTER_ID: Final = "ORCH_CLUSTER_ID"
-ENV_INTEGRATION: Final = "ORCH_INTEGRATION"  # "hf": the job's command is a Hugging Face Trainer script
-ENV_MODEL_SCHEMES: Final = "ORCH_MODEL_SCHEMES"  # schemes a node loads models and data from: the node's, not the job's
+ENV_INTEGRATION: Final = "ORCH_INTEGRATION"  # "hf": a Hugging Face Trainer script or Accelerate loop (trainer.hf)
+ENV_MODEL_SCHEMES: Final = "ORCH_MODEL_SCHEMES"  # where models and data may come from: orchd's config, never the job's
 SPEC_ERROR_REASON: Final = "spec_error"
 """ExitReport reason prefix (exit 1) for a job spec that cannot run: a model path that does not exist, a dataset
 without the text column. orchd fails the job at once instead of restarting it (the same spec fails again)."""
@@ -174,6 +178,55 @@ def _exclusions(args: Mapping[str, Any], path: str) -> list[str]:
     for key, default in (("dataset", ""), ("text_column", "text"), ("tokenizer", "")):
         if args.get(key, default) != default and not args.get("model"):
             out.append(f"{path}.{key}: needs {path}.model (a Hugging Face model and its tokenizer)")
+    return out
+
+
+MODEL_SCHEMES: Final = ("file", "s3", "gs", "az", "hub", "builtin")
+"""Where a Hugging Face model, tokenizer or dataset (``trainer.args.model`` / ``tokenizer`` / ``dataset``) may come
+from: every scheme the trainer knows (``hub``: a hub id; ``builtin``: ``builtin://NAME``, a config shipped with the
+trainer). The default of orchd's ``[trainer] model_schemes``, which orchd passes to every generation as
+``ORCH_MODEL_SCHEMES`` (comma-separated) and checks at submit."""
+MODEL_SOURCE_ARGS: Final = ("model", "tokenizer", "dataset")
+
+
+def source_scheme(value: str) -> str | None:
+    """The scheme of a model, tokenizer or dataset source as far as the value shows it without the node's files:
+    a URL's scheme (aliases folded: ``s3a`` -> ``s3``, ``gcs`` -> ``gs``, ``abfs`` -> ``az``), ``builtin`` for
+    ``builtin://NAME``, ``file`` for an absolute or home path; None for a bare name (a hub id, or a path relative
+    to the node's work directory: only the node can tell, and the trainer checks it there)."""
+    if "://" in value:
+        raw = value.split("://", 1)[0].lower()
+        return STORE_SCHEMES.get(raw, raw)
+    if value.startswith(("/", "~")):
+        return "file"
+    return None
+
+
+def scheme_names(values: typing.Iterable[str]) -> tuple[str, ...]:
+    """Scheme names with their aliases folded, in order, without repeats."""
+    out: list[str] = []
+    for v in values:
+        name = STORE_SCHEMES.get(v.strip().lower(), v.strip().lower())
+        if name and name not in out:
+            out.append(name)
+    return tuple(out)
+
+
+def model_scheme_problems(args: Mapping[str, Any], allowed: typing.Iterable[str],
+                          path: str = "trainer.args") -> list[str]:
+    """The model, tokenizer and dataset sources of ``args`` whose scheme ``allowed`` (orchd's ``[trainer]
+    model_schemes``) does not name, each ``path.key: why``. A bare name (hub id or relative path) is left to
+    the trainer on the node; ``tokenizer = "bytes"`` is no source."""
+    ok = scheme_names(allowed)
+    out = []
+    for key in MODEL_SOURCE_ARGS:
+        value = args.get(key)
+        if not isinstance(value, str) or not value or (key == "tokenizer" and value == "bytes"):
+            continue
+        scheme = source_scheme(value)
+        if scheme is not None and scheme not in ok:
+            out.append(f"{path}.{key}: scheme {scheme!r} of {value[:200]!r} is not allowed by orchd's configuration "
+                       f"([trainer] model_schemes = {', '.join(ok)})")
     return out
 
 

@@ -293,6 +293,10 @@ class StartGenerationCmd(_Command, frozen=True, kw_only=True, tag="start_generat
     replica_secret: str | msgspec.UnsetType = msgspec.UNSET
     replica_every: int | msgspec.UnsetType = msgspec.UNSET
     replica_step: int | msgspec.UnsetType = msgspec.UNSET
+    # Where the trainer may load Hugging Face models, tokenizers and datasets from: orchd's [trainer] model_schemes,
+    # set by orchd's executor on every start it sends (never from the job); the agent passes it to the ranks as
+    # ORCH_MODEL_SCHEMES. Unset (a start stored or sent by an older orchd): the trainer's default, every scheme.
+    model_schemes: tuple[str, ...] | msgspec.UnsetType = msgspec.UNSET
 
 
 class StopCmd(_Command, frozen=True, kw_only=True, tag="stop"):

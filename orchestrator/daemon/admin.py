@@ -60,6 +60,7 @@ from orchestrator.daemon.tracking import TrackingGate
 from orchestrator.daemon.tracking import submit_problems as tracking_submit_problems
 from orchestrator.daemon.view import DaemonView
 from orchestrator.jobspec import spec_problems
+from orchestrator.specchecks import model_source_problems
 from trainer import rootowner
 from wire.admin import (
     DeadLetter,
@@ -274,7 +275,7 @@ class Handlers:
             self.d.metrics.rejected.labels("tracking", "server_not_listed").inc()
             spec, tracked = msgspec.structs.replace(spec, tracking=msgspec.UNSET), []
         problems = job_id_problems(req.job_id) + spec_problems(spec) + tracking_submit_problems(spec)
-        problems += tracked
+        problems += tracked + model_source_problems(spec, self.d.settings.trainer.model_schemes)
         if problems:
             raise AdminFailure(400, "invalid job spec:\n" + "\n".join(f"  - {p}" for p in problems), "invalid_spec")
         problems = submit_problems(spec, self._state().meta.config, time.time(), clouds=self.d.providers)

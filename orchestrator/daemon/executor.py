@@ -18,7 +18,8 @@ batch, deletes the command's outbox entry.
     SendToAgent    request/reply on orch.cmd.<node>, CommandAck reply fed to the core; retried with the
                    same cmd_id every command_ack_timeout_s up to command_retries, then CommandFailed.
                    While orchd's own NATS connection is down, attempts are not spent (an outage is not
-                   an agent failure).
+                   an agent failure). A generation start goes out with orchd's ``[trainer] model_schemes``
+                   (``_outgoing``), whenever it was decided.
 
 Concurrency contract: ``submit`` is called from the decide loop (same event loop); a command whose
 outbox key is already in flight is not started twice. ``run`` owns the task group; cancelling it
@@ -64,6 +65,7 @@ from orchestrator.daemon.records import Result, agent_command_kind
 from orchestrator.security.credentials import Credentials
 from orchestrator.settings import Settings
 from providers.base import CloudProvider, InstanceState, LaunchRequest, NodeBootstrap, ProviderError
+from trainer.contract import scheme_names
 
 log = structlog.get_logger("orchd.executor")
 
@@ -284,11 +286,18 @@ class Executor:
             await anyio.sleep(delay)
             delay = min(delay * 2, max(xs.retry_max_s, xs.retry_base_s))
 
-    def _untracked(self, c: ev.AgentCommand) -> ev.AgentCommand:
-        """A generation start whose trainer would log to a tracking server orchd's config does not list:
-        without the trainer's tracking variables (the agent's credentials go nowhere else either)."""
+    def _outgoing(self, c: ev.AgentCommand) -> ev.AgentCommand:
+        """A generation start as orchd's configuration has it, whenever the core decided it (an outbox entry
+        may predate this run): the model schemes of ``[trainer] model_schemes``, and (``_untracked``) no tracking
+        variables for a server the config does not list."""
         if not isinstance(c, ev.StartGenerationCmd):
             return c
+        c = msgspec.structs.replace(c, model_schemes=scheme_names(self.settings.trainer.model_schemes))
+        return self._untracked(c)
+
+    def _untracked(self, c: ev.StartGenerationCmd) -> ev.StartGenerationCmd:
+        """A generation start whose trainer would log to a tracking server orchd's config does not list:
+        without the trainer's tracking variables (the agent's credentials go nowhere else either)."""
         uri = c.trainer.env.get("MLFLOW_TRACKING_URI")
         if uri is None or self.tracking_gate.refusal(uri) != "server_not_listed":
             return c
@@ -302,7 +311,7 @@ class Executor:
             self.metrics.notice_to_command.observe(max(0.0, time.time() - ts))
 
     async def _send(self, cmd: SendToAgent) -> tuple[CoreEvent, ...]:
-        c = self._untracked(cmd.command)
+        c = self._outgoing(cmd.command)
         subject = ev.subject_command(c.node_id)
         payload = ev.encode(c)
         ds = self.settings.daemon

@@ -49,21 +49,22 @@ async def test_start_on_another_jobs_root_is_refused(tmp_path: Path) -> None:
     assert await root_problem(msgspec.structs.replace(cmd, cluster_id="c2")) is None
 
 
-def test_model_schemes_are_the_nodes_not_the_jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ORCH_MODEL_SCHEMES (where a Hugging Face model or dataset may come from) is set by the node's operator;
-    a job spec's trainer.env cannot widen it, nor set it where the node left the default."""
+def test_model_schemes_are_orchds_not_the_jobs_nor_the_nodes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ORCH_MODEL_SCHEMES (where a Hugging Face model or dataset may come from) is orchd's configuration, carried by
+    the start command: a job spec's trainer.env cannot set or widen it, the agent's own environment is not read,
+    and a start without it (an older orchd's) leaves the trainer's default."""
     import msgspec
 
     cmd = start_cmd("n", ckpt=str(tmp_path))
     spec = msgspec.structs.replace(cmd.trainer, env={contract.ENV_MODEL_SCHEMES: "file,s3,gs,az,hub,builtin"})
     job = msgspec.structs.replace(cmd, trainer=spec)
 
-    def env() -> dict[str, str]:
-        g = RankGroup(cmd=job, work_dir=tmp_path, on_report=lambda rank, report: None,
+    def env(c: object) -> dict[str, str]:
+        g = RankGroup(cmd=c, work_dir=tmp_path, on_report=lambda rank, report: None,
                       on_log=lambda rank, stream, line: None)
         return g._env(_Rank(rank=0, local_rank=0))
 
-    monkeypatch.setenv(contract.ENV_MODEL_SCHEMES, "file")
-    assert env()[contract.ENV_MODEL_SCHEMES] == "file"
-    monkeypatch.delenv(contract.ENV_MODEL_SCHEMES)
-    assert contract.ENV_MODEL_SCHEMES not in env()
+    monkeypatch.setenv(contract.ENV_MODEL_SCHEMES, "s3")  # a node's old setting: no longer read
+    assert env(msgspec.structs.replace(job, model_schemes=("file", "builtin")))[contract.ENV_MODEL_SCHEMES] == \
+        "file,builtin"
+    assert contract.ENV_MODEL_SCHEMES not in env(job)

@@ -186,3 +186,20 @@ def test_every_bad_key_of_file_and_env_in_one_error(tmp_path: Path) -> None:
         "executor.max_attempts: expected an integer, got 'many'",
         "log.level: 'loud' is not one of debug, info, warning, error",
     ])
+
+
+def test_model_schemes_are_a_key_of_orchds_config(tmp_path: Path) -> None:
+    """``[trainer] model_schemes``: a file without it (every stored config before it) loads with every scheme the
+    trainer knows; aliases are accepted; an unknown scheme or an empty list is a problem listed with the others."""
+    old = tmp_path / "old.toml"
+    old.write_text('[daemon]\ntick_s = 2.0\n')
+    assert load_settings(old, env={}).trainer.model_schemes == ("file", "s3", "gs", "az", "hub", "builtin")
+    assert load_settings(None, env={"ORCH_TRAINER__MODEL_SCHEMES": "file,gcs"}).trainer.model_schemes == ("file", "gcs")
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[trainer]\nmodel_schemes = ["file", "ftp", "http"]\n[daemon]\ntick_s = -1\n')
+    with pytest.raises(SettingsError) as e:
+        load_settings(bad, env={})
+    assert "trainer.model_schemes: 'ftp', 'http' not among file, s3, gs, az, hub, builtin" in str(e.value)
+    assert "daemon.tick_s" in str(e.value)
+    with pytest.raises(SettingsError, match="trainer.model_schemes: name at least one of"):
+        load_settings(None, env={"ORCH_TRAINER__MODEL_SCHEMES": ""})

@@ -4,8 +4,9 @@ Role: one resolver for ``trainer.args.model``, ``tokenizer`` and ``dataset``. A 
 used in place; ``s3://``, ``gs://``, ``az://`` (and any fsspec scheme the node allows) are copied into a
 local directory first, through the same fsspec stores as checkpoints (``trainer.storage``, with the job's
 ``storage_options``); a hub id (``org/name``) is handed to transformers / datasets where the hub is
-reachable. Only the schemes in ``ORCH_MODEL_SCHEMES`` (set by the operator on the nodes; default
-``file,s3,gs,az,hub,builtin``) are accepted: a node can be limited to local files with ``ORCH_MODEL_SCHEMES=file``.
+reachable. Only the schemes in ``ORCH_MODEL_SCHEMES`` are accepted: orchd sets it on every generation from its
+configuration (``[trainer] model_schemes``, default ``file,s3,gs,az,hub,builtin``; a job cannot set it), and
+refuses at submit a job whose source shows a scheme outside it (``trainer.contract.model_scheme_problems``).
 """
 
 from __future__ import annotations
@@ -17,9 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from trainer import storage
-from trainer.contract import ENV_MODEL_SCHEMES
+from trainer.contract import ENV_MODEL_SCHEMES, MODEL_SCHEMES, scheme_names, source_scheme
 
-DEFAULT_SCHEMES = "file,s3,gs,az,hub,builtin"
 BUILTIN = "builtin://"  # builtin://NAME: a model config shipped in trainer/hf/configs (NAME.json), e.g. llama-tiny
 CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -39,10 +39,10 @@ class Source:
     scheme: str  # "file", "s3", ..., or "hub"
 
 
-def allowed_schemes(env: dict[str, str] | None = None) -> set[str]:
-    raw = (os.environ if env is None else env).get(ENV_MODEL_SCHEMES) or DEFAULT_SCHEMES
-    out = {storage.SCHEMES.get(s.strip(), s.strip()) for s in raw.split(",") if s.strip()}
-    return out
+def allowed_schemes(env: dict[str, str] | None = None) -> tuple[str, ...]:
+    """orchd's list, as the agent passed it (``ORCH_MODEL_SCHEMES``); unset: every scheme (``MODEL_SCHEMES``)."""
+    raw = (os.environ if env is None else env).get(ENV_MODEL_SCHEMES)
+    return scheme_names(raw.split(",")) if raw else MODEL_SCHEMES
 
 
 def classify(what: str, value: str, *, env: dict[str, str] | None = None) -> Source:
@@ -56,8 +56,7 @@ def classify(what: str, value: str, *, env: dict[str, str] | None = None) -> Sou
             raise SourceError(f"trainer.args.{what}: no built-in config {name!r} (have: {', '.join(names)})")
         src = Source("local", os.path.join(CONFIGS, name + ".json"), "builtin")
     elif "://" in value:
-        raw = value.split("://", 1)[0].lower()
-        scheme = storage.SCHEMES.get(raw, raw)
+        scheme = source_scheme(value) or ""
         src = Source("local", storage.local_path(value), "file") if scheme == "file" else Source("url", value, scheme)
     elif os.path.exists(os.path.expanduser(value)) or value.startswith(("/", ".", "~")):
         src = Source("local", os.path.expanduser(value), "file")
@@ -67,8 +66,8 @@ def classify(what: str, value: str, *, env: dict[str, str] | None = None) -> Sou
         raise SourceError(f"trainer.args.{what}: {value!r} is neither an existing path, a URL nor a hub id")
     allowed = allowed_schemes(env)
     if src.scheme not in allowed:
-        raise SourceError(f"trainer.args.{what}: scheme {src.scheme!r} of {value!r} is not allowed on this node "
-                          f"({ENV_MODEL_SCHEMES}={','.join(sorted(allowed))})")
+        raise SourceError(f"trainer.args.{what}: scheme {src.scheme!r} of {value!r} is not allowed by orchd's "
+                          f"configuration ([trainer] model_schemes = {', '.join(allowed)})")
     if src.kind == "local" and not os.path.exists(src.location):
         raise SourceError(f"trainer.args.{what}: {src.location} does not exist")
     return src
