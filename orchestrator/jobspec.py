@@ -21,7 +21,8 @@ File layout (see config/jobs/*.toml|yaml)::
     deadline_in ("72h", "3d": from the submission, resolved by the caller's ``now``), budget_usd
     [trainer]    command = [...], args = {...} (without a command: the built-in trainer's, checked against
                  trainer.contract.TRAINER_ARGS; with one: passed unchecked), env = {...}, integration = "hf" (the
-                 command is a Hugging Face Trainer script); ``config`` is refused: the built-in trainer reads none
+                 command is a Hugging Face Trainer script or Accelerate loop); ``config`` is refused: the built-in
+                 trainer reads none
     [checkpoint] url (file:// s3:// gs:// az:// abfs://; one job, one root: orchd refuses a url equal to,
                  inside or containing another job's), interval_s, keep, save_s_estimate, replica_every,
                  start_from (a committed checkpoint, e.g. another job's, to resume from; written under url)
@@ -83,7 +84,7 @@ class TrainerTable:
     written for it gets that reason rather than "unknown key"."""
     args: Mapping[str, str | int | float | bool] = field(default_factory=dict)
     env: Mapping[str, str] = field(default_factory=dict)
-    integration: Literal["hf"] | None = None  # the command is a Hugging Face Trainer script (trainer.hf.callback)
+    integration: Literal["hf"] | None = None  # a Hugging Face Trainer script or Accelerate loop (trainer.hf)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -203,11 +203,16 @@ class Session:
         except SystemExit:
             raise
         except BaseException as e:  # every failure must become an exit code
-            print_failure(e)
-            if isinstance(e, (StorageError, CheckpointException)):
-                self._save_failed(e)
-            self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_FAILED,
-                      f"{type(e).__name__}: {e}"[:300])
+            self.fail(e)
+
+    def fail(self, e: BaseException) -> NoReturn:
+        """Exit for a failure of the training loop, with the code ``guard`` gives it (its traceback or the
+        lost peer's line on stderr first)."""
+        print_failure(e)
+        if isinstance(e, (StorageError, CheckpointException)):
+            self._save_failed(e)
+        self.exit(contract.EXIT_PEER_LOST if tdist.is_peer_lost(e) else contract.EXIT_FAILED,
+                  f"{type(e).__name__}: {e}"[:300])
 
     def _save_failed(self, e: BaseException) -> NoReturn:
         """Exit for a failed save or commit: EXIT_PEER_LOST, or EXIT_CHECKPOINT_FAILED with the storage reason
@@ -414,16 +419,23 @@ class Session:
 
     def finish(self) -> None:
         """After the last step: final checkpoint (if a URL is set), ExitReport, exit EXIT_COMPLETED."""
-        if self.ckpt is not None:
-            try:
-                self._finish_pending(None)
-                if self.ckpt.last_committed_step != self.last_step:
-                    res = self.ckpt.save(self.last_step, *self._saved(), reason="final")
-                    self._report_commit(res, emergency=False, reason="final", deadline=None)
-            except (Exception, CheckpointException) as e:  # a failed save or commit: the exit code says which kind
-                print_failure(e)
-                self._save_failed(e)
+        self.save_final()
         self.exit(contract.EXIT_COMPLETED)
+
+    def save_final(self) -> None:
+        """After the last step: the periodic save in flight settled, then the final checkpoint committed (unless
+        the last step already is); returns, so a script can go on (a Trainer's ``train()`` returns, an Accelerate
+        loop saves its model). A failed save or commit exits with the code that says which kind."""
+        if self.ckpt is None:
+            return
+        try:
+            self._finish_pending(None)
+            if self.ckpt.last_committed_step != self.last_step:
+                res = self.ckpt.save(self.last_step, *self._saved(), reason="final")
+                self._report_commit(res, emergency=False, reason="final", deadline=None)
+        except (Exception, CheckpointException) as e:  # a failed save or commit: the exit code says which kind
+            print_failure(e)
+            self._save_failed(e)
 
 
 def print_failure(e: BaseException) -> None:
@@ -433,4 +445,4 @@ def print_failure(e: BaseException) -> None:
         sys.stderr.write(tdist.peer_lost_line(e) + "\n")
         sys.stderr.flush()
     else:
-        traceback.print_exc()
+        traceback.print_exception(e)

@@ -27,8 +27,8 @@ from trainer.launch import free_port, rank_env
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.trainer", "datasets", "tokenizers",
-           "safetensors.torch", "trainer.gpt", "trainer.lib", "trainer.hf.build", "trainer.hf.callback",
-           "trainer.hf.export"]
+           "safetensors.torch", "accelerate", "trainer.gpt", "trainer.lib", "trainer.hf.build", "trainer.hf.callback",
+           "trainer.hf.accelerate", "trainer.hf.export"]
 
 _ctx: Any = None
 

@@ -173,16 +173,7 @@ def spot_train(trainer: Any, **train_kwargs: Any) -> Any:
         if resume is not None:
             trainer._load_from_checkpoint = lambda *a, **k: None  # weights come from the DCP checkpoint
         out = trainer.train(resume_from_checkpoint=resume, **train_kwargs)
-        _final(sess)
+        sess.save_final()
     print(json.dumps({"spot_train": "done", "step": sess.last_step}), flush=True)
     return out
 
-
-def _final(sess: Session) -> None:
-    """The final checkpoint (Session.finish without its exit: the script goes on after train())."""
-    if sess.ckpt is None:
-        return
-    sess._finish_pending(None)
-    if sess.ckpt.last_committed_step != sess.last_step:
-        res = sess.ckpt.save(sess.last_step, *sess._saved(), reason="final")
-        sess._report_commit(res, emergency=False, reason="final", deadline=None)
