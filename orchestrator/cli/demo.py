@@ -44,6 +44,7 @@ from typing import Any
 
 import anyio
 
+from agent.warm import module_of
 from orchestrator.cli import demo_tracking, statedir
 from orchestrator.cli.demo_display import View, format_report, render, status_line
 from orchestrator.cli.demo_job import MODELS, demo_jobspec, missing_extra
@@ -137,10 +138,18 @@ def demo_provider(state_dir: Path, opts: DemoOptions) -> Any:
         metadata={"local-a": "aws", "local-b": "gcp", "local-c": "azure"},
         spot_usd_h={"local-a": 0.92, "local-b": 0.98, "local-c": 1.04},
         prices=opts.prices,
-        agent_args=("--heartbeat-s", "1", "--metadata-poll-s", "0.25", "--sigterm-grace-s", "10", "--warm-ranks", "1"),
+        agent_args=("--heartbeat-s", "1", "--metadata-poll-s", "0.25", "--sigterm-grace-s", "10", "--warm-ranks",
+                    "1" if _runs_warm(opts) else "0"),
         agent_env={"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
         terminate_grace_s=3.0,
     ))
+
+
+def _runs_warm(opts: DemoOptions) -> bool:
+    """Whether the job's ranks can start in the agents' warm processes (``python -m MODULE``: the built-in trainer);
+    a script's command cannot, and a warm process would only compete with its ranks for the CPU."""
+    command = opts.spec.trainer.command if opts.spec is not None else None
+    return not command or module_of(list(command)) is not None
 
 
 # --- the run ----------------------------------------------------------------------------------------

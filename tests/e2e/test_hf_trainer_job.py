@@ -33,10 +33,9 @@ import pytest
 from orchestrator.cli.demo import DemoOptions, run_demo
 from orchestrator.cli.demo_report import compute_report, load_step_logs, sample_order_exact
 from orchestrator.jobspec import parse_jobspec
+from tests.extras import needs
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.anyio, pytest.mark.slow, pytest.mark.timeout(400), needs("transformers", "accelerate")]
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES, BATCH = 120, 2

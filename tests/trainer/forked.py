@@ -7,7 +7,10 @@ process group, exit code and stdout, its environment replaced and its program ru
 as the agent's warm processes do (agent/warm.py). What runs is the same program as ``python -m trainer`` or
 ``python script.py``; only the interpreter start and imports are shared.
 
-``ForkedGeneration`` is ``helpers.Generation`` with forked ranks (same methods, same reports).
+``ForkedGeneration`` is ``helpers.Generation`` with forked ranks (same methods, same reports). ``call(fn, ...)``
+runs a function in such a process and returns its result: the tests' own Hugging Face work (building a model,
+checking an export) runs there, so that the test process never imports transformers a second time. The server
+also does once what every rank would repeat (``tests.trainer.hf_warm``).
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import signal
 import socket
 import sys
 import threading
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 from tests.trainer.helpers import REPO, Generation, Rank
@@ -28,7 +33,7 @@ from trainer.launch import free_port, rank_env
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "transformers",
            "transformers.models.llama.modeling_llama", "transformers.trainer", "datasets", "tokenizers",
            "safetensors.torch", "accelerate", "trainer.gpt", "trainer.lib", "trainer.hf.build", "trainer.hf.callback",
-           "trainer.hf.accelerate", "trainer.hf.export"]
+           "trainer.hf.accelerate", "trainer.hf.export", "tests.trainer.hf_fixtures", "tests.trainer.hf_warm"]
 
 _ctx: Any = None
 
@@ -114,3 +119,30 @@ class ForkedGeneration(Generation):
             rank.reader = threading.Thread(target=self._read, args=(rank,), daemon=True)
             rank.reader.start()
             self.ranks.append(rank)
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], conn: Any) -> None:
+    try:
+        conn.send((True, fn(*args)))
+    except BaseException:  # its traceback goes back to the test
+        conn.send((False, traceback.format_exc()))
+
+
+def call(fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> Any:
+    """``fn(*args)`` (a module-level function; arguments and result picklable) in a process forked from the
+    preloaded server; a failure there fails the test with the child's traceback."""
+    ctx = _context()
+    mine, theirs = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_call, args=(fn, args, theirs), daemon=True)
+    p.start()
+    theirs.close()
+    try:
+        if not mine.poll(timeout):
+            raise AssertionError(f"{fn.__name__} did not return within {timeout} s")
+        ok, value = mine.recv()
+    finally:
+        p.kill()
+        p.join()
+    if not ok:
+        raise AssertionError(f"{fn.__name__} failed in the forked process:\n{value}")
+    return value

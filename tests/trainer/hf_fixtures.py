@@ -1,5 +1,7 @@
 """Files the Hugging Face tests build locally (nothing is downloaded): a tiny Llama saved with
-``save_pretrained`` (safetensors) with a BPE tokenizer trained here, and jsonl / text datasets."""
+``save_pretrained`` (safetensors) with a BPE tokenizer trained here, and jsonl / text datasets; the check of an
+export. What needs transformers runs in a process forked from the tests' fork server (``forked.call``), which has
+it imported already."""
 
 from __future__ import annotations
 
@@ -64,3 +66,29 @@ def llama_config_json(path: Path, vocab_size: int = 256) -> Path:
 
     LlamaConfig(vocab_size=vocab_size, **LLAMA).to_json_file(str(path))
     return path
+
+
+def check_export(ckpt: Path, tmp: Path, initial_dir: Path) -> None:
+    """``python -m trainer.export`` of the job's root writes safetensors whose logits equal those of the trained
+    weights read from the DCP shards by DCP's own converter (not the export's code path), and differ from the
+    initial model's. Asserts; run it in a forked process (``tests.trainer.forked.call``)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.trainer.helpers import flatten, load_checkpoint_tensors
+    from trainer.export import main as export_main
+
+    out = tmp / "export"
+    assert export_main([f"file://{ckpt.parent}", str(out)]) == 0  # the root: its newest committed checkpoint
+    assert (out / "model.safetensors").exists() and not list(out.glob("*.bin"))
+    exported = AutoModelForCausalLM.from_pretrained(str(out), use_safetensors=True).eval()
+    tensors = {k[len("model."):]: v for k, v in flatten(load_checkpoint_tensors(ckpt, tmp / "c.pt")).items()
+               if k.startswith("model.")}
+    reference = AutoModelForCausalLM.from_config(exported.config).eval()
+    reference.load_state_dict(tensors)
+    initial = AutoModelForCausalLM.from_pretrained(str(initial_dir)).eval()
+    ids = AutoTokenizer.from_pretrained(str(out))("The ship and the sea.", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        a, b = exported(ids).logits, reference(ids).logits
+        assert torch.equal(a, b)
+        assert not torch.equal(a, initial(ids).logits)  # the export holds the trained weights, not the initial

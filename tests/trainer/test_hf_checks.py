@@ -10,13 +10,14 @@ import pytest
 
 from agent.ranks import classify
 from orchestrator.jobspec import JobSpecError, load_jobspec, parse_jobspec
+from tests.extras import needs
 from tests.trainer import hf_fixtures
 from tests.trainer.forked import ForkedGeneration
 from tests.trainer.helpers import GPT_CMD, REPO, trainer_env
 from trainer import contract
 from trainer.contract import trainer_args_problems
 
-pytest.importorskip("transformers")
+pytestmark = needs("transformers")
 
 
 def test_submit_lists_every_hf_problem_at_once() -> None:

@@ -9,15 +9,15 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.extras import needs
 from tests.trainer import hf_fixtures
-from tests.trainer.forked import ForkedGeneration
-from tests.trainer.helpers import GPT_CMD, flatten, load_checkpoint_tensors, step_records, trainer_env
+from tests.trainer.forked import ForkedGeneration, call
+from tests.trainer.helpers import GPT_CMD, step_records, trainer_env
 from trainer import contract
 
-pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # real multi-process generations (run in CI too)
+# real multi-process generations (run in CI too)
+pytestmark = [pytest.mark.slow, needs("transformers")]
 
 TOTAL = 8
 
@@ -25,7 +25,7 @@ TOTAL = 8
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("hf")
-    return {"model": hf_fixtures.save_llama(d / "model"), "data": hf_fixtures.write_jsonl(d / "data.jsonl")}
+    return {"model": call(hf_fixtures.save_llama, d / "model"), "data": hf_fixtures.write_jsonl(d / "data.jsonl")}
 
 
 def _args(files: dict[str, Path]) -> dict:
@@ -69,26 +69,5 @@ def test_hf_model_resume_bitwise_reshard_and_export(tmp_path: Path, files: dict[
     assert all(abs(want[s] - got1[s]) <= 1e-4 for s in range(stop + 1, TOTAL + 1)), (got1, want)
     assert len({r.loss for r in step_records(ref / "steps.jsonl")}) > 3  # it trains, not a constant
 
-    _check_export(run / "ckpt" / f"step_{TOTAL:09d}", tmp_path, files["model"])
+    call(hf_fixtures.check_export, run / "ckpt" / f"step_{TOTAL:09d}", tmp_path, files["model"])
 
-
-def _check_export(ckpt: Path, tmp: Path, initial_dir: Path) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from trainer.export import main as export_main
-
-    out = tmp / "export"
-    assert export_main([f"file://{ckpt.parent}", str(out)]) == 0  # the root: its newest committed checkpoint
-    assert (out / "model.safetensors").exists() and not list(out.glob("*.bin"))
-    exported = AutoModelForCausalLM.from_pretrained(str(out), use_safetensors=True).eval()
-    # the trained weights, read from the DCP shards by DCP's own converter (not the export's code path)
-    tensors = {k[len("model."):]: v for k, v in flatten(load_checkpoint_tensors(ckpt, tmp / "c.pt")).items()
-               if k.startswith("model.")}
-    reference = AutoModelForCausalLM.from_config(exported.config).eval()
-    reference.load_state_dict(tensors)
-    initial = AutoModelForCausalLM.from_pretrained(str(initial_dir)).eval()
-    ids = AutoTokenizer.from_pretrained(str(out))("The ship and the sea.", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        a, b = exported(ids).logits, reference(ids).logits
-        assert torch.equal(a, b)
-        assert not torch.equal(a, initial(ids).logits)  # the export holds the trained weights, not the initial

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.extras import needs
 from tests.trainer.forked import ForkedGeneration
 from tests.trainer.helpers import REPO, step_records, trainer_env
 from trainer import contract
 
-pytest.importorskip("transformers")
-pytest.importorskip("accelerate")
-pytestmark = pytest.mark.slow  # real multi-process generations (run in CI too)
+# real multi-process generations (run in CI too)
+pytestmark = [pytest.mark.slow, needs("transformers", "accelerate")]
 
 SAMPLES, BATCH, RANKS = 24, 2, 2
 TOTAL = 2 * SAMPLES // (BATCH * RANKS)  # two full epochs: 12 steps
