@@ -11,12 +11,22 @@ matched on the CUDA device name, no NVML); null on CPU, where there is no meanin
 Output keys: tokens_per_s, mfu, device, plus the configuration measured.
 
 With ``--model`` (the [hf] extra): the same model (same weights, loaded by trainer.hf), the same batch of
-``global_batch x seq_len`` tokens per optimizer step, AdamW, is trained in turns (``--rounds``) by our trainer
-and by ``transformers.Trainer.train()`` (its own loop; a callback timestamps its steps, so its set-up is not
-counted), on the same machine in one run. Each side's tokens/s is the median of its rounds; ``ours_vs_hf`` is
-ours / theirs. Our side runs FSDP2 (gloo on CPU, world size 1); the Trainer runs with ``fsdp="full_shard"``
-when it accepts it here, else without a wrapper (single process: what DDP does at world size 1): the JSON's
-``ours_wrap`` and ``hf_wrap`` say which ran.
+``global_batch x seq_len`` tokens per optimizer step, AdamW, is trained by our trainer and by
+``transformers.Trainer.train()`` (its own loop; a callback timestamps its steps, so its set-up is not counted), on
+the same machine in one run, in ``--rounds`` interleaved pairs (ours then theirs, then theirs then ours, ...) of
+``--steps`` steps each. A pair's two rounds are seconds apart, so each pair's ratio (ours / theirs) sees about the
+same load from other jobs on a shared host; the JSON gives every pair's ratio and their median, of wall time and
+of CPU time (``time.process_time``: this process's CPU, every thread; it does not count the time another job held
+the core), and the load average before and after. ``verdict`` says what the CPU ratios support against the goal
+(0.95x): met or missed in every pair, else inconclusive. On CPU both sides run ``--threads`` (default 1) intra-op
+threads: on an oversubscribed host, more threads spin at barriers waiting for a core, which swung the rounds 4-10x
+and made the CPU time count the spinning.
+
+Parallelism, as the JSON's ``ours_wrap`` / ``hf_wrap`` say: world size 1 (one process) on both sides. Ours is
+FSDP2 (``fully_shard`` per decoder layer, then the root; gloo on CPU: its collectives have one member, so they
+move no data, but parameters are DTensors); the Trainer is asked for ``fsdp="full_shard"`` and runs what
+Accelerate gives it: on CPU a DDP wrapper (Accelerate's multi-CPU mode, a one-member gloo group), on GPU FSDP.
+``--mode ddp`` runs ours under DDP too: the same wrapper as the Trainer's on CPU.
 """
 
 from __future__ import annotations
@@ -49,7 +59,9 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="timed steps (per round with --model)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (compile, allocator)")
-    ap.add_argument("--rounds", type=int, default=3, help="--model: turns of each side")
+    ap.add_argument("--rounds", type=int, default=8, help="--model: interleaved pairs of rounds (one per side)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads (default: 1 with --model on CPU, else torch's own)")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--mode", default="fsdp")
@@ -72,11 +84,16 @@ def trainer_args(a: argparse.Namespace, gpu: bool) -> TrainerArgs:
     )
 
 
-def our_steps(args: TrainerArgs, b: Built, n: int, gpu: bool) -> float:
-    """Seconds for ``n`` optimizer steps of our trainer."""
+def clock() -> tuple[float, float]:
+    """(wall, this process's CPU) seconds."""
+    return time.perf_counter(), time.process_time()
+
+
+def our_steps(args: TrainerArgs, b: Built, n: int, gpu: bool) -> tuple[float, float]:
+    """(wall, CPU) seconds for ``n`` optimizer steps of our trainer."""
     if gpu:
         torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    w0, c0 = clock()
     for _ in range(n):
         b.runner.run()
         _grad_norm(b.model, args.grad_clip)
@@ -85,18 +102,31 @@ def our_steps(args: TrainerArgs, b: Built, n: int, gpu: bool) -> float:
         b.opt.zero_grad(set_to_none=True)
     if gpu:
         torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    w1, c1 = clock()
+    return w1 - w0, c1 - c0
+
+
+def load_avg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 def main() -> None:
     a = parse()
     gpu = torch.cuda.is_available()
+    threads = a.threads or (1 if a.model and not gpu else 0)
+    if threads:  # OMP_NUM_THREADS too: else Accelerate (the Trainer's) sets its own count on CPU
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+    load0 = load_avg()
     args = trainer_args(a, gpu)
     os.environ.pop("ORCH_CKPT_URL", None)
     sess = make_session(args)
     b = build(args, sess)
     warmup = a.warmup if a.warmup is not None else (5 if gpu else 2 if a.model else 1)
-    steps = a.steps if a.steps is not None else (10 if gpu else 20 if a.model else 3)
+    steps = a.steps if a.steps is not None else (10 if gpu or a.model else 3)
     our_steps(args, b, warmup, gpu)
     tokens = args.global_batch * args.seq_len
     peak = sess.peak_flops
@@ -104,7 +134,7 @@ def main() -> None:
     if a.model:
         out = compare(a, args, b, sess, warmup, steps, gpu)
     else:
-        dt = our_steps(args, b, steps, gpu)
+        dt, _ = our_steps(args, b, steps, gpu)
         tps = steps * tokens / dt
         out = {"tokens_per_s": round(tps, 1), "mfu": round(fpt * tps / peak, 4) if peak else None,
                "step_s": round(dt / steps, 4)}
@@ -121,6 +151,7 @@ def main() -> None:
         "max_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if gpu else None,
         "torch": torch.__version__,
         "cpu_threads": torch.get_num_threads(),
+        "load_avg": [load0, load_avg()],
         "args": dataclasses.asdict(args) if not a.json else None,
     })
     print(json.dumps({k: v for k, v in out.items() if v is not None or k.startswith("mfu")}) if a.json else out)
@@ -131,9 +162,9 @@ def main() -> None:
 # --- the same model in a plain Hugging Face Trainer loop -------------------------------------------------
 
 
-def hf_trainer(args: TrainerArgs, sess: Any, gpu: bool, fsdp: bool) -> tuple[Any, list[float]]:
+def hf_trainer(args: TrainerArgs, sess: Any, gpu: bool, fsdp: bool) -> tuple[Any, list[tuple[float, float]]]:
     """A ``transformers.Trainer`` on a fresh copy of the model (trainer.hf's loader: the same weights), on
-    random token windows of the same shape; and the list its callback appends step end times to."""
+    random token windows of the same shape; and the list its callback appends step end (wall, CPU) times to."""
     import datasets
     from transformers import Trainer, TrainerCallback, TrainingArguments, default_data_collator
 
@@ -145,13 +176,13 @@ def hf_trainer(args: TrainerArgs, sess: Any, gpu: bool, fsdp: bool) -> tuple[Any
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (4096, args.seq_len), generator=g).tolist()
     ds = datasets.Dataset.from_dict({"input_ids": ids, "labels": ids})
-    ends: list[float] = []
+    ends: list[tuple[float, float]] = []
 
     class Clock(TrainerCallback):
         def on_step_end(self, *a: Any, **k: Any) -> None:
             if gpu:
                 torch.cuda.synchronize()
-            ends.append(time.perf_counter())
+            ends.append(clock())
 
     layers = sorted(getattr(model, "_no_split_modules", None) or [])  # what our FSDP2 shards one by one
     kw: dict[str, Any] = {"fsdp": "full_shard", "fsdp_config": {"transformer_layer_cls_to_wrap": layers}}
@@ -167,13 +198,15 @@ def hf_trainer(args: TrainerArgs, sess: Any, gpu: bool, fsdp: bool) -> tuple[Any
     return trainer, ends
 
 
-def hf_round(trainer: Any, ends: list[float], warmup: int, steps: int) -> float:
-    """Seconds of ``steps`` Trainer steps after ``warmup`` untimed ones, in one ``train()``."""
+def hf_round(trainer: Any, ends: list[tuple[float, float]], warmup: int, steps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds of ``steps`` Trainer steps after ``warmup`` untimed ones (at least 1), in one
+    ``train()``."""
     ends.clear()
     trainer.args.max_steps = warmup + steps
     with contextlib.redirect_stdout(sys.stderr):  # the Trainer prints its metrics: stdout is the JSON's
         trainer.train()
-    return ends[-1] - ends[warmup - 1] if warmup else ends[-1] - ends[0]
+    (w0, c0), (w1, c1) = ends[warmup - 1], ends[-1]
+    return w1 - w0, c1 - c0
 
 
 def wrapper(model: Any) -> str:
@@ -187,9 +220,22 @@ def wrapper(model: Any) -> str:
     return "ddp" if isinstance(model, DDP) else "none"
 
 
+GOAL = 0.95  # ours / theirs, tokens per second (issue 30)
+
+
+def verdict(ratios: list[float]) -> str:
+    """What the pairs support: the goal met (or missed) in every pair, else nothing."""
+    if min(ratios) >= GOAL:
+        return f"ours >= {GOAL}x the Trainer in every pair"
+    if max(ratios) < GOAL:
+        return f"ours < {GOAL}x the Trainer in every pair"
+    return f"inconclusive: pairs on both sides of {GOAL}x"
+
+
 def compare(a: argparse.Namespace, args: TrainerArgs, b: Built, sess: Any, warmup: int, steps: int,
             gpu: bool) -> dict[str, Any]:
-    """Alternating rounds of our trainer and the Hugging Face Trainer; medians, ratio, MFU (GPU only)."""
+    """Interleaved pairs of rounds of our trainer and the Hugging Face Trainer: per-pair ratios of wall and CPU
+    time, their medians and ranges, medians of each side, MFU (GPU only)."""
     hf_wrap = "asked fsdp"
     try:
         trainer, ends = hf_trainer(args, sess, gpu, fsdp=True)
@@ -200,19 +246,32 @@ def compare(a: argparse.Namespace, args: TrainerArgs, b: Built, sess: Any, warmu
     warm = max(1, warmup)
     hf_round(trainer, ends, warm, 1)
     hf_wrap = f"{wrapper(trainer.model_wrapped)} ({hf_wrap})"
-    tokens = args.global_batch * args.seq_len
-    ours: list[float] = []
-    theirs: list[float] = []
-    for _ in range(a.rounds):
-        ours.append(steps * tokens / our_steps(args, b, steps, gpu))
-        theirs.append(steps * tokens / hf_round(trainer, ends, warm, steps))
-    o, t = statistics.median(ours), statistics.median(theirs)
+    tokens = steps * args.global_batch * args.seq_len
+    pairs: list[dict[str, tuple[float, float]]] = []
+    for i in range(a.rounds):  # ours first in even pairs, theirs first in odd ones: a drift in load cancels
+        pair: dict[str, tuple[float, float]] = {}
+        for side in ("ours", "hf") if i % 2 == 0 else ("hf", "ours"):
+            pair[side] = our_steps(args, b, steps, gpu) if side == "ours" else hf_round(trainer, ends, warm, steps)
+        pairs.append(pair)
+    wall = [p["hf"][0] / p["ours"][0] for p in pairs]  # = ours' tokens/s over theirs
+    cpu = [p["hf"][1] / p["ours"][1] for p in pairs]
+    med = statistics.median
+    o, t = med(tokens / p["ours"][0] for p in pairs), med(tokens / p["hf"][0] for p in pairs)
     peak, fpt = sess.peak_flops, b.cfg.flops_per_token()
     return {
-        "tokens_per_s": round(o, 1), "hf_tokens_per_s": round(t, 1), "ours_vs_hf": round(o / t, 3),
-        "ours_rounds": [round(x, 1) for x in ours], "hf_rounds": [round(x, 1) for x in theirs],
+        "ours_vs_hf": round(med(wall), 3), "ours_vs_hf_range": [round(min(wall), 3), round(max(wall), 3)],
+        "ours_vs_hf_cpu": round(med(cpu), 3), "ours_vs_hf_cpu_range": [round(min(cpu), 3), round(max(cpu), 3)],
+        "verdict": verdict(cpu), "goal": GOAL,
+        "pairs": [{"ours_vs_hf": round(w, 3), "ours_vs_hf_cpu": round(c, 3)} for w, c in zip(wall, cpu, strict=True)],
+        "tokens_per_s": round(o, 1), "hf_tokens_per_s": round(t, 1),
+        "tokens_per_cpu_s": round(med(tokens / p["ours"][1] for p in pairs), 1),
+        "hf_tokens_per_cpu_s": round(med(tokens / p["hf"][1] for p in pairs), 1),
+        "ours_rounds": [round(tokens / p["ours"][0], 1) for p in pairs],
+        "hf_rounds": [round(tokens / p["hf"][0], 1) for p in pairs],
         "mfu": round(fpt * o / peak, 4) if peak else None, "mfu_hf": round(fpt * t / peak, 4) if peak else None,
-        "ours_wrap": args.mode, "hf_wrap": hf_wrap, "rounds": a.rounds, "steps_per_round": steps,
+        "ours_wrap": f"{args.mode} (world size {sess.world_size})",
+        "hf_wrap": f"{hf_wrap}, world size {sess.world_size}",
+        "rounds": a.rounds, "steps_per_round": steps,
         "transformers": __import__("transformers").__version__,
     }
 
