@@ -7,7 +7,9 @@ process group, exit code and stdout, its environment replaced and its program ru
 as the agent's warm processes do (agent/warm.py). What runs is the same program as ``python -m trainer`` or
 ``python script.py``; only the interpreter start and imports are shared.
 
-``ForkedGeneration`` is ``helpers.Generation`` with forked ranks (same methods, same reports). ``call(fn, ...)``
+``ForkedGeneration`` is ``helpers.Generation`` with forked ranks (same methods, same reports);
+``notice_and_resume_elsewhere`` and ``assert_exactly_once`` are the spot job's story the script tests tell with
+them. ``call(fn, ...)``
 runs a function in such a process and returns its result: the tests' own Hugging Face work (building a model,
 checking an export) runs there, so that the test process never imports transformers a second time. The server
 also does once what every rank would repeat (``tests.trainer.hf_warm``).
@@ -16,18 +18,23 @@ also does once what every rank would repeat (``tests.trainer.hf_warm``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import multiprocessing
 import os
 import runpy
+import shutil
 import signal
 import socket
 import sys
 import threading
 import traceback
+from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from tests.trainer.helpers import REPO, Generation, Rank
+from tests.trainer.helpers import REPO, Generation, Rank, step_records, trainer_env
+from trainer import contract
 from trainer.launch import free_port, rank_env
 
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch.distributed.fsdp", "transformers",
@@ -146,3 +153,54 @@ def call(fn: Callable[..., Any], *args: Any, timeout: float = 180.0) -> Any:
     if not ok:
         raise AssertionError(f"{fn.__name__} failed in the forked process:\n{value}")
     return value
+
+
+@dataclasses.dataclass
+class Resumed:
+    """A job noticed on "node A" and resumed on "node B" (``notice_and_resume_elsewhere``)."""
+
+    stop: int  # the step both ranks committed at the notice
+    counted: list[contract.StepRecord]  # the trajectory that counts: gen 0 up to its commit, then gen 1
+    records: list[contract.StepRecord]  # every step either generation logged
+    resumed: ForkedGeneration  # node B's generation, exited
+
+
+def notice_and_resume_elsewhere(cmd: Callable[[Path], list[str]], tmp: Path, ranks: int, total: int, *,
+                                at_step: int, tell: list[int]) -> Resumed:
+    """The job ``cmd(work_dir)`` on ``ranks`` forked ranks in "node A"'s work directory, noticed (only ranks
+    ``tell`` signalled) once rank 0 reported ``at_step``: every rank exits 75 with the same step committed within
+    the notice's deadline to a root outside the node. Node A's directory is deleted; "node B", in another one,
+    resumes from the root alone (``resumed_from`` that step) and finishes."""
+    root = f"file://{tmp / 'store' / 'ckpt'}"
+    node_a, node_b = tmp / "node-a", tmp / "node-b"
+    node_a.mkdir()
+    node_b.mkdir()
+    g = ForkedGeneration(cmd(node_a), ranks, trainer_env(node_a, total_steps=total, args={}, ckpt_url=root))
+    g.wait_step(at_step, timeout=120)
+    g.request_checkpoint(node_a / "control0", ranks=tell, deadline_s=20.0)
+    assert g.wait() == [contract.EXIT_PREEMPTED] * ranks, g.log()
+    stops = [r for r in g.reports(contract.CheckpointReport) if r.emergency]
+    assert len(stops) == ranks and {r.step for r in stops} == {stops[0].step} and at_step <= stops[0].step < total
+    assert all(r.deadline_margin_s is not None and r.deadline_margin_s > 0 for r in stops)  # within the notice
+    stop = stops[0].step
+    records = step_records(node_a / "steps.jsonl")
+    shutil.rmtree(node_a)  # node A is gone with everything it wrote locally
+    b = ForkedGeneration(cmd(node_b), ranks, trainer_env(node_b, total_steps=total, args={}, ckpt_url=root,
+                                                         resume="latest", generation=1))
+    assert b.wait() == [0] * ranks, b.log()
+    assert any(f"resumed_from dir={root}/step_{stop:09d} step={stop}" in ln for ln in b.ranks[0].lines), b.log()
+    records += step_records(node_b / "steps.jsonl")
+    assert [r.step for r in records if r.generation == 0 and r.step > stop] == []  # nothing ran past the stop
+    counted = [r for r in records if (r.generation == 0 and r.step <= stop) or r.generation == 1]
+    return Resumed(stop, counted, records, b)
+
+
+def assert_exactly_once(counted: list[contract.StepRecord], total: int, samples: int, batch: int) -> None:
+    """Every step once per rank, ``batch`` samples each, and over ``total`` steps every sample id (``epoch *
+    samples + index``) once: none twice, none skipped."""
+    steps = Counter((r.step, r.rank) for r in counted)
+    assert sorted({s for s, _ in steps}) == list(range(1, total + 1)) and set(steps.values()) == {1}, steps
+    assert all(len(r.sample_ids) == batch for r in counted)
+    fed = Counter(i for r in counted for i in r.sample_ids)
+    epochs = total * len({r.rank for r in counted}) * batch // samples
+    assert set(fed) == set(range(epochs * samples)) and set(fed.values()) == {1}, fed

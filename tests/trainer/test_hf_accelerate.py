@@ -3,21 +3,18 @@
 ORCH_CKPT_URL; node A's work directory is deleted; "node B", in another work directory, resumes from the checkpoint
 root alone and finishes. Beside them an uninterrupted run of the same job: the trajectory that counts has every
 step once, every sample of both epochs once (the shuffled order replayed across the epoch boundary), and the
-uninterrupted run's losses, bitwise."""
+uninterrupted run's batches and losses, bitwise."""
 
 from __future__ import annotations
 
-import shutil
 import sys
-from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from tests.extras import needs
-from tests.trainer.forked import ForkedGeneration
+from tests.trainer.forked import ForkedGeneration, assert_exactly_once, notice_and_resume_elsewhere
 from tests.trainer.helpers import REPO, step_records, trainer_env
-from trainer import contract
 
 # real multi-process generations (run in CI too)
 pytestmark = [pytest.mark.slow, needs("transformers", "accelerate")]
@@ -29,39 +26,13 @@ CMD = [sys.executable, str(REPO / "examples" / "hf_accelerate" / "train.py"), "-
 
 
 def test_accelerate_loop_noticed_resumed_elsewhere_exactly(tmp_path: Path) -> None:
-    root = f"file://{tmp_path / 'store' / 'ckpt'}"
-    ref, node_a, node_b = tmp_path / "ref", tmp_path / "node-a", tmp_path / "node-b"
-    for d in (ref, node_a, node_b):
-        d.mkdir()
-    g_ref = ForkedGeneration(CMD, RANKS, trainer_env(ref, total_steps=TOTAL, args={}))
-    g = ForkedGeneration(CMD, RANKS, trainer_env(node_a, total_steps=TOTAL, args={}, ckpt_url=root))
-    g.wait_step(2, timeout=120)
-    g.request_checkpoint(node_a / "control0", ranks=[0], deadline_s=20.0)  # one rank told is enough
-    assert g.wait() == [contract.EXIT_PREEMPTED] * RANKS, g.log()
-    (r0, r1) = [r for r in g.reports(contract.CheckpointReport) if r.emergency]
-    assert r0.step == r1.step and 2 <= r0.step < TOTAL
-    assert r0.deadline_margin_s is not None and r0.deadline_margin_s > 0  # committed within the notice
-    records = step_records(node_a / "steps.jsonl")
-    shutil.rmtree(node_a)  # node A is gone with everything it wrote locally
-
-    g = ForkedGeneration(CMD, RANKS, trainer_env(node_b, total_steps=TOTAL, args={}, ckpt_url=root, resume="latest",
-                                                 generation=1))
-    assert g.wait() == [0] * RANKS, g.log()
+    (tmp_path / "ref").mkdir()
+    g_ref = ForkedGeneration(CMD, RANKS, trainer_env(tmp_path / "ref", total_steps=TOTAL, args={}))
+    run = notice_and_resume_elsewhere(lambda work: CMD, tmp_path, RANKS, TOTAL, at_step=2, tell=[0])
     assert g_ref.wait() == [0] * RANKS, g_ref.log()
-    assert any(f"resumed_from dir={root}/step_{r0.step:09d} step={r0.step}" in ln for ln in g.ranks[0].lines), g.log()
-    assert any("DistributedType.MULTI_CPU" in ln for ln in g.ranks[0].lines), g.log()  # Accelerate's own DDP
-    records += step_records(node_b / "steps.jsonl")
-
-    # the trajectory that counts: the generation that committed past a step (gen 0 up to its commit)
-    counted = [r for r in records if (r.generation == 0 and r.step <= r0.step) or r.generation == 1]
-    steps = Counter((r.step, r.rank) for r in counted)
-    assert sorted({s for s, _ in steps}) == list(range(1, TOTAL + 1)) and set(steps.values()) == {1}, steps
-    assert all(len(r.sample_ids) == BATCH for r in counted)
-    fed = Counter(i for r in counted for i in r.sample_ids)
-    assert set(fed) == set(range(2 * SAMPLES)) and set(fed.values()) == {1}, fed  # (epoch, index) exactly once
-    assert [r.step for r in records if r.generation == 0 and r.step > r0.step] == []  # nothing ran past the stop
-
-    want = {(r.step, r.rank): (r.loss, r.sample_ids) for r in step_records(ref / "steps.jsonl")}
-    got = {(r.step, r.rank): (r.loss, r.sample_ids) for r in counted}
+    assert any("DistributedType.MULTI_CPU" in ln for ln in run.resumed.ranks[0].lines), run.resumed.log()  # DDP
+    assert_exactly_once(run.counted, TOTAL, SAMPLES, BATCH)
+    want = {(r.step, r.rank): (r.loss, r.sample_ids) for r in step_records(tmp_path / "ref" / "steps.jsonl")}
+    got = {(r.step, r.rank): (r.loss, r.sample_ids) for r in run.counted}
     assert got == want  # the uninterrupted run's batches in its order, and its losses bitwise
     assert len({loss for loss, _ in want.values()}) > TOTAL // 2  # it trains, not a constant
