@@ -131,7 +131,12 @@ class Gen:
         self.wait()
 
 
-def launch(nodes: list[Node], gen: int, base: dict[str, str], every: int, replica_step: int = 0) -> Gen:
+TRAINER = [sys.executable, "-m", "trainer"]
+BLOCKS = [sys.executable, str(REPO / "benchmarks" / "replica_blocks.py")]
+
+
+def launch(nodes: list[Node], gen: int, base: dict[str, str], every: int, replica_step: int = 0,
+           argv: list[str] = TRAINER) -> Gen:
     port, ws = free_port(), len(nodes)
     g = Gen([])
     for r, node in enumerate(nodes):
@@ -146,7 +151,7 @@ def launch(nodes: list[Node], gen: int, base: dict[str, str], every: int, replic
                         p.ENV_EVERY: str(every)})
             if replica_step:
                 env[p.ENV_STEP] = str(replica_step)
-        proc = subprocess.Popen([sys.executable, "-m", "trainer"], env=env, cwd=REPO, text=True,
+        proc = subprocess.Popen(argv, env=env, cwd=REPO, text=True,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, bufsize=1, start_new_session=True)
         lines: list[str] = []
         times: list[float] = []
@@ -170,42 +175,142 @@ def _env(tmp: Path, args: dict[str, Any], steps: int, ckpt: bool) -> dict[str, s
             contract.ENV_TRAINER_ARGS: json.dumps(args)}
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds the processes used so far (/proc/<pid>/stat; 0 for one already gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14 and 15 of stat)
+    return total
+
+
+def _proc_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class HolderSampler:
+    """Node 0's holder during a run: its bytes every 50 ms."""
+
+    def __init__(self, node: Node) -> None:
+        self.node, self.samples, self.stop = node, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        with self.node.agent() as c:
+            while not self.stop.wait(0.05):
+                self.samples.append(int(c.stats()["bytes"]))
+
+    def close(self, shard: int) -> dict[str, Any]:
+        """In units of one shard (one rank's replica): at rest (the run's last copy certified), the most
+        sampled, the most the holder held at once (its replicas plus the puts under way), its peak RSS."""
+        self.stop.set()
+        self.thread.join()
+        with self.node.agent() as c:
+            stats = c.stats()
+        assert self.node.holder is not None
+        return {"at_rest_x_shard": round(stats["bytes"] / shard, 2),
+                "max_sampled_x_shard": round(max(self.samples, default=0) / shard, 2),
+                "peak_x_shard": round(stats["peak_bytes"] / shard, 2),
+                "peak_rss_bytes": _proc_kb(self.node.holder.pid, "VmHWM"),
+                "rss_at_rest_bytes": _proc_kb(self.node.holder.pid, "VmRSS")}
+
+
+def _bench_steps(lines: list[str]) -> dict[int, dict[str, Any]]:
+    return {int(x["step"]): x for x in (json.loads(line.split(" ", 1)[1]) for line in lines
+                                       if line.startswith("bench_step "))}
+
+
+def _replica_stats(lines: list[str]) -> dict[str, float]:
+    for line in lines:
+        if line.startswith("replica_stats "):
+            return {k: float(v) for k, v in (x.split("=", 1) for x in line.split()[1:])}
+    raise RuntimeError("no replica_stats line:\n" + "\n".join(lines[-20:]))
+
+
+def _spread(xs: list[float]) -> dict[str, Any]:
+    q = statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+    return {"median": round(statistics.median(xs), 4), "p25": round(q[0], 4), "p75": round(q[2], 4),
+            "min": round(min(xs), 4), "max": round(max(xs), 4), "n": len(xs)}
+
+
+def blocks(tmp: Path, a: argparse.Namespace, k: int) -> dict[str, Any]:
+    """One generation of ``a.blocks`` blocks of ``a.block`` steps, without and with replicas every k steps in
+    turn (benchmarks/replica_blocks.py). Each block with replicas is paired with the blocks without on both
+    sides (their mean): its ratio of median step time, and of CPU per step - the ranks' (both threads) plus
+    the holders' (all of it counted against the steps with replicas). The first step of every block is left
+    out (it carries the previous block's last send or none), and so is the first pair (warm-up)."""
+    nodes = [Node(f"n{i}", tmp / f"n{i}").start(1) for i in range(a.nodes)]
+    try:
+        g = launch(nodes, 1, {**_env(tmp, _args(a), a.blocks * a.block, ckpt=False), "BENCH_BLOCK": str(a.block)},
+                   every=k, argv=BLOCKS)
+        sampler = HolderSampler(nodes[0])
+        holders = [n.holder.pid for n in nodes if n.holder is not None]
+        h0 = _cpu_s(holders)
+        codes = g.wait()
+        h1 = _cpu_s(holders)
+        if codes != [0] * a.nodes:
+            raise RuntimeError("\n".join(g.lines[0][-30:]))
+        stats = _replica_stats(g.lines[0])
+        memory = sampler.close(int(stats["region_bytes"]))
+    finally:
+        for n in nodes:
+            n.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+    per_rank = [_bench_steps(x) for x in g.lines]
+    steps = sorted(set.intersection(*(set(x) for x in per_rank)))
+    wall = {s: per_rank[0][s]["wall_s"] for s in steps}
+    cpu = {s: sum(x[s]["cpu_s"] for x in per_rank) for s in steps}
+    on_steps = [s for s in steps if per_rank[0][s]["on"]]
+    holder_per_on_step = (h1 - h0) / max(len(on_steps), 1)
+    groups: dict[int, list[int]] = {}
+    for s in steps:
+        if (s - 1) % a.block:  # not a block's first step
+            groups.setdefault((s - 1) // a.block, []).append(s)
+    r_wall, r_cpu = [], []
+    for b in range(3, a.blocks - 1, 2):  # blocks with replicas (odd), from the second pair on
+        if not all(x in groups for x in (b - 1, b, b + 1)):
+            continue
+        off = [groups[b - 1], groups[b + 1]]
+        base_wall = statistics.mean(statistics.median(wall[s] for s in g_) for g_ in off)
+        base_cpu = statistics.mean(statistics.mean(cpu[s] for s in g_) for g_ in off)
+        r_wall.append(statistics.median(wall[s] for s in groups[b]) / base_wall)
+        r_cpu.append((statistics.mean(cpu[s] for s in groups[b]) + holder_per_on_step) / base_cpu)
+    lags = [r.replica_lag for r in g.steps(0) if r.step in on_steps and (r.step - 1) % a.block >= 2
+            and isinstance(r.replica_lag, int)]
+    return {"overhead": _spread(r_wall), "cpu_overhead": _spread(r_cpu),
+            "step_s_off": round(statistics.median(wall[s] for s in steps if s not in on_steps), 5),
+            "step_s_on": round(statistics.median(wall[s] for s in on_steps), 5),
+            "cpu_per_step_s_off": round(statistics.median(cpu[s] for s in steps if s not in on_steps), 5),
+            "cpu_per_step_s_on": round(statistics.median(cpu[s] for s in on_steps), 5),
+            "holder_cpu_per_step_on_s": round(holder_per_on_step, 5),
+            "holder_cpu_per_copy_s": round(holder_per_on_step * k, 5),
+            "sent": int(stats["sent"]), "skipped": int(stats["skipped"]), "max_lag_on": max(lags, default=0),
+            "capture_ms": round(1e3 * stats["capture_s"] / max(stats["sent"], 1), 3),
+            "send_ms": round(1e3 * stats["send_s"] / max(stats["sent"], 1), 3),
+            "shard_bytes": int(stats["region_bytes"]), "holder": memory}
+
+
 def overhead(tmp: Path, a: argparse.Namespace, ks: list[int]) -> dict[str, Any]:
-    """Step time without replicas and with them every k steps (interleaved rounds); memory and bytes."""
-    times: dict[int, list[float]] = {k: [] for k in [0, *ks]}
+    """The block runs (``blocks``), one per k; the shard and what one copy sends."""
     out: dict[str, Any] = {}
-    for rnd in range(a.rounds):
-        for k in times:
-            run = tmp / f"ovh-{rnd}-{k}"
-            nodes = [Node(f"n{i}", run / f"n{i}").start(1) for i in range(a.nodes)]
-            try:
-                g = launch(nodes, 1, _env(run, _args(a), a.steps, ckpt=False), every=k)
-                if g.wait() != [0] * a.nodes:
-                    raise RuntimeError("\n".join(g.lines[0][-30:]))
-                times[k].append(statistics.median(r.step_time_s for r in g.steps(0)[5:]))
-                if k == ks[0] and rnd == 0:
-                    out.update(_memory(nodes))
-            finally:
-                for n in nodes:
-                    n.stop()
-            shutil.rmtree(run, ignore_errors=True)
-    base = statistics.median(times[0])
-    out["step_s_off"] = round(base, 5)
     for k in ks:
-        out[f"step_s_k{k}"] = round(statistics.median(times[k]), 5)
-        out[f"overhead_k{k}"] = round(statistics.median(times[k]) / base, 4)
-    out["step_s_runs"] = {("off" if k == 0 else f"k{k}"): [round(x, 5) for x in v] for k, v in times.items()}
+        r = blocks(tmp / f"blocks-k{k}", a, k)
+        shard = r.pop("shard_bytes")
+        out[f"overhead_k{k}"] = r.pop("overhead")
+        out[f"cpu_overhead_k{k}"] = r.pop("cpu_overhead")
+        out[f"holder_k{k}"] = r.pop("holder")
+        out[f"replicas_k{k}"] = r
+    copies = 2 if a.nodes > 1 else 1
+    out.update({"shard_bytes": shard, "copies_per_replica": copies, "bytes_per_copy": shard * copies})
     return out
-
-
-def _memory(nodes: list[Node]) -> dict[str, Any]:
-    with nodes[0].agent() as c:
-        stats, inv = c.stats(), c.inventory()
-    shard = stats["bytes"] // max(len(inv), 1)
-    return {"shard_bytes": shard, "copies_per_replica": 2 if len(nodes) > 1 else 1,
-            "bytes_per_copy": shard * (2 if len(nodes) > 1 else 1), "holder_bytes": stats["bytes"],
-            "holder_replicas": len(inv), "holder_over_shard": round(stats["bytes"] / max(shard, 1), 2),
-            "holder_rss_bytes": nodes[0].rss()}
 
 
 def _args(a: argparse.Namespace) -> dict[str, Any]:
@@ -325,17 +430,20 @@ def main() -> None:
     ap.add_argument("--size", default="mini")
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--ks", default="1,4")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--blocks", type=int, default=20, help="blocks of steps, without and with replicas in turn")
+    ap.add_argument("--block", type=int, default=8, help="steps per block")
     ap.add_argument("--ckpt-every", type=int, default=10)
+    ap.add_argument("--no-recovery", action="store_true", help="the overhead and memory only")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="orch-replicas-bench-"))
     t0 = time.monotonic()
     try:
-        out = {"size": a.size, "nodes": a.nodes, "steps": a.steps, "rounds": a.rounds, "cpus": os.cpu_count(),
+        out = {"size": a.size, "nodes": a.nodes, "blocks": a.blocks, "block": a.block, "cpus": os.cpu_count(),
                "load_avg_1m": round(os.getloadavg()[0], 2)}
         out.update(overhead(tmp, a, [int(k) for k in a.ks.split(",")]))
-        out.update(recovery(tmp, a))
+        if not a.no_recovery:
+            out.update(recovery(tmp, a))
+        out["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
         out["wall_s"] = round(time.monotonic() - t0, 1)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -250,6 +250,10 @@ class StepReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="orch", ta
     mfu: float | None = None
     step_time_s: float
     ts: float
+    # A job with shard replicas (trainer.replicas): steps a loss during this step would send back - the step
+    # minus the newest step every rank had finished replicating before it began (k + 1 when copies keep up).
+    # Unset is not encoded.
+    replica_lag: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class CheckpointReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="orch", tag="checkpoint"):

@@ -3,9 +3,9 @@
 Role: turn asynchronous requests into a decision that every rank takes at the *same* step. Signal
 handlers only record the request (CheckpointRequest read from ORCH_CONTROL_DIR, or a synthetic one for
 SIGTERM with deadline now + ORCH_SIGTERM_GRACE_S); at the end of every step each rank contributes its flags
-to one tiny all-reduce (SUM over an 8-element float64 tensor), so all ranks see the same verdict and stop
-after the same step. The same all-reduce carries the loss sum and "my async save is done", so a step costs
-exactly one extra collective.
+to one tiny all-reduce (SUM over a 9-element float64 tensor), so all ranks see the same verdict and stop
+after the same step. The same all-reduce carries the loss sum, "my async save is done" and "my shard
+replica's copy is still in flight" (trainer.replicas), so a step costs exactly one extra collective.
 
 Concurrency: handlers run in the main thread between bytecodes (Python's rule); the only shared state is
 this object's fields, written by the handler and read by the loop in the same thread.
@@ -36,6 +36,7 @@ class Verdict:
     loss_sum: float  # sum over ranks of the contributed loss values
     deadline_ts: float | None  # the earliest deadline among ranks' requests
     world_size: int
+    replicas_done: bool = True  # no rank's shard replica copy is in flight (trainer.replicas)
 
 
 class EmergencyState:
@@ -105,12 +106,13 @@ def agree(
     save_pending: bool = False,
     save_failed: bool = False,
     periodic_due: bool = False,
+    replica_pending: bool = False,
     loss: float = 0.0,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str = "cpu",
 ) -> Verdict:
     """The per-step agreement: one all-reduce (SUM) of
-    [stop, oom, save_pending, loss, deadline, has_deadline, save_failed, periodic_due].
+    [stop, oom, save_pending, loss, deadline, has_deadline, save_failed, periodic_due, replica_pending].
 
     Every rank gets the same stop/oom/saves_done verdict. The deadline is the mean of the ranks' deadlines
     (equal when relayed from one orchd request), capped by the local one; a rank without a request of
@@ -120,7 +122,7 @@ def agree(
     t = torch.tensor(
         [1.0 if req is not None else 0.0, 1.0 if oom else 0.0, 1.0 if save_pending else 0.0, float(loss),
          float(deadline or 0.0), 1.0 if deadline is not None else 0.0, 1.0 if save_failed else 0.0,
-         1.0 if periodic_due else 0.0],
+         1.0 if periodic_due else 0.0, 1.0 if replica_pending else 0.0],
         dtype=torch.float64, device=device,
     )
     ws = 1
@@ -132,4 +134,4 @@ def agree(
     if deadline is not None:
         agreed_deadline = min(deadline, agreed_deadline) if agreed_deadline is not None else deadline
     return Verdict(stop=v[0] > 0, oom=v[1] > 0, saves_done=v[2] == 0, save_failed=v[6] > 0, periodic_due=v[7] > 0,
-                   loss_sum=v[3], deadline_ts=agreed_deadline, world_size=ws)
+                   loss_sum=v[3], deadline_ts=agreed_deadline, world_size=ws, replicas_done=v[8] == 0)

@@ -34,6 +34,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, NoReturn
 
+import msgspec
 import torch
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -186,6 +187,9 @@ class Session:
             c = self.tracker.close(self.tracking_flush_s)
             print(f"tracking_summary logged={c.logged} skipped={c.skipped} lost={c.lost} "
                   f"last_logged_step={self.tracker.last_logged}", flush=True)
+        if self.replicas is not None:  # after the last step the commit in flight may finish (bounded), not else
+            self.replicas.close(wait_s=2.0 if code == contract.EXIT_COMPLETED else 0.0)
+            print(self.replicas.summary(), flush=True)
         self._print(contract.ExitReport(rank=self.rank, generation=self.generation, exit_code=code,
                                         reason=reason or contract.EXIT_REASONS.get(code, "failed"),
                                         last_step=self.last_step, ts=time.time()))
@@ -251,6 +255,8 @@ class Session:
                     print(f"resumed_from dir={chosen} step={extra['step']} saved_world_size={extra['world_size']} "
                           f"world_size={self.world_size}", flush=True)
         self.last_step = start - 1
+        if self.replicas is not None:
+            self.replicas.begin(self.last_step)
         self._t_last = self._last_periodic = time.monotonic()
         return start
 
@@ -295,8 +301,9 @@ class Session:
     def agree(self, *, loss: float, oom: bool = False) -> Verdict:
         pending, failed = self.ckpt.pending_status() if self.ckpt is not None else (False, False)
         due = self.ckpt_interval_s > 0 and time.monotonic() - self._last_periodic >= self.ckpt_interval_s
-        return agree(self.emergency, oom=oom, save_pending=pending, save_failed=failed, periodic_due=due, loss=loss,
-                     device=self.info.device if self.info.is_gpu else "cpu")
+        busy = self.replicas is not None and self.replicas.busy()
+        return agree(self.emergency, oom=oom, save_pending=pending, save_failed=failed, periodic_due=due,
+                     replica_pending=busy, loss=loss, device=self.info.device if self.info.is_gpu else "cpu")
 
     def step_done(self, step: int, *, loss: float, sample_ids: list[int] | tuple[int, ...] = (),
                   grad_norm: float | None = None, tokens: int | None = None,
@@ -320,9 +327,10 @@ class Session:
         mfu = None
         if tps and flops_per_token and self.peak_flops:
             mfu = flops_per_token * tps / (self.peak_flops * self.world_size)
+        lag = self.replicas.lag(step) if self.replicas is not None else msgspec.UNSET
         self._print(contract.StepReport(rank=self.rank, generation=self.generation, step=step, loss=loss_mean,
                                         grad_norm=grad_norm, tokens_per_s=tps, mfu=mfu, step_time_s=dt_s,
-                                        ts=time.time()))
+                                        ts=time.time(), replica_lag=lag))
         if self.tracker is not None:
             m = self._step_metrics
             self._step_metrics = {}
@@ -362,8 +370,9 @@ class Session:
             except (StorageError, OSError, CheckpointException) as e:  # the staging or the extra state's write
                 print_failure(e)
                 self._save_failed(e)
-        if self.replicas is not None and step < self.total_steps and self._model is not None:
-            self.replicas.after_step(step, self._model, self._optimizer, self._extra)
+        if self.replicas is not None and self._model is not None:  # after the last step: certify only
+            self.replicas.after_step(step, self._model, self._optimizer, self._extra,
+                                     all_done=verdict.replicas_done, last=step >= self.total_steps)
 
     def _failed_periodic(self, verdict: Verdict) -> BaseException | None:
         """The failure of the pending periodic save when the agreement says some rank's save failed."""

@@ -44,6 +44,23 @@ def test_versions_keep_the_newest_two_and_a_rerun_drops_later_steps(holder: str)
         assert sorted(x[1] for x in c.inventory() if x[0] == 0) == [2]
 
 
+def test_certified_steps_free_the_older_versions_at_most_two_per_rank(holder: str) -> None:
+    """What a rank's buddy keeps at k = 1: the newest step every rank finished copying, and the one arriving."""
+    body = b"x" * 1000
+    with _rank(holder) as c:
+        c.put(0, 1, 2, body)
+        c.put(1, 1, 2, body)
+        c.put(0, 2, 2, body, certified=1)  # step 1 is complete on every rank: nothing older is needed
+        c.put(1, 2, 2, body, certified=1)
+        assert sorted(c.inventory()) == [(0, 1, 2, 3), (0, 2, 2, 3), (1, 1, 2, 3), (1, 2, 2, 3)]
+        c.put(0, 3, 2, body, certified=2)  # drops step 1 of both ranks before step 3 arrives
+        assert sorted(c.inventory()) == [(0, 2, 2, 3), (0, 3, 2, 3), (1, 2, 2, 3)]
+        assert c.stats()["peak_bytes"] == 4 * len(body)  # 2 ranks x (certified + arriving)
+        assert c.commit(3) == 2 * len(body)  # no put follows at once (k > 1): the commit frees step 2
+        assert sorted(c.inventory()) == [(0, 3, 2, 3)]
+        assert c.stats()["bytes"] == len(body)
+
+
 def test_refused_and_counted_another_job_an_old_generation_a_wrong_key(holder: str) -> None:
     with _agent(holder) as a:
         a.set_generation(4)

@@ -11,12 +11,14 @@ import os
 import socket
 import subprocess
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeAlias
 
 import crc32c
 
 from trainer.replicas import protocol as p
 
+Buffer: TypeAlias = bytes | bytearray | memoryview
 
 def split_addr(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
@@ -60,22 +62,36 @@ class HolderClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, header: dict[str, Any], body: bytes | bytearray | memoryview | None = None) -> dict[str, Any]:
+    def _call(self, header: dict[str, Any], *parts: Buffer) -> dict[str, Any]:
         self.sock.sendall(p.encode_frame(header))
-        if body is not None:
-            self.sock.sendall(body)
+        for part in parts:  # the body, as one or more buffers sent as they are (no concatenation)
+            self.sock.sendall(part)
         reply = p.recv_header(self.sock)
         if reply["op"] == "refused":
             raise p.ProtocolError(f"refused: {str(reply.get('reason'))[:80]}")
         return reply
 
-    def put(self, rank: int, step: int, world_size: int, body: bytes | bytearray | memoryview,
-            crc: int | None = None) -> None:
-        crc = crc32c.crc32c(body) if crc is None else crc
-        reply = self._call({"op": "put", "rank": rank, "step": step, "world_size": world_size,
-                            "nbytes": len(body), "crc": crc}, body)
+    def put(self, rank: int, step: int, world_size: int, body: Buffer | Sequence[Buffer],
+            crc: int | None = None, *, certified: int = 0) -> None:
+        """Put rank ``rank``'s replica of ``step``: ``body`` one buffer or several sent one after the other
+        (their concatenation is the replica). ``certified``: every rank's copy of that step is over (the
+        holder then drops what is older)."""
+        parts = [body] if isinstance(body, (bytes, bytearray, memoryview)) else list(body)
+        if crc is None:
+            crc = 0
+            for part in parts:
+                crc = crc32c.crc32c(part, crc)
+        header = {"op": "put", "rank": rank, "step": step, "world_size": world_size,
+                  "nbytes": sum(memoryview(x).nbytes for x in parts), "crc": crc}
+        if certified:
+            header["certified"] = certified
+        reply = self._call(header, *parts)
         if reply["op"] != "stored":
             raise p.ProtocolError(f"put answered {reply['op']!r}")
+
+    def commit(self, step: int) -> int:
+        """Every rank's copy of ``step`` is over: the holder drops the replicas older than it (bytes freed)."""
+        return int(self._call({"op": "commit", "step": step}).get("freed", 0))
 
     def get(self, rank: int, step: int) -> tuple[bytes, int] | None:
         """(body, world_size) of a complete replica whose CRC32C verifies; None when absent. A replica

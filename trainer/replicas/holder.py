@@ -10,20 +10,33 @@ shard (after a step) into it and into their buddy's holder, and the next generat
 
 Versioned, complete or absent: a replica is (rank, step, world_size, generation, crc32c, bytes). It enters
 the store only once its last byte arrived and its CRC32C matched; a connection that drops in the middle of
-a put leaves nothing. Per rank the newest ``keep`` steps are kept (an older complete one is the fallback
-when the newest turns out unusable); a put of step s drops that rank's replicas above s (another run of the
-same steps, e.g. after a recovery from an older source). Trust: see trainer.replicas.protocol. Every
-refusal is counted (``stats``) and logged on stderr, never fatal.
+a put leaves nothing. A put of step s drops that rank's replicas above s (another run of the same steps,
+e.g. after a recovery from an older source).
 
-Concurrency: one asyncio loop; a replica is installed with one dict assignment after it is complete.
+Memory: at most two versions per rank - the newest one known complete on every rank (``certified``) and
+the one being received. The ranks certify a step when their per-step agreement says every rank's copy of
+it is over; they say so in their next put (``certified``) or, when no put follows at once, in a
+``commit``. Either drops every replica older than the certified step: a replica of a newer step exists for
+every rank wherever it could. Until then the older version is what a node lost in the middle of a copy
+leaves usable on the survivors. ``keep`` (2) caps the versions per rank whatever the ranks say. Each body
+is its own anonymous mapping; a dropped one is kept as the receive buffer of the next put of its size
+(one per rank at most, ``spares``), its pages given back with MADV_FREE (the kernel takes them when it
+needs memory; until then refilling them costs no page fault - on the 2-core VM a fresh mapping made a
+copy's receive about 5x the CPU, benchmarks/replicas.py).
+
+Concurrency: one thread per connection (at most ``MAX_CONNECTIONS``); the bytes arrive with
+``recv_into`` straight into the body's mapping and are checked with CRC32C, both in C without the GIL;
+the store changes under one lock, a replica installed with one dict assignment once complete. Every
+refusal is counted (``stats``) and logged on stderr, never fatal.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
+import mmap
 import os
+import socket
 import sys
 import threading
 from collections import Counter
@@ -34,6 +47,9 @@ import crc32c
 
 from trainer.replicas import protocol as p
 
+MAX_CONNECTIONS = 256
+HANDSHAKE_TIMEOUT_S = 30.0
+
 
 @dataclass(frozen=True, slots=True)
 class Replica:
@@ -42,21 +58,36 @@ class Replica:
     world_size: int
     generation: int
     crc: int
-    body: bytes
+    body: mmap.mmap | bytes
 
 
 class Store:
-    """Replicas of one job: rank -> step -> Replica."""
+    """Replicas of one job: rank -> step -> Replica (the caller holds the holder's lock)."""
 
     def __init__(self, keep: int) -> None:
         self.keep = keep
         self.by_rank: dict[int, dict[int, Replica]] = {}
 
-    def put(self, r: Replica) -> None:
-        steps = {s: x for s, x in self.by_rank.get(r.rank, {}).items() if s < r.step}
+    def put(self, r: Replica) -> list[mmap.mmap | bytes]:
+        """Install ``r``; the bodies it drops (later steps of a rerun, versions past ``keep``)."""
+        old = self.by_rank.get(r.rank, {})
+        steps = {s: x for s, x in old.items() if s < r.step}
         steps[r.step] = r
         newest = sorted(steps)[-self.keep:]
         self.by_rank[r.rank] = {s: steps[s] for s in newest}
+        return [x.body for s, x in old.items() if s not in self.by_rank[r.rank]]
+
+    def certify(self, step: int) -> list[mmap.mmap | bytes]:
+        """Drop every replica older than ``step`` (complete on every rank); the bodies dropped."""
+        dropped = []
+        for rank, steps in list(self.by_rank.items()):
+            keep = {s: x for s, x in steps.items() if s >= step}
+            dropped += [x.body for s, x in steps.items() if s < step]
+            if keep:
+                self.by_rank[rank] = keep
+            else:
+                del self.by_rank[rank]
+        return dropped
 
     def get(self, rank: int, step: int) -> Replica | None:
         return self.by_rank.get(rank, {}).get(step)
@@ -69,6 +100,35 @@ class Store:
         return sum(len(x.body) for steps in self.by_rank.values() for x in steps.values())
 
 
+def _recv_body(sock: socket.socket, body: mmap.mmap) -> mmap.mmap:
+    """Exactly ``len(body)`` bytes into ``body`` (ProtocolError when the peer closes first)."""
+    n = len(body)
+    view = memoryview(body)
+    try:
+        got = 0
+        while got < n:  # MSG_WAITALL: one wake-up for the whole body, not one per segment that arrived
+            k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+            if k == 0:
+                raise p.ProtocolError(f"connection closed after {got} of {n} bytes")
+            got += k
+    finally:
+        view.release()
+    return body
+
+
+def _say_and_close(conn: socket.socket, reply: dict[str, Any]) -> None:
+    """Tell a peer that broke the protocol why, then let it finish sending (up to a second) before the close,
+    so that it reads the reason instead of a reset."""
+    try:
+        conn.sendall(p.encode_frame(reply))
+        conn.shutdown(socket.SHUT_WR)
+        conn.settimeout(1.0)
+        while conn.recv(1 << 16):
+            pass
+    except OSError:
+        pass
+
+
 class Holder:
     def __init__(self, job: str, secret: str, generation: int, *, keep: int = 2, max_bytes: int = 1 << 40,
                  allow_debug: bool = False) -> None:
@@ -76,28 +136,41 @@ class Holder:
         self.store = Store(keep)
         self.max_bytes = max_bytes
         self.allow_debug = allow_debug
+        self.lock = threading.Lock()
         self.refused: Counter[str] = Counter()
         self.served = 0
         self.stored = 0
+        self.dropped = 0  # connections lost (their put under way, if any, is absent)
+        self.receiving = 0  # bytes of puts under way (not in the store yet)
+        self.peak_bytes = 0  # the most the store and the puts under way held at once
+        self.connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.spares: list[mmap.mmap] = []  # dropped bodies kept as receive buffers (at most one per rank)
+
+    def _drop(self, bodies: list[mmap.mmap | bytes]) -> None:
+        """Bodies no longer in the store (the caller holds the lock): the newest few become spares."""
+        for body in bodies:
+            if isinstance(body, mmap.mmap) and len(self.spares) < max(len(self.store.by_rank), 1):
+                body.madvise(mmap.MADV_FREE)
+                self.spares.append(body)
+
+    def _buffer(self, n: int) -> mmap.mmap:
+        """A receive buffer of ``n`` bytes: a spare of that size, else a fresh mapping (the caller holds the lock)."""
+        for i, body in enumerate(self.spares):
+            if len(body) == n:
+                return self.spares.pop(i)
+        return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def refuse(self, reason: str, peer: object) -> dict[str, Any]:
-        self.refused[reason] += 1
+        with self.lock:
+            self.refused[reason] += 1
         sys.stderr.write(json.dumps({"event": "replica_refused", "reason": reason, "peer": str(peer)}) + "\n")
         sys.stderr.flush()
         return {"op": "refused", "reason": reason}
 
-    async def _header(self, reader: asyncio.StreamReader) -> dict[str, Any]:
-        (n,) = p.LEN.unpack(await reader.readexactly(4))
-        if n > p.MAX_HEADER:
-            raise p.ProtocolError(f"header of {n} bytes")
-        return p.decode_header(await reader.readexactly(n))
-
-    async def _auth(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> tuple[str, int] | None:
+    def _auth(self, conn: socket.socket, peer: object) -> tuple[str, int] | None:
         nonce = os.urandom(16).hex()
-        writer.write(p.encode_frame({"op": "hello", "job": self.job, "nonce": nonce}))
-        await writer.drain()
-        h = await self._header(reader)
-        peer = writer.get_extra_info("peername")
+        conn.sendall(p.encode_frame({"op": "hello", "job": self.job, "nonce": nonce}))
+        h = p.recv_header(conn)
         role, job, gen = h.get("role"), h.get("job"), h.get("generation")
         if h["op"] != "auth" or role not in (p.ROLE_RANK, p.ROLE_AGENT) or not isinstance(h.get("cnonce"), str):
             reply = self.refuse("bad_handshake", peer)
@@ -111,98 +184,130 @@ class Holder:
             if not p.same(str(h.get("mac", "")), p.mac(key, "c", nonce, job, gen, role)):
                 reply = self.refuse("bad_mac", peer)
             else:
-                writer.write(p.encode_frame({"op": "ok", "mac": p.mac(key, "s", h["cnonce"], job, gen)}))
-                await writer.drain()
+                conn.sendall(p.encode_frame({"op": "ok", "mac": p.mac(key, "s", h["cnonce"], job, gen)}))
                 return str(role), gen
-        writer.write(p.encode_frame(reply))
-        await writer.drain()
+        conn.sendall(p.encode_frame(reply))
         return None
 
-    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def serve(self, conn: socket.socket, peer: object) -> None:
+        """One connection, until it closes or breaks the protocol (then it is closed)."""
         try:
-            who = await self._auth(reader, writer)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            who = self._auth(conn, peer)
+            conn.settimeout(None)  # a rank's connection idles between its replicas
             while who is not None:
                 try:
-                    h = await self._header(reader)
-                except asyncio.IncompleteReadError:
-                    break
-                reply, body = await self._op(h, who, reader, writer)
-                writer.write(p.encode_frame(reply))
+                    h = p.recv_header(conn)
+                except ConnectionResetError:
+                    break  # a rank that exited (os._exit) between requests: not a fault
+                except p.ProtocolError as e:
+                    if "closed after 0 of" in str(e):
+                        break  # a clean close between requests
+                    raise
+                reply, body = self._op(h, who, conn, peer)
+                conn.sendall(p.encode_frame(reply))
                 if body is not None:
-                    writer.write(body)
-                await writer.drain()
-        except (p.ProtocolError, asyncio.IncompleteReadError, ConnectionError) as e:
-            self.refuse(f"protocol: {type(e).__name__}", writer.get_extra_info("peername"))
+                    conn.sendall(body)
+        except p.ProtocolError as e:
+            reply = self.refuse(f"protocol: {str(e)[:60]}", peer)
+            _say_and_close(conn, reply)
+        except OSError as e:  # the peer went away (a rank's exit, a vanished node): what it was putting is absent
+            with self.lock:
+                self.dropped += 1
+            sys.stderr.write(json.dumps({"event": "replica_connection_lost", "error": type(e).__name__,
+                                         "peer": str(peer)}) + "\n")
         finally:
-            writer.close()
+            conn.close()
+            self.connections.release()
 
-    async def _op(self, h: dict[str, Any], who: tuple[str, int], reader: asyncio.StreamReader,
-                  writer: asyncio.StreamWriter) -> tuple[dict[str, Any], bytes | None]:
+    def _op(self, h: dict[str, Any], who: tuple[str, int], conn: socket.socket,
+            peer: object) -> tuple[dict[str, Any], Any]:
         role, gen = who
-        op, peer = h["op"], writer.get_extra_info("peername")
+        op = h["op"]
         if role == p.ROLE_RANK and gen != self.generation:  # the agent moved on while this connection stayed
             raise p.ProtocolError("stale_generation")
         if op == "put":
-            return await self._put(h, gen, reader, peer), None
+            return self._put(h, gen, conn, peer), None
+        if op == "commit":
+            step = p.int_field(h, "step")
+            with self.lock:
+                dropped = self.store.certify(step)
+                self._drop(dropped)
+            return {"op": "committed", "step": step, "freed": sum(len(x) for x in dropped)}, None
         if op == "get":
-            r = self.store.get(p.int_field(h, "rank"), p.int_field(h, "step"))
+            with self.lock:
+                r = self.store.get(p.int_field(h, "rank"), p.int_field(h, "step"))
+                if r is not None:
+                    self.served += 1
             if r is None:
                 return {"op": "absent"}, None
-            self.served += 1
             return {"op": "data", "nbytes": len(r.body), "crc": r.crc, "world_size": r.world_size,
                     "generation": r.generation, "rank": r.rank, "step": r.step}, r.body
         if op == "list":
-            return {"op": "inventory", "replicas": self.store.inventory(), "generation": self.generation}, None
+            with self.lock:
+                return {"op": "inventory", "replicas": self.store.inventory(), "generation": self.generation}, None
         if op == "stats":
-            return {"op": "stats", "bytes": self.store.nbytes(), "stored": self.stored, "served": self.served,
-                    "refused": dict(self.refused), "generation": self.generation}, None
+            with self.lock:
+                return {"op": "stats", "bytes": self.store.nbytes(), "peak_bytes": self.peak_bytes,
+                        "stored": self.stored, "served": self.served, "refused": dict(self.refused),
+                        "dropped": self.dropped,
+                        "generation": self.generation}, None
         if role == p.ROLE_AGENT and op == "generation":
-            self.generation = max(self.generation, p.int_field(h, "generation"))
-            return {"op": "generation", "generation": self.generation}, None
+            with self.lock:
+                self.generation = max(self.generation, p.int_field(h, "generation"))
+                return {"op": "generation", "generation": self.generation}, None
         if role == p.ROLE_AGENT and op == "corrupt" and self.allow_debug:  # test hook: a bit flip in memory
-            r = self.store.get(p.int_field(h, "rank"), p.int_field(h, "step"))
-            if r is not None:
-                flipped = bytearray(r.body)
-                flipped[len(flipped) // 2] ^= 0x40
-                self.store.by_rank[r.rank][r.step] = Replica(r.rank, r.step, r.world_size, r.generation, r.crc,
-                                                             bytes(flipped))
+            with self.lock:
+                r = self.store.get(p.int_field(h, "rank"), p.int_field(h, "step"))
+                if r is not None:
+                    flipped = bytearray(r.body)
+                    flipped[len(flipped) // 2] ^= 0x40
+                    self.store.by_rank[r.rank][r.step] = Replica(r.rank, r.step, r.world_size, r.generation, r.crc,
+                                                                 bytes(flipped))
             return {"op": "corrupted", "found": r is not None}, None
         return self.refuse(f"bad_op:{str(op)[:20]}", peer), None
 
-    async def _put(self, h: dict[str, Any], gen: int, reader: asyncio.StreamReader, peer: object) -> dict[str, Any]:
+    def _put(self, h: dict[str, Any], gen: int, conn: socket.socket, peer: object) -> dict[str, Any]:
         n = p.int_field(h, "nbytes", 1, self.max_bytes)
         rank, step = p.int_field(h, "rank", 0, 1 << 20), p.int_field(h, "step")
         ws, crc = p.int_field(h, "world_size", 1, 1 << 20), p.int_field(h, "crc", 0, (1 << 32) - 1)
+        certified = p.int_field(h, "certified") if "certified" in h else 0
         if rank >= ws:
             raise p.ProtocolError("rank >= world_size")
-        body = await reader.readexactly(n)  # a peer that vanishes here leaves nothing behind
-        if crc32c.crc32c(body) != crc:
+        with self.lock:
+            if certified:  # before the bytes arrive: at most 2 versions of this rank
+                self._drop(self.store.certify(certified))
+            buf = self._buffer(n)
+            self.receiving += n
+            self.peak_bytes = max(self.peak_bytes, self.store.nbytes() + self.receiving)
+        ok = False
+        try:
+            body = _recv_body(conn, buf)  # a peer that vanishes here leaves nothing behind
+            ok = crc32c.crc32c(body) == crc
+        finally:
+            with self.lock:
+                self.receiving -= n
+                if not ok:
+                    self._drop([buf])
+        if not ok:
             return self.refuse("checksum", peer)
-        self.store.put(Replica(rank, step, ws, gen, crc, body))
-        self.stored += 1
+        with self.lock:
+            self._drop(self.store.put(Replica(rank, step, ws, gen, crc, body)))
+            self.stored += 1
         return {"op": "stored", "rank": rank, "step": step}
 
-
-def _watch_parent(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """stdin EOF (the agent is gone): stop the holder."""
-    for _ in sys.stdin:
-        pass
-    loop.call_soon_threadsafe(stop.set)
-
-
-async def main_async(args: argparse.Namespace) -> None:
-    cfg = json.loads(sys.stdin.readline() or "{}")
-    if not isinstance(cfg.get("job"), str) or not isinstance(cfg.get("secret"), str) or len(cfg["secret"]) < 16:
-        raise SystemExit("holder: stdin must start with {\"job\": ..., \"secret\": (>= 16 chars), \"generation\": ...}")
-    holder = Holder(cfg["job"], cfg["secret"], int(cfg.get("generation", 0)), keep=args.keep,
-                    allow_debug=args.allow_debug)
-    server = await asyncio.start_server(holder.serve, args.bind, args.port, limit=1 << 20)
-    host, port = server.sockets[0].getsockname()[:2]
-    print(json.dumps({"listening": f"{args.advertise or host}:{port}", "pid": os.getpid()}), flush=True)
-    stop = asyncio.Event()
-    threading.Thread(target=_watch_parent, args=(asyncio.get_running_loop(), stop), daemon=True).start()
-    async with server:
-        await stop.wait()
+    def accept_forever(self, server: socket.socket) -> None:
+        while True:
+            try:
+                conn, peer = server.accept()
+            except OSError:
+                return  # the listening socket was closed: the holder is stopping
+            if not self.connections.acquire(blocking=False):
+                conn.close()
+                self.refuse("too_many_connections", peer)
+                continue
+            threading.Thread(target=self.serve, args=(conn, peer), daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -212,7 +317,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--keep", type=int, default=2)
     ap.add_argument("--allow-debug", action="store_true")
-    asyncio.run(main_async(ap.parse_args(argv)))
+    args = ap.parse_args(argv)
+    cfg = json.loads(sys.stdin.readline() or "{}")
+    if not isinstance(cfg.get("job"), str) or not isinstance(cfg.get("secret"), str) or len(cfg["secret"]) < 16:
+        raise SystemExit("holder: stdin must start with {\"job\": ..., \"secret\": (>= 16 chars), \"generation\": ...}")
+    holder = Holder(cfg["job"], cfg["secret"], int(cfg.get("generation", 0)), keep=args.keep,
+                    allow_debug=args.allow_debug)
+    server = socket.create_server((args.bind, args.port), backlog=128)
+    host, port = server.getsockname()[:2]
+    print(json.dumps({"listening": f"{args.advertise or host}:{port}", "pid": os.getpid()}), flush=True)
+    threading.Thread(target=holder.accept_forever, args=(server,), daemon=True).start()
+    for _ in sys.stdin:  # stdin EOF: the agent is gone, so is the holder
+        pass
+    server.close()
 
 
 if __name__ == "__main__":

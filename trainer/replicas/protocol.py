@@ -5,6 +5,11 @@ Role: the one definition the holder (``trainer.replicas.holder``), the ranks' cl
 Frames: a 4-byte big-endian length, a JSON header (msgspec; at most ``MAX_HEADER``), and for ``put`` and
 ``data`` a body of exactly ``nbytes`` bytes after it.
 
+Operations (after the handshake): ``put{rank, step, world_size, nbytes, crc, certified}`` + body ->
+``stored``; ``commit{step}`` -> ``committed`` (``certified`` and ``commit``: every rank's copy of that step
+is over, the holder drops what is older); ``get{rank, step}`` -> ``data`` + body or ``absent``; ``list``
+-> ``inventory``; ``stats``; the agent's ``generation{generation}``; any refusal -> ``refused{reason}``.
+
 Keys. orchd issues one random secret per job (``StartGenerationCmd.replica_secret``, sent on the node's
 own command subject). The agent hands its holder the secret and the ranks only the key of their
 generation, ``generation_key(secret, G) = HMAC-SHA256(secret, "orch-replica-gen|<G>")``: a rank of an
@@ -40,6 +45,7 @@ ENV_HOLDER: Final = "ORCH_REPLICA_HOLDER"  # host:port of this node's holder
 ENV_KEY: Final = "ORCH_REPLICA_KEY"  # hex generation key
 ENV_EVERY: Final = "ORCH_REPLICA_EVERY"  # replicate every k steps (0/unset: off)
 ENV_STEP: Final = "ORCH_REPLICA_STEP"  # resume from this replicated step (orchd's choice), else the durable one
+ENV_BUDDY: Final = "ORCH_REPLICA_BUDDY"  # the node (its node rank) whose holder keeps this node's second copies
 
 
 class ProtocolError(Exception):
@@ -81,7 +87,7 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], min(n - got, 4 << 20))
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)  # one wake-up, not one per segment
         if k == 0:
             raise ProtocolError(f"connection closed after {got} of {n} bytes")
         got += k

@@ -2,11 +2,23 @@
 
 Role: used by trainer.lib.Session when the launcher set ORCH_REPLICA_HOLDER, ORCH_REPLICA_KEY and
 ORCH_REPLICA_EVERY (the agent does for a job with ``[checkpoint] replica_every``). At start every rank
-learns every rank's holder (one ``all_gather_object``); rank r's buddy is the holder of the next node
-(rank ``r + LOCAL_WORLD_SIZE``, around the ring). After every k-th step the training thread copies the
-state into reused host buffers (``snapshot.Stager``) and a background thread serializes it and puts it
-into this node's holder and the buddy's. The next replica waits for the previous one (never two in
-flight, and every rank replicates the same steps): its wait is the only time replicas take from the step.
+learns every rank's holder (one ``all_gather_object``); rank r's buddy is the holder of the node orchd
+named (ORCH_REPLICA_BUDDY: another zone when the job spans zones), else of the next node around the ring,
+the rank of the same local index there.
+
+The copy, off the training's critical path: when a replica is due (k steps after the previous one) the
+training thread copies the state into the reused staging buffer (``snapshot.Stager.capture``: one
+``copy_`` per tensor, a few hundred microseconds for a small model) and a background thread pickles the
+small rest, checksums the buffer and sends it to this node's holder and the buddy's (CRC32C and the
+sockets run in C without the GIL). The training thread never waits for a copy: the per-step agreement
+(trainer.emergency.agree, which every rank runs anyway) carries whether any rank's previous copy is still
+in flight; if so, every rank skips this step's copy alike (``skipped``) and takes the next step's. So the
+steps replicated are the same on every rank, k adapts to the copy time, and the loss bound is over the
+steps actually replicated: ``lag`` - the step in flight minus the newest step every rank had finished
+copying before it began - is k + 1 when each copy ends within a step; each StepReport carries it
+(``replica_lag``) and orchd takes the largest a generation saw into its work at risk
+(orchestrator/core/replicas.py ``max_lost_steps``). The same agreement certifies a step to the holders
+(every rank's copy is over), which then drop what is older: at most two versions per rank there.
 
 Resume (ORCH_REPLICA_STEP = S, orchd's choice): the ranks read the holders' inventories and agree on the
 world size whose replicas of S are complete (this one's when it can, else the largest other one). At the
@@ -20,11 +32,12 @@ with the reason, and orchd chooses again (an older complete replica or the durab
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import crc32c
@@ -44,17 +57,31 @@ class ReplicaUnusable(Exception):
 
 @dataclass
 class ReplicaStats:
-    sent: int = 0
-    failed: int = 0
+    sent: int = 0  # replicas started
+    skipped: int = 0  # due, but some rank's previous copy was still in flight: every rank skipped it
+    failed: int = 0  # copies to a holder that failed (that holder lacks the replica)
     bytes: int = 0
-    wait_s: float = 0.0  # training thread blocked on the previous replica
-    capture_s: float = 0.0  # training thread copying the state
+    capture_s: float = 0.0  # training thread copying the state into the staging buffer
+    send_s: float = 0.0  # background thread: pickle, checksum, sends
+    max_lag: int = 0  # the most steps a loss would have sent back (the step in flight included)
     last_step: int = 0
+    certified: int = 0
     errors: list[str] = field(default_factory=list)
 
 
+def buddy_rank(rank: int, world_size: int, local_world_size: int, buddy_node: int | None) -> int:
+    """The rank whose holder keeps ``rank``'s second copy: the same local rank on ``buddy_node`` (orchd's
+    choice), else on the next node around the ring."""
+    nodes = max(world_size // max(local_world_size, 1), 1)
+    node, local = divmod(rank, max(local_world_size, 1))
+    if buddy_node is None or not 0 <= buddy_node < nodes or buddy_node == node:
+        buddy_node = (node + 1) % nodes
+    return (buddy_node * local_world_size + local) % world_size
+
+
 class Replicator:
-    def __init__(self, info: DistInfo, holder: str, key: bytes, every: int, job: str, generation: int) -> None:
+    def __init__(self, info: DistInfo, holder: str, key: bytes, every: int, job: str, generation: int,
+                 buddy_node: int | None = None) -> None:
         self.info, self.key, self.every, self.job, self.generation = info, key, every, job, generation
         self.holder = holder
         local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
@@ -63,14 +90,15 @@ class Replicator:
             out: list[Any] = [None] * info.world_size
             dist.all_gather_object(out, holder, group=info.ckpt_group)
             self.holders = [str(x) for x in out]
-        buddy_rank = (info.rank + local_ws) % info.world_size
-        buddy = self.holders[buddy_rank]
+        buddy = self.holders[buddy_rank(info.rank, info.world_size, local_ws, buddy_node)]
         self.targets = [holder] + ([buddy] if buddy != holder else [])
         self.stager = snapshot.Stager()
         self.pool = cf.ThreadPoolExecutor(1, thread_name_prefix="replica")
         self.pending: cf.Future[None] | None = None
         self.clients: dict[str, HolderClient] = {}
         self.stats = ReplicaStats()
+        self.started = 0  # the newest step whose replica was started (or the step the generation resumed after)
+        self.certified = 0  # the newest such step every rank had finished copying, at the last agreement
 
     @classmethod
     def from_env(cls, info: DistInfo) -> Replicator | None:
@@ -78,8 +106,10 @@ class Replicator:
                               int(os.environ.get(p.ENV_EVERY, "0") or 0))
         if not holder or not key or every <= 0:
             return None
+        buddy = os.environ.get(p.ENV_BUDDY, "")
         return cls(info, holder, bytes.fromhex(key), every, os.environ.get(contract.ENV_JOB_ID, "job"),
-                   int(os.environ.get(contract.ENV_GENERATION, "0") or 0))
+                   int(os.environ.get(contract.ENV_GENERATION, "0") or 0),
+                   int(buddy) if buddy.strip().isdigit() else None)
 
     def _client(self, addr: str) -> HolderClient:
         c = self.clients.get(addr)
@@ -89,43 +119,93 @@ class Replicator:
 
     # --- copies ------------------------------------------------------------------------------------
 
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
+    def begin(self, resumed_after: int) -> None:
+        """The generation resumed after ``resumed_after`` (0: a fresh start): that state is recoverable from
+        where it came from, so it is the first certified step and the lag counts from it."""
+        self.started = self.certified = resumed_after
+
+    def busy(self) -> bool:
+        """This rank's previous copy is still in flight (the per-step agreement sums it over the ranks)."""
+        return self.pending is not None and not self.pending.done()
+
+    def lag(self, step: int) -> int:
+        """Steps a loss during ``step`` would send back: ``step`` minus the newest step certified before it."""
+        return step - self.certified
 
     def after_step(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                   extra: Callable[[], dict[str, Any]]) -> None:
-        """After step ``step`` (its optimizer step done): start the replica of this step when it is due."""
-        if not self.due(step):
-            return
-        t0 = time.monotonic()
-        if self.pending is not None:
-            self.pending.result()  # the previous replica first: the same steps on every rank, one in flight
-        t1 = time.monotonic()
-        captured = self.stager.capture(model, optimizer, {**extra(), "step": step,
-                                                           "world_size": self.info.world_size,
-                                                           "rank": self.info.rank})
-        t2 = time.monotonic()
-        self.stats.wait_s += t1 - t0
-        self.stats.capture_s += t2 - t1
-        self.pending = self.pool.submit(self._send, step, captured)
+                   extra: Callable[[], dict[str, Any]], *, all_done: bool, last: bool = False) -> None:
+        """After step ``step`` (its optimizer step done). ``all_done``: the step's agreement said no rank's
+        copy was in flight (agreed, so every rank decides alike). Certifies the previous replica, then starts
+        this step's when it is due (skips it when a copy was in flight); ``last``: certify only."""
+        self.stats.max_lag = max(self.stats.max_lag, self.lag(step))
+        if all_done and self.started > self.certified:
+            self.certified = self.stats.certified = self.started
+            certify = self.certified
+        else:
+            certify = 0
+        due = not last and step - self.started >= self.every
+        if due and not all_done:
+            self.stats.skipped += 1
+            due = False
+        if due:
+            t0 = time.monotonic()
+            snap = self.stager.capture(step, model, optimizer, {**extra(), "step": step,
+                                                                "world_size": self.info.world_size,
+                                                                "rank": self.info.rank})
+            self.stats.capture_s += time.monotonic() - t0
+            self.started = step
+            self.pending = self.pool.submit(self._send, snap, certify)
+        elif certify:
+            self.pending = self.pool.submit(self._commit, certify)
 
-    def _send(self, step: int, captured: dict[str, Any]) -> None:
-        body = snapshot.encode(captured)
-        crc = crc32c.crc32c(body)
+    def _each_target(self, what: Callable[[HolderClient], int]) -> None:
         for addr in self.targets:
             try:
-                self._client(addr).put(self.info.rank, step, self.info.world_size, body, crc)
-                self.stats.bytes += len(body)
+                self.stats.bytes += what(self._client(addr))
             except (OSError, p.ProtocolError) as e:  # a buddy gone mid-copy: this replica is absent there
                 self.stats.failed += 1
                 self.stats.errors = (self.stats.errors + [f"{addr}: {type(e).__name__}: {e}"])[-5:]
                 bad = self.clients.pop(addr, None)
                 if bad is not None:
                     bad.close()
-        self.stats.sent += 1
-        self.stats.last_step = step
 
-    def close(self) -> None:
+    def _send(self, snap: snapshot.Snapshot, certified: int) -> None:
+        t0 = time.monotonic()
+        parts = snap.parts()
+        crc = 0
+        for part in parts:
+            crc = crc32c.crc32c(part, crc)
+        n = sum(len(x) for x in parts)
+
+        def put(c: HolderClient) -> int:
+            c.put(self.info.rank, snap.step, self.info.world_size, parts, crc, certified=certified)
+            return n
+
+        self._each_target(put)
+        self.stats.sent += 1
+        self.stats.last_step = snap.step
+        self.stats.send_s += time.monotonic() - t0
+
+    def _commit(self, step: int) -> None:
+        def commit(c: HolderClient) -> int:
+            c.commit(step)
+            return 0  # no replica bytes sent
+
+        self._each_target(commit)
+
+    def summary(self) -> str:
+        """One log line: what the replicas did in this generation (the benchmark and the tests read it)."""
+        s = asdict(self.stats)
+        s.pop("errors")
+        return "replica_stats " + " ".join(f"{k}={round(v, 4) if isinstance(v, float) else v}" for k, v in s.items()) \
+            + f" every={self.every} region_bytes={self.stager.nbytes} rank={self.info.rank}"
+
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop; ``wait_s``: first let the copy or commit in flight finish for up to that long (after the last
+        step, so that the holders keep one version of each rank, not two)."""
+        if wait_s > 0 and self.pending is not None:
+            with contextlib.suppress(cf.TimeoutError):
+                self.pending.result(timeout=wait_s)
         self.pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients.values():
             c.close()
