@@ -224,7 +224,8 @@ class GenerationRunner:
             job_id=JobId(group.job_id), generation=group.generation, exit_code=result.exit_code,
             reason=result.reason, last_step=result.last_step, ts=time.time(),
             last_loss=msgspec.UNSET if group.last_loss is None else group.last_loss, replicas=held,
-            detail=result.detail or msgspec.UNSET))
+            detail=result.detail or msgspec.UNSET,
+            replica_lag_max=msgspec.UNSET if group.replica_lag_max is None else group.replica_lag_max))
         if self.group is group and self.state is not AgentState.DRAINING:
             self.state = AgentState.IDLE
         self.on_emergency_end()

@@ -125,6 +125,7 @@ class RankGroup:
     storage_error: bool = False  # some rank's ExitReport reason is "storage_error: ..."
     spec_error: bool = False  # some rank's ExitReport reason is "spec_error: ..."
     replica_detail: str = ""  # the first ExitReport reason "replica_unusable: ..."
+    replica_lag_max: int | None = None  # the largest StepReport.replica_lag of any rank (trainer.replicas)
     checkpoint_requested: bool = False
     result: GenerationResult | None = None
     done: anyio.Event = field(default_factory=anyio.Event)
@@ -269,6 +270,8 @@ class RankGroup:
         if isinstance(report, contract.StepReport):
             if self.first_step_ts is None:
                 self.first_step_ts = time.time()
+            if isinstance(report.replica_lag, int):
+                self.replica_lag_max = max(self.replica_lag_max or 0, report.replica_lag)
             if report.step >= self.last_step:
                 self.last_step = report.step
                 self.last_loss = report.loss

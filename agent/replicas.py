@@ -4,10 +4,11 @@ Role: the agent's side of the shard replicas (trainer.replicas). For a ``StartGe
 ``replica_secret`` the agent starts (or keeps) one holder process for the job
 (``python -m trainer.replicas.holder``, bound on all interfaces, advertised as ``--advertise-host``), tells
 it the new generation before any rank of that generation starts (the command passed the fencing check),
-and gives the ranks the holder's address, the key of this generation only (never the job's secret), k and
-orchd's replica step. When the ranks exit it asks the holder what it keeps: ``RanksExited.replicas``.
-The holder outlives the ranks (a vanished peer makes them exit 77; their replicas stay) and ends with the
-job on this node, or with the agent (its stdin is the agent's pipe).
+and gives the ranks the holder's address, the key of this generation only (never the job's secret), k,
+orchd's replica step and the node whose holder keeps their second copies (orchd's choice of buddy). When
+the ranks exit it asks the holder what it keeps: ``RanksExited.replicas``. The holder outlives the ranks
+(a vanished peer makes them exit 77; their replicas stay) and ends with the job on this node, or with the
+agent (its stdin is the agent's pipe).
 
 Concurrency: called from the agent's event loop; the blocking socket calls run in worker threads.
 """
@@ -63,6 +64,8 @@ class ReplicaHolder:
                p.ENV_EVERY: str(every)}
         if isinstance(cmd.replica_step, int) and cmd.replica_step > 0:
             env[p.ENV_STEP] = str(cmd.replica_step)
+        if isinstance(cmd.replica_buddy, int) and 0 <= cmd.replica_buddy < cmd.nnodes:
+            env[p.ENV_BUDDY] = str(cmd.replica_buddy)
         return env
 
     def _inventory(self) -> tuple[ReplicaHeld, ...]:

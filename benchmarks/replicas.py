@@ -199,7 +199,8 @@ class HolderSampler:
     """Node 0's holder during a run: its bytes every 50 ms."""
 
     def __init__(self, node: Node) -> None:
-        self.node, self.samples, self.stop = node, [], threading.Event()
+        self.node, self.stop = node, threading.Event()
+        self.samples: list[int] = []
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 

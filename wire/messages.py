@@ -214,6 +214,10 @@ class RanksExited(_Wire, frozen=True, kw_only=True, tag="ranks_exited"):
     # Why, for a ``replica_unusable`` exit: a rank's reason (at most MAX_EXIT_DETAIL characters: which
     # replica, from which holder, what failed), for orchd's audit. Unset is not encoded.
     detail: str | msgspec.UnsetType = msgspec.UNSET
+    # A job with replicas: the most steps a loss during this generation would have sent back on this node's
+    # ranks (the largest StepReport.replica_lag: k + 1 when each copy kept up, more when copies were
+    # skipped). orchd's bound on the work at risk (orchestrator/core/replicas.py). Unset is not encoded.
+    replica_lag_max: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class NodeLeaving(_Wire, frozen=True, kw_only=True, tag="node_leaving"):
@@ -297,6 +301,9 @@ class StartGenerationCmd(_Command, frozen=True, kw_only=True, tag="start_generat
     # set by orchd's executor on every start it sends (never from the job); the agent passes it to the ranks as
     # ORCH_MODEL_SCHEMES. Unset (a start stored or sent by an older orchd): the trainer's default, every scheme.
     model_schemes: tuple[str, ...] | msgspec.UnsetType = msgspec.UNSET
+    # The node (its node_rank) whose holder keeps this node's ranks' second copies: in another zone when the
+    # job spans zones (orchestrator/core/replicas.py ``buddies``); unset: the next node around the ring.
+    replica_buddy: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class StopCmd(_Command, frozen=True, kw_only=True, tag="stop"):

@@ -214,7 +214,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
     resume = job.committed_url if job.committed_url is not None else start_from(job.spec.checkpoint)
     trainer = tracking.trainer_spec(job)  # MLflow's variables for a tracked job
     choice = replicas.choose(job, [m.node_id for m in members], nn * gpn)  # a replica step or the durable one
-    rep = replicas.command_fields(job, choice)
+    buddy = replicas.buddies([m.pool for m in members])  # another zone's node when the job spans zones
     ids = []
     for rank, node in enumerate(members):
         # the generation resumes after its source's step: a member's step starts there again
@@ -236,7 +236,7 @@ def start_generation(tx: Tx, job: Job, members: list[Node]) -> Job:
                 checkpoint_interval_s=interval,
                 trainer=trainer,
                 cluster_id=tx.meta.cluster_id if isinstance(tx.meta.cluster_id, str) else "",
-                **rep,
+                **replicas.command_fields(job, choice, buddy[rank]),
             ),
         )
         ids.append(node.node_id)

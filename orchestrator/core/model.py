@@ -329,6 +329,9 @@ class Job(msgspec.Struct, frozen=True, kw_only=True):
     replica_held: tuple[tuple[str, int, int, int], ...] | msgspec.UnsetType = msgspec.UNSET
     replica_refused: tuple[int, ...] | msgspec.UnsetType = msgspec.UNSET
     replica_step: int | msgspec.UnsetType = msgspec.UNSET
+    # (generation, steps): the most steps a loss would have sent back that the newest reporting generation's
+    # ranks saw (RanksExited.replica_lag_max): k + 1 when copies keep up, more when the ranks skipped copies.
+    replica_lag: tuple[int, int] | msgspec.UnsetType = msgspec.UNSET
     # When (whole seconds) the job moved from on-demand back to spot within the last hour
     # (CoreConfig.spot_returns_per_h bounds them). UNSET (not encoded) for a job that never did.
     spot_returns: tuple[int, ...] | msgspec.UnsetType = msgspec.UNSET

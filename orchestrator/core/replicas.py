@@ -19,6 +19,7 @@ costs: the part of the restart cost r that the policy and the deadline guarantee
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypedDict
@@ -100,20 +101,82 @@ class ReplicaFields(TypedDict, total=False):
     replica_secret: str
     replica_every: int
     replica_step: int
+    replica_buddy: int
 
 
-def command_fields(job: Job, choice: Choice) -> ReplicaFields:
-    """StartGenerationCmd's replica fields: none for a job without replicas (its bytes stay as before)."""
+def command_fields(job: Job, choice: Choice, buddy: int | None = None) -> ReplicaFields:
+    """StartGenerationCmd's replica fields for one node: none for a job without replicas (its bytes stay as
+    before); ``buddy``: the node rank of its buddy (``buddies``)."""
     k = every(job)
     if not k or isinstance(job.replica_secret, msgspec.UnsetType):
         return {}
     fields: ReplicaFields = {"replica_secret": job.replica_secret, "replica_every": k}
     if choice.source == "replica":
         fields["replica_step"] = choice.step
+    if buddy is not None:
+        fields["replica_buddy"] = buddy
     return fields
 
 
 CROSS_ZONE_USD_PER_GB = 0.01  # between zones of one region (AWS, GCP: about 0.01 $/GB each way)
+
+_Zone = tuple[str, str, str]  # (cloud, region, zone): a failure domain
+
+
+def _shift(group: list[int], zone: Sequence[_Zone], out: list[int]) -> None:
+    """Buddies within ``group``: its nodes in (cloud, region, zone) order, each one's buddy the node m places
+    further around (m: the most nodes one zone has). A permutation without fixed points; when no zone holds
+    more than half the group every buddy is in another zone, else only 2m - n of the largest zone's nodes
+    share their buddy's zone (the fewest any permutation can)."""
+    order = sorted(group, key=lambda i: (zone[i], i))
+    m = max(Counter(zone[i] for i in group).values())
+    shift = m if m < len(order) else 1  # one zone: the ring
+    for pos, i in enumerate(order):
+        out[i] = order[(pos + shift) % len(order)]
+
+
+def _spread(group: list[int], zone: Sequence[_Zone]) -> bool:
+    """Every node of ``group`` can have its buddy in another zone: no zone holds more than half of it."""
+    return len(group) >= 2 and 2 * max(Counter(zone[i] for i in group).values()) <= len(group)
+
+
+def buddies(pools: Sequence[PoolKey]) -> list[int]:
+    """For each node of a generation (rank order, by its pool), the node whose holder keeps its ranks' second
+    copies. When the job spans zones, a node in another zone: of the same region first, then of the same
+    cloud, then of another cloud (the egress grows in that order: ``buddy_usd_per_gb``); where the zones
+    cannot give every node another zone (one zone with more than half the nodes), the fewest nodes keep a
+    buddy of their own zone. A job in one zone keeps the ring: node i's buddy is node i + 1.
+
+    Each node is the buddy of exactly one other (a permutation), so a holder keeps its own ranks' shards and
+    one other node's: the memory bound holds wherever the buddies are. Built bottom-up: the nodes of a
+    region spread among its zones when they can; those that cannot take in the spread groups of their
+    cloud (smallest first) until they can, else move up to the cloud, then to the whole job."""
+    n = len(pools)
+    if n < 2:
+        return list(range(n))
+    zone = [(p.cloud, p.region, p.zone) for p in pools]
+    left, done = list(range(n)), []
+    for depth in (2, 1, 0):  # (cloud, region), (cloud,), the whole job
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for i in left:
+            groups.setdefault(zone[i][:depth], []).append(i)
+        left = []
+        for key, group in groups.items():
+            for other in sorted((d for d in done if zone[d[0]][:depth] == key), key=len):
+                if _spread(group, zone):
+                    break
+                done.remove(other)
+                group = group + other
+            if _spread(group, zone):
+                done.append(group)
+            else:
+                left.extend(group)
+    if left:
+        done.append(left)
+    out = list(range(n))
+    for group in done:
+        _shift(group, zone, out)
+    return out
 
 
 def buddy_usd_per_gb(src: PoolKey, dst: PoolKey, cfg: CoreConfig) -> float:
@@ -127,14 +190,15 @@ def buddy_usd_per_gb(src: PoolKey, dst: PoolKey, cfg: CoreConfig) -> float:
 
 def egress_usd_h(job: Job, members: Sequence[Node], cfg: CoreConfig) -> float:
     """$/h of the buddies' copies of a generation on ``members`` (rank order): every k steps each node sends
-    its ranks' shards (the checkpoint's size estimate / nodes) to the next node around the ring, priced by
-    where that node is (another zone, region or cloud; the same zone: free)."""
+    its ranks' shards (the checkpoint's size estimate / nodes) to its buddy (``buddies``), priced by where
+    that node is (another zone, region or cloud; the same zone: free)."""
     k, n = every(job), len(members)
     if not k or n < 2:
         return 0.0
     step_s = job.step_time_s if job.step_time_s else job.spec.step_time_s_estimate
     copies_h = 3600.0 / (k * max(step_s, 1e-3))
-    rate = sum(buddy_usd_per_gb(m.pool, members[(i + 1) % n].pool, cfg) for i, m in enumerate(members))
+    pools = [m.pool for m in members]
+    rate = sum(buddy_usd_per_gb(pools[i], pools[b], cfg) for i, b in enumerate(buddies(pools)))
     return rate * (cfg.checkpoint_gb_estimate / n) * copies_h
 
 
@@ -157,6 +221,10 @@ def note_exit(tx: Tx, job: Job, ev: RanksExited) -> Job:
     """Keep the node's reported replicas (replacing what it reported before); a ``replica_unusable`` exit
     refuses the step the generation tried (the audit entry ``replica_refused``: the cause and the ranks' detail)."""
     changes: dict[str, object] = {}
+    if not isinstance(ev.replica_lag_max, msgspec.UnsetType):
+        gen, lag = job.replica_lag if isinstance(job.replica_lag, tuple) else (-1, 0)
+        if ev.generation > gen or (ev.generation == gen and ev.replica_lag_max > lag):
+            changes["replica_lag"] = (ev.generation, ev.replica_lag_max)
     if not isinstance(ev.replicas, msgspec.UnsetType):
         held = () if isinstance(job.replica_held, msgspec.UnsetType) else job.replica_held
         live = set(job.nodes)
@@ -195,21 +263,29 @@ def expected_lost_work_s(job: Job, step_time_s: float, ckpt_interval_s: float | 
     point, part of the restart cost r).
 
     Without replicas: half the durable checkpoint interval (failures land uniformly between saves). With
-    replicas every k steps: a failure loses the step in flight plus the steps since the last complete
-    replica (bound k + 1 steps, mean about k/2 + 1 with the copy of the last one still in flight), except
-    in the share ``uncovered`` of failures replicas cannot cover (both copies of a shard lost: two
-    neighbours at once, a zone reclaim, the whole job), which fall back to the durable checkpoint."""
+    replicas: a failure loses the step in flight plus the steps since the last complete replica (bound
+    ``max_lost_steps`` = k' + 1 steps, k' the steps between the copies actually made; mean about k'/2 + 1
+    with the copy of the last one still in flight), except in the share ``uncovered`` of failures replicas
+    cannot cover (both copies of a shard lost: a node and its buddy at once, a zone reclaim when the
+    buddies share the zone, the whole job), which fall back to the durable checkpoint."""
     step = max(step_time_s, 0.0)
     durable = 0.5 * ckpt_interval_s if ckpt_interval_s is not None and ckpt_interval_s > 0 else 0.5 * step
-    k = every(job)
-    if not k:
+    bound = max_lost_steps(job)
+    if bound is None:
         return durable
+    k = bound - 1
     replica = min((k / 2 + 1) * step, durable) if durable > 0 else (k / 2 + 1) * step
     share = min(max(uncovered, 0.0), 1.0)
     return (1 - share) * replica + share * durable
 
 
 def max_lost_steps(job: Job) -> int | None:
-    """The bound on steps lost to one node vanishing with replicas (k + 1); None without replicas."""
+    """The bound on steps lost to one node vanishing with replicas; None without replicas. k + 1 when every
+    copy ends within a step; the ranks skip a copy while the previous one is still in flight (so k adapts to
+    the copy time), and the bound is then over the steps actually replicated: the largest lag the newest
+    reporting generation saw (``replica_lag``, from RanksExited), when it is larger."""
     k = every(job)
-    return k + 1 if k else None
+    if not k:
+        return None
+    seen = job.replica_lag[1] if isinstance(job.replica_lag, tuple) else 0
+    return max(k + 1, seen)

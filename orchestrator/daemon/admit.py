@@ -150,7 +150,8 @@ def screen(subject: str, msg: ev.PriceTick | ev.PreemptionNotice | ev.NodeEvent)
         return "bad_value"
     if isinstance(msg, ev.RanksExited) and not (
             _replicas_ok(msg.replicas) and (isinstance(msg.detail, msgspec.UnsetType)
-                                            or len(msg.detail) <= ev.MAX_EXIT_DETAIL)):
+                                            or len(msg.detail) <= ev.MAX_EXIT_DETAIL)
+            and (isinstance(msg.replica_lag_max, msgspec.UnsetType) or 0 <= msg.replica_lag_max <= MAX_STEP)):
         return "bad_value"
     if isinstance(msg, ev.CheckpointCommitted) and not (
             _finite(msg.save_s, hi=MAX_DURATION_S)

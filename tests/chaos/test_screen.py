@@ -69,3 +69,5 @@ def test_a_replica_unusable_exit_says_why_in_bounded_words():
                        ts=1.0, detail="rank 0 step 8: 10.0.0.2:4000: ProtocolError: checksum mismatch")
     assert screen("orch.node.n.event", x) is None
     assert screen("orch.node.n.event", R(x, detail="x" * (ev.MAX_EXIT_DETAIL + 1))) == "bad_value"
+    assert screen("orch.node.n.event", R(x, replica_lag_max=3)) is None  # the ranks' measured loss bound
+    assert screen("orch.node.n.event", R(x, replica_lag_max=-1)) == "bad_value"

@@ -81,8 +81,9 @@ class ReplicaGeneration:
 
 
 def launch(nodes: list[Node], gen: int, env: dict[str, str], every: int = 1,
-           replica_step: int = 0) -> ReplicaGeneration:
-    """One rank per node, rank = the node's index; the node's holder and this generation's key."""
+           replica_step: int = 0, buddies: list[int] | None = None) -> ReplicaGeneration:
+    """One rank per node, rank = the node's index; the node's holder and this generation's key; ``buddies``:
+    orchd's buddy of each node (ORCH_REPLICA_BUDDY), else the ring."""
     port, ws = free_port(), len(nodes)
     key = p.generation_key(SECRET, gen).hex()
     g = ReplicaGeneration()
@@ -96,6 +97,8 @@ def launch(nodes: list[Node], gen: int, env: dict[str, str], every: int = 1,
                     p.ENV_HOLDER: node.addr, p.ENV_KEY: key, p.ENV_EVERY: str(every)}
         if replica_step:
             rank_env[p.ENV_STEP] = str(replica_step)
+        if buddies is not None:
+            rank_env[p.ENV_BUDDY] = str(buddies[r])
         proc = subprocess.Popen(GPT_CMD, env=rank_env, cwd=REPO, text=True, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, bufsize=1, start_new_session=True)
         rank = Rank(proc)

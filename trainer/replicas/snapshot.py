@@ -141,7 +141,7 @@ class Snapshot:
 
     def parts(self) -> tuple[memoryview, bytes, bytes]:
         """The body as three buffers sent one after the other (the head is written into the region)."""
-        region = memoryview(self.region.numpy()).cast("B")
+        region = memoryview(self.region.numpy().data).cast("B")
         _HEAD.pack_into(region, 0, MAGIC, 0, len(region), len(self.static), len(self.dynamic))
         return region, self.static, self.dynamic
 
