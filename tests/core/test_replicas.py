@@ -7,10 +7,10 @@ import msgspec
 import pytest
 
 from orchestrator.core import CoreConfig, State
-from orchestrator.core.model import Job, Node
 from orchestrator.core.commands import SendToAgent
 from orchestrator.core.inputs import JobSubmitted
 from orchestrator.core.lifecycle import start_generation
+from orchestrator.core.model import Job, Node
 from orchestrator.core.replicas import (
     CROSS_ZONE_USD_PER_GB,
     buddies,
@@ -155,7 +155,8 @@ def test_each_node_is_told_its_buddy_and_the_audit_prices_them() -> None:
     drv.register(ids[:4])  # the fifth has not registered yet: no generation
     tx = Tx(drv.state, "test", drv.now)
     zones = ["us-east-1a", "us-east-1b", "us-east-1a", "us-east-1b"]
-    members = [tx.put_node(msgspec.structs.replace(tx.nodes[n], pool=pool(zone=z))) for n, z in zip(ids, zones)]
+    members = [tx.put_node(msgspec.structs.replace(tx.nodes[n], pool=pool(zone=z)))
+               for n, z in zip(ids[:4], zones, strict=True)]
     start_generation(tx, tx.job("j1"), members)
     starts = sorted((c.command for c in tx.cmds if isinstance(c, SendToAgent)
                      and isinstance(c.command, StartGenerationCmd)), key=lambda c: c.node_rank)
@@ -166,3 +167,42 @@ def test_each_node_is_told_its_buddy_and_the_audit_prices_them() -> None:
     drv.register(ids[4:])  # the real path: one zone, the ring
     ring = cmds(drv.decisions[-1], StartGenerationCmd)
     assert sorted((c.node_rank, c.replica_buddy) for c in ring) == [(0, 1), (1, 2), (2, 3), (3, 4), (4, 0)]
+
+
+def test_facts_of_other_nodes_and_ranks_out_of_range_do_not_count() -> None:
+    facts = [("a", 0, 4, 2), ("zz", 1, 4, 2), ("a", 5, 4, 2)]
+    assert newest_complete(facts, ["a", "b"], 2) == ((), "incomplete: step 4 lacks ranks [1]")
+
+
+def _nodes(*where: tuple[str, str, str]) -> list[Node]:
+    return [Node(node_id=NodeId(f"n{i}"), job_id=JobId("j"), pool=pool(cloud=c, region=r, zone=z), pool_name="p",
+                 token="t", phase_ts=0.0, requested_ts=0.0) for i, (c, r, z) in enumerate(where)]
+
+
+def test_the_buddies_egress_is_priced_by_where_each_buddy_is() -> None:
+    cfg = CoreConfig()
+    job = _job(every=2)  # step_time_s_estimate 1.0 s: 1800 copies an hour, each of 20 GB / 3 per node
+    same = _nodes(("aws", "r1", "a"), ("aws", "r1", "a"), ("aws", "r1", "a"))
+    assert egress_usd_h(job, same, cfg) == 0.0 and egress_usd_h(_job(every=None), same, cfg) == 0.0
+    gb_h = cfg.checkpoint_gb_estimate / 3 * 1800
+    # a -> b crosses zones, b -> x crosses clouds, x -> a crosses clouds
+    mixed = _nodes(("aws", "r1", "a"), ("aws", "r1", "b"), ("gcp", "g1", "x"))
+    want = gb_h * (CROSS_ZONE_USD_PER_GB + 2 * cfg.cross_cloud_usd_per_gb)
+    assert egress_usd_h(job, mixed, cfg) == pytest.approx(want)
+    regions = _nodes(("aws", "r1", "a"), ("aws", "r2", "a"))
+    assert egress_usd_h(job, regions, cfg) == pytest.approx(2 * cfg.checkpoint_gb_estimate / 2 * 1800
+                                                             * cfg.cross_region_usd_per_gb)
+
+
+@pytest.mark.parametrize(("detail", "why"), [
+    ("rank 0 step 8: 10.0.0.2:4000: ProtocolError: checksum mismatch in the replica of rank 2 step 8",
+     "checksum_mismatch"),
+    ("rank 1 step 7: old rank 2: 10.0.0.3:4000: ConnectionRefusedError: [Errno 111] Connection refused",
+     "holder_unreachable"),
+    ("rank 0 step 7: 10.0.0.3:4000: TimeoutError: timed out", "holder_unreachable"),
+    ("rank 0 step 7: restore: ValueError: replica of another shard layout: w (4,)", "layout_mismatch"),
+    ("rank 0 step 9: 10.0.0.2:4000: absent; 10.0.0.3:4000: absent", "absent"),
+    ("something else", "replica_unusable"),
+])
+def test_the_audit_names_the_cause_of_a_refused_step(detail: str, why: str) -> None:
+    assert cause(detail) == why
