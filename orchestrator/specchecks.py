@@ -14,7 +14,7 @@ from typing import Literal
 import msgspec
 
 from orchestrator.core.roots import relation
-from trainer.contract import ENV_MODEL_SCHEMES, model_scheme_problems, trainer_args_problems
+from trainer.contract import ENV_INTEGRATION, ENV_MODEL_SCHEMES, model_scheme_problems, trainer_args_problems
 from wire import JobSpec
 from wire.names import BadName, check_key, check_token, is_token
 
@@ -43,11 +43,18 @@ def spec_problems(spec: JobSpec) -> list[str]:
 
 def _trainer_problems(spec: JobSpec) -> list[str]:
     """The built-in trainer's arguments (an empty ``trainer.command``) against its torch-free schema; a job's
-    own command is not checked (its program owns its arguments). No job sets where models may come from."""
+    own command is not checked (its program owns its arguments). No job sets where models may come from.
+    Shard replicas are refused for a Hugging Face Trainer script: ``spot_train`` hands the Trainer the
+    durable checkpoint's step count before any callback runs, so the step orchd chose from the replicas could
+    not be honoured (docs/trainer.md)."""
     p = [] if spec.trainer.command else trainer_args_problems(spec.trainer.args)
     if ENV_MODEL_SCHEMES in spec.trainer.env:
         p.append(f"trainer.env.{ENV_MODEL_SCHEMES}: where models and data may come from is orchd's configuration "
                  "([trainer] model_schemes), never a job's")
+    k = spec.checkpoint.replica_every
+    if isinstance(k, int) and k > 0 and spec.trainer.env.get(ENV_INTEGRATION) == "hf":
+        p.append('checkpoint.replica_every: not with trainer.integration = "hf" (a Trainer script resumes from '
+                 "the durable checkpoint only); leave it out")
     return p
 
 
@@ -110,6 +117,7 @@ _MAGNITUDES: tuple[tuple[str, float, float], ...] = (
     ("checkpoint.interval_s", 1.0, 30 * _DAY_S),
     ("checkpoint.keep", 1, 1000),
     ("checkpoint.save_s_estimate", 1e-3, _DAY_S),
+    ("checkpoint.replica_every", 0, 1_000_000),  # 0: off
     ("price.pause_above_ratio", 1e-3, 1000.0),
     ("price.resume_below_ratio", 1e-3, 1000.0),
     ("price.migrate_min_saving", 0.0, 1.0),

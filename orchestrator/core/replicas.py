@@ -280,12 +280,15 @@ def expected_lost_work_s(job: Job, step_time_s: float, ckpt_interval_s: float | 
 
 
 def max_lost_steps(job: Job) -> int | None:
-    """The bound on steps lost to one node vanishing with replicas; None without replicas. k + 1 when every
-    copy ends within a step; the ranks skip a copy while the previous one is still in flight (so k adapts to
-    the copy time), and the bound is then over the steps actually replicated: the largest lag the newest
-    reporting generation saw (``replica_lag``, from RanksExited), when it is larger."""
+    """The bound on steps lost to one node vanishing with replicas; None without their cover. k + 1 when
+    every copy ends within a step; the ranks skip a copy while the previous one is still in flight (so k
+    adapts to the copy time), and the bound is then over the steps actually replicated: the largest lag the
+    newest reporting generation saw (``replica_lag``, from RanksExited), when it is larger. A job with its
+    own command is covered only once a generation reported that lag (a ``trainer.lib.Session`` script does;
+    a program that ignores the replica variables never does, and keeps the durable checkpoint's bound)."""
     k = every(job)
     if not k:
         return None
-    seen = job.replica_lag[1] if isinstance(job.replica_lag, tuple) else 0
-    return max(k + 1, seen)
+    if not isinstance(job.replica_lag, tuple):
+        return None if job.spec.trainer.command else k + 1
+    return max(k + 1, job.replica_lag[1])

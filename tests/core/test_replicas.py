@@ -25,7 +25,7 @@ from orchestrator.core.replicas import (
 )
 from orchestrator.core.tx import Tx
 from tests.core.harness import Driver, RanksExited, StartGenerationCmd, cmds, pool, price, spec
-from wire import CheckpointPolicy, JobId, JobSpec, NodeId, PoolKey
+from wire import CheckpointPolicy, JobId, JobSpec, NodeId, PoolKey, TrainerSpec
 
 
 def _job(every: int | None = 1, held: tuple = (), refused: tuple = (), committed: int = 0) -> Job:
@@ -108,6 +108,11 @@ def test_the_bound_is_over_the_steps_actually_replicated() -> None:
     assert job.replica_lag == (2, 2) and max_lost_steps(job) == 2
     assert max_lost_steps(fold(_job(every=4), _exited(1, 3))) == 5  # never below k + 1
     assert fold(_job(every=1), _exited(1, None)).replica_lag is msgspec.UNSET
+    # a job's own command: covered once its ranks reported a lag (a Session script), else the durable bound
+    own = msgspec.structs.replace(_job(every=1), spec=msgspec.structs.replace(
+        _job().spec, trainer=TrainerSpec(command=("python", "mine.py"))))
+    assert max_lost_steps(own) is None and expected_lost_work_s(own, 1.0, 900.0) == 450.0
+    assert max_lost_steps(fold(own, _exited(1, 2))) == 2
 
 
 def _pk(cloud: str, region: str, zone: str) -> PoolKey:

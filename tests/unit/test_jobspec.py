@@ -240,3 +240,17 @@ def test_a_relative_deadline_is_resolved_once_with_the_callers_now() -> None:
                                            "deadline_in"):
         parse_jobspec(BASE.replace("[checkpoint]", 'deadline_ts = 1900000000\ndeadline_in = "2h"\n[checkpoint]'),
                       now=1e9)
+
+
+def test_replicas_are_refused_for_a_trainer_script_and_bounded() -> None:
+    """A Hugging Face Trainer script resumes from the durable checkpoint only (spot_train): replicas for it
+    are refused at submit, by orchctl and by orchd alike; a Session script or the built-in trainer keep them."""
+    hf = '[trainer]\ncommand = ["python", "train.py"]\nintegration = "hf"\n'
+    with pytest.raises(JobSpecError) as e:
+        parse_jobspec(BASE + "replica_every = 1\n" + hf)
+    assert [p.split(":")[0] for p in e.value.problems] == ["checkpoint.replica_every"]
+    assert parse_jobspec(BASE + hf).checkpoint.replica_every is msgspec.UNSET
+    own = '[trainer]\ncommand = ["python", "my_session_script.py"]\n'
+    assert parse_jobspec(BASE + "replica_every = 2\n" + own).checkpoint.replica_every == 2
+    wire = msgspec.structs.replace(parse_jobspec(BASE), checkpoint=CheckpointPolicy(url="file:///c", replica_every=-1))
+    assert [p.split(":")[0] for p in spec_problems(wire)] == ["checkpoint.replica_every"]

@@ -138,9 +138,12 @@ class Snapshot:
     region: torch.Tensor  # uint8, the stager's buffer
     static: bytes
     dynamic: bytes
+    copied: Any = None  # a CUDA event after the device-to-host copies (GPU): ``parts`` waits for it
 
     def parts(self) -> tuple[memoryview, bytes, bytes]:
         """The body as three buffers sent one after the other (the head is written into the region)."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the background thread waits for the copies, not the training thread
         region = memoryview(self.region.numpy().data).cast("B")
         _HEAD.pack_into(region, 0, MAGIC, 0, len(region), len(self.static), len(self.dynamic))
         return region, self.static, self.dynamic
@@ -213,10 +216,14 @@ class Stager:
             srcs = [_local(t) for t in objs]
             if len(srcs) != len(self._srcs) or not all(map(operator.is_, srcs, self._srcs)):
                 self._plan(keys, objs, srcs)
+            copied = None
             if srcs:
+                # on a GPU: device-to-host copies into pinned memory, queued on the current stream ahead of the
+                # next step's kernels (which therefore see the state unchanged until they are done)
                 torch._foreach_copy_(self._views, srcs, non_blocking=srcs[0].is_cuda)
                 if srcs[0].is_cuda:
-                    torch.cuda.synchronize()
+                    copied = torch.cuda.Event()
+                    copied.record()
         try:
             dynamic = _pickle({"model_rest": model_rest, "optim": optim, "extra": {**extra, "rng": rng_state()}})
             if self._checked != self.rebuilt:  # once per plan: what a restore could not read fails here, loudly
@@ -225,7 +232,7 @@ class Stager:
         except (ValueError, pickle.PicklingError, AttributeError, TypeError) as e:
             raise TypeError(f"replica state must be plain containers, numbers, strings and tensors: {e}") from e
         assert self._buf is not None
-        return Snapshot(step, self._buf, self._static, dynamic)
+        return Snapshot(step, self._buf, self._static, dynamic, copied)
 
 
 def encode(snap: Snapshot) -> bytes:
