@@ -1,20 +1,30 @@
 """Shard replicas benchmark: what they cost per step, in memory and on the wire, and what they save.
 
-    python benchmarks/replicas.py --json [--size mini] [--nodes 3] [--ks 1,4] [--steps 40] [--rounds 2]
+    python benchmarks/replicas.py --json [--size mini] [--nodes 3] [--ks 1,4] [--blocks 20] [--block 8]
+                                         [--no-recovery]
 
 Real gloo ranks of the built-in GPT (one per node, ``LOCAL_WORLD_SIZE=1``), real holder processes, one
 run. Figures:
 
-  step_s_off / step_s_k<k>   median step time (rank 0's StepReport.step_time_s, first 5 steps skipped)
-                             without replicas and with replicas every k steps; the runs alternate
-                             (off, k1, k2, ..., --rounds times) and each figure is the median of its rounds
-  overhead_k<k>              step_s_k<k> / step_s_off (goal <= 1.05 on CPU)
-  shard_bytes                one replica: one rank's model + optimizer shard and extra state, serialized
-  bytes_per_copy             what one rank sends per replica: shard_bytes to its own holder and to its
-                             buddy's (copies_per_replica = 2 unless the buddy is on the same node)
-  holder_bytes / holder_rss_bytes   per node after the run: the replicas it keeps (its own rank's and its
-                             neighbour's, the newest 2 steps of each) and the holder process's RSS
-  holder_over_shard          holder_bytes / shard_bytes (4 = 2 ranks x 2 versions)
+  overhead_k<k>              the step time with replicas every k steps over the step time without, on a
+                             shared machine: one generation per k runs ``--blocks`` blocks of ``--block``
+                             steps, without and with replicas in turn (benchmarks/replica_blocks.py: the
+                             trainer's own step, only the replicator's k switched), and each block with
+                             replicas is paired with the blocks on both sides of it; median of those
+                             ratios, with p25/p75/min/max and n (goal <= 1.05 on CPU)
+  cpu_overhead_k<k>          the same pairing for the CPU time per step: the ranks' (both threads) plus the
+                             holders' (all of theirs counted against the steps with replicas)
+  replicas_k<k>              step_s_off / step_s_on (median step time), the ranks' CPU per step, the
+                             holders' CPU per step with replicas; sent, skipped (due while a copy was still
+                             in flight), max_lag_on (the bound the ranks measured, k + 1 when copies keep
+                             up), capture_ms (the training thread's copy per replica), send_ms (background)
+  holder_k<k>                node 0's holder in units of one shard: at rest (after the last copy was
+                             certified), its spare receive buffers at rest (pages given back with
+                             MADV_FREE), the most sampled every 50 ms, the most held at once (stored plus
+                             puts under way), and its process's peak and at-rest RSS (about 23 MB of
+                             which is the empty holder)
+  shard_bytes                one replica's tensor region (one rank's model + optimizer shard)
+  bytes_per_copy             what one rank sends per replica: to its own holder and to its buddy's
   recovery_s.<path>          next generation's launch -> its first step done, after one node vanished:
                              replica (same world, the lost shard from its buddy over the network),
                              replica_resharded (the survivors alone, resharding the full world's replicas),
@@ -218,6 +228,7 @@ class HolderSampler:
             stats = c.stats()
         assert self.node.holder is not None
         return {"at_rest_x_shard": round(stats["bytes"] / shard, 2),
+                "spares_at_rest_x_shard": round(stats["spare_bytes"] / shard, 2),
                 "max_sampled_x_shard": round(max(self.samples, default=0) / shard, 2),
                 "peak_x_shard": round(stats["peak_bytes"] / shard, 2),
                 "peak_rss_bytes": _proc_kb(self.node.holder.pid, "VmHWM"),
@@ -292,7 +303,6 @@ def blocks(tmp: Path, a: argparse.Namespace, k: int) -> dict[str, Any]:
             "cpu_per_step_s_off": round(statistics.median(cpu[s] for s in steps if s not in on_steps), 5),
             "cpu_per_step_s_on": round(statistics.median(cpu[s] for s in on_steps), 5),
             "holder_cpu_per_step_on_s": round(holder_per_on_step, 5),
-            "holder_cpu_per_copy_s": round(holder_per_on_step * k, 5),
             "sent": int(stats["sent"]), "skipped": int(stats["skipped"]), "max_lag_on": max(lags, default=0),
             "capture_ms": round(1e3 * stats["capture_s"] / max(stats["sent"], 1), 3),
             "send_ms": round(1e3 * stats["send_s"] / max(stats["sent"], 1), 3),

@@ -19,10 +19,11 @@ it is over; they say so in their next put (``certified``) or, when no put follow
 ``commit``. Either drops every replica older than the certified step: a replica of a newer step exists for
 every rank wherever it could. Until then the older version is what a node lost in the middle of a copy
 leaves usable on the survivors. ``keep`` (2) caps the versions per rank whatever the ranks say. Each body
-is its own anonymous mapping; a dropped one is kept as the receive buffer of the next put of its size
-(one per rank at most, ``spares``), its pages given back with MADV_FREE (the kernel takes them when it
-needs memory; until then refilling them costs no page fault - on the 2-core VM a fresh mapping made a
-copy's receive about 5x the CPU, benchmarks/replicas.py).
+is its own anonymous mapping (its capacity rounded up by at most 1/32, ``capacity``); a dropped one is
+kept as the receive buffer of the next put of that capacity (one per rank at most, ``spares``; never one a
+``get`` is still sending), its pages given back with MADV_FREE: the kernel takes them when it needs memory,
+until then refilling them costs no page fault (on the 2-core VM a fresh mapping made a 3.5 MB receive
+about 2.5x the CPU of a reused one).
 
 Concurrency: one thread per connection (at most ``MAX_CONNECTIONS``); the bytes arrive with
 ``recv_into`` straight into the body's mapping and are checked with CRC32C, both in C without the GIL;
@@ -58,7 +59,19 @@ class Replica:
     world_size: int
     generation: int
     crc: int
-    body: mmap.mmap | bytes
+    buf: mmap.mmap | bytes  # its first ``size`` bytes are the replica (a buffer's capacity is rounded up)
+    size: int
+
+    @property
+    def body(self) -> memoryview:
+        return memoryview(self.buf)[:self.size]
+
+
+def capacity(n: int) -> int:
+    """The size of a receive buffer for a body of ``n`` bytes: rounded up to about 1/32 to 1/64 of it (64 KiB
+    at least), so that bodies whose small pickled part grew or shrank by a few bytes reuse one buffer."""
+    granule = 1 << max(16, n.bit_length() - 6)
+    return -(-n // granule) * granule
 
 
 class Store:
@@ -68,21 +81,21 @@ class Store:
         self.keep = keep
         self.by_rank: dict[int, dict[int, Replica]] = {}
 
-    def put(self, r: Replica) -> list[mmap.mmap | bytes]:
-        """Install ``r``; the bodies it drops (later steps of a rerun, versions past ``keep``)."""
+    def put(self, r: Replica) -> list[Replica]:
+        """Install ``r``; the replicas it drops (later steps of a rerun, versions past ``keep``)."""
         old = self.by_rank.get(r.rank, {})
         steps = {s: x for s, x in old.items() if s < r.step}
         steps[r.step] = r
         newest = sorted(steps)[-self.keep:]
         self.by_rank[r.rank] = {s: steps[s] for s in newest}
-        return [x.body for s, x in old.items() if s not in self.by_rank[r.rank]]
+        return [x for s, x in old.items() if s not in self.by_rank[r.rank]]
 
-    def certify(self, step: int) -> list[mmap.mmap | bytes]:
-        """Drop every replica older than ``step`` (complete on every rank); the bodies dropped."""
+    def certify(self, step: int) -> list[Replica]:
+        """Drop every replica older than ``step`` (complete on every rank); those dropped."""
         dropped = []
         for rank, steps in list(self.by_rank.items()):
             keep = {s: x for s, x in steps.items() if s >= step}
-            dropped += [x.body for s, x in steps.items() if s < step]
+            dropped += [x for s, x in steps.items() if s < step]
             if keep:
                 self.by_rank[rank] = keep
             else:
@@ -97,12 +110,11 @@ class Store:
         return [[x.rank, x.step, x.world_size, x.generation] for steps in self.by_rank.values() for x in steps.values()]
 
     def nbytes(self) -> int:
-        return sum(len(x.body) for steps in self.by_rank.values() for x in steps.values())
+        return sum(x.size for steps in self.by_rank.values() for x in steps.values())
 
 
-def _recv_body(sock: socket.socket, body: mmap.mmap) -> mmap.mmap:
-    """Exactly ``len(body)`` bytes into ``body`` (ProtocolError when the peer closes first)."""
-    n = len(body)
+def _recv_body(sock: socket.socket, body: mmap.mmap, n: int) -> mmap.mmap:
+    """Exactly ``n`` bytes into the start of ``body`` (ProtocolError when the peer closes first)."""
     view = memoryview(body)
     try:
         got = 0
@@ -144,21 +156,25 @@ class Holder:
         self.receiving = 0  # bytes of puts under way (not in the store yet)
         self.peak_bytes = 0  # the most the store and the puts under way held at once
         self.connections = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.spares: list[mmap.mmap] = []  # dropped bodies kept as receive buffers (at most one per rank)
+        self.spares: list[mmap.mmap] = []  # dropped buffers kept for the next receives (at most one per rank)
+        self.lent: Counter[int] = Counter()  # id() of buffers a ``get`` is sending: never recycled meanwhile
 
-    def _drop(self, bodies: list[mmap.mmap | bytes]) -> None:
-        """Bodies no longer in the store (the caller holds the lock): the newest few become spares."""
-        for body in bodies:
-            if isinstance(body, mmap.mmap) and len(self.spares) < max(len(self.store.by_rank), 1):
-                body.madvise(mmap.MADV_FREE)
-                self.spares.append(body)
+    def _drop(self, dropped: list[Replica]) -> None:
+        """Replicas no longer in the store (the caller holds the lock): a few buffers become spares."""
+        for buf in (r.buf for r in dropped):
+            if (isinstance(buf, mmap.mmap) and not self.lent[id(buf)]
+                    and len(self.spares) < max(len(self.store.by_rank), 1)):
+                buf.madvise(mmap.MADV_FREE)
+                self.spares.append(buf)
 
     def _buffer(self, n: int) -> mmap.mmap:
-        """A receive buffer of ``n`` bytes: a spare of that size, else a fresh mapping (the caller holds the lock)."""
-        for i, body in enumerate(self.spares):
-            if len(body) == n:
+        """A receive buffer for ``n`` bytes: a spare of its capacity, else a fresh mapping (the caller holds
+        the lock)."""
+        cap = capacity(n)
+        for i, buf in enumerate(self.spares):
+            if len(buf) == cap:
                 return self.spares.pop(i)
-        return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return mmap.mmap(-1, cap, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def refuse(self, reason: str, peer: object) -> dict[str, Any]:
         with self.lock:
@@ -205,10 +221,17 @@ class Holder:
                     if "closed after 0 of" in str(e):
                         break  # a clean close between requests
                     raise
-                reply, body = self._op(h, who, conn, peer)
-                conn.sendall(p.encode_frame(reply))
-                if body is not None:
-                    conn.sendall(body)
+                reply, lent = self._op(h, who, conn, peer)
+                try:
+                    conn.sendall(p.encode_frame(reply))
+                    if lent is not None:
+                        conn.sendall(lent.body)
+                finally:
+                    if lent is not None:
+                        with self.lock:
+                            self.lent[id(lent.buf)] -= 1
+                            if not self.lent[id(lent.buf)]:
+                                del self.lent[id(lent.buf)]
         except p.ProtocolError as e:
             reply = self.refuse(f"protocol: {str(e)[:60]}", peer)
             _say_and_close(conn, reply)
@@ -222,7 +245,7 @@ class Holder:
             self.connections.release()
 
     def _op(self, h: dict[str, Any], who: tuple[str, int], conn: socket.socket,
-            peer: object) -> tuple[dict[str, Any], Any]:
+            peer: object) -> tuple[dict[str, Any], Replica | None]:
         role, gen = who
         op = h["op"]
         if role == p.ROLE_RANK and gen != self.generation:  # the agent moved on while this connection stayed
@@ -234,22 +257,24 @@ class Holder:
             with self.lock:
                 dropped = self.store.certify(step)
                 self._drop(dropped)
-            return {"op": "committed", "step": step, "freed": sum(len(x) for x in dropped)}, None
+            return {"op": "committed", "step": step, "freed": sum(x.size for x in dropped)}, None
         if op == "get":
             with self.lock:
                 r = self.store.get(p.int_field(h, "rank"), p.int_field(h, "step"))
                 if r is not None:
                     self.served += 1
+                    self.lent[id(r.buf)] += 1  # until serve() sent it (``_sent``)
             if r is None:
                 return {"op": "absent"}, None
-            return {"op": "data", "nbytes": len(r.body), "crc": r.crc, "world_size": r.world_size,
-                    "generation": r.generation, "rank": r.rank, "step": r.step}, r.body
+            return {"op": "data", "nbytes": r.size, "crc": r.crc, "world_size": r.world_size,
+                    "generation": r.generation, "rank": r.rank, "step": r.step}, r
         if op == "list":
             with self.lock:
                 return {"op": "inventory", "replicas": self.store.inventory(), "generation": self.generation}, None
         if op == "stats":
             with self.lock:
                 return {"op": "stats", "bytes": self.store.nbytes(), "peak_bytes": self.peak_bytes,
+                        "spare_bytes": sum(len(x) for x in self.spares),
                         "stored": self.stored, "served": self.served, "refused": dict(self.refused),
                         "dropped": self.dropped,
                         "generation": self.generation}, None
@@ -264,7 +289,7 @@ class Holder:
                     flipped = bytearray(r.body)
                     flipped[len(flipped) // 2] ^= 0x40
                     self.store.by_rank[r.rank][r.step] = Replica(r.rank, r.step, r.world_size, r.generation, r.crc,
-                                                                 bytes(flipped))
+                                                                 bytes(flipped), r.size)
             return {"op": "corrupted", "found": r is not None}, None
         return self.refuse(f"bad_op:{str(op)[:20]}", peer), None
 
@@ -283,17 +308,17 @@ class Holder:
             self.peak_bytes = max(self.peak_bytes, self.store.nbytes() + self.receiving)
         ok = False
         try:
-            body = _recv_body(conn, buf)  # a peer that vanishes here leaves nothing behind
-            ok = crc32c.crc32c(body) == crc
+            body = _recv_body(conn, buf, n)  # a peer that vanishes here leaves nothing behind
+            ok = crc32c.crc32c(memoryview(body)[:n]) == crc
         finally:
             with self.lock:
                 self.receiving -= n
-                if not ok:
-                    self._drop([buf])
+                if not ok and len(self.spares) < max(len(self.store.by_rank), 1):
+                    self.spares.append(buf)  # nothing of it was kept
         if not ok:
             return self.refuse("checksum", peer)
         with self.lock:
-            self._drop(self.store.put(Replica(rank, step, ws, gen, crc, body)))
+            self._drop(self.store.put(Replica(rank, step, ws, gen, crc, body, n)))
             self.stored += 1
         return {"op": "stored", "rank": rank, "step": step}
 
