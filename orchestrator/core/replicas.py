@@ -155,7 +155,8 @@ def buddies(pools: Sequence[PoolKey]) -> list[int]:
     if n < 2:
         return list(range(n))
     zone = [(p.cloud, p.region, p.zone) for p in pools]
-    left, done = list(range(n)), []
+    left: list[int] = list(range(n))
+    done: list[list[int]] = []
     for depth in (2, 1, 0):  # (cloud, region), (cloud,), the whole job
         groups: dict[tuple[str, ...], list[int]] = {}
         for i in left:
