@@ -89,9 +89,9 @@ class HolderClient:
         if reply["op"] != "stored":
             raise p.ProtocolError(f"put answered {reply['op']!r}")
 
-    def commit(self, step: int) -> int:
+    def commit(self, step: int, world_size: int) -> int:
         """Every rank's copy of ``step`` is over: the holder drops the replicas older than it (bytes freed)."""
-        return int(self._call({"op": "commit", "step": step}).get("freed", 0))
+        return int(self._call({"op": "commit", "step": step, "world_size": world_size}).get("freed", 0))
 
     def get(self, rank: int, step: int) -> tuple[bytes, int] | None:
         """(body, world_size) of a complete replica whose CRC32C verifies; None when absent. A replica

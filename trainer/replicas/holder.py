@@ -16,14 +16,15 @@ e.g. after a recovery from an older source).
 Memory: at most two versions per rank - the newest one known complete on every rank (``certified``) and
 the one being received. The ranks certify a step when their per-step agreement says every rank's copy of
 it is over; they say so in their next put (``certified``) or, when no put follows at once, in a
-``commit``. Either drops every replica older than the certified step: a replica of a newer step exists for
-every rank wherever it could. Until then the older version is what a node lost in the middle of a copy
-leaves usable on the survivors. ``keep`` (2) caps the versions per rank whatever the ranks say. Each body
-is its own anonymous mapping (its capacity rounded up by at most 1/32, ``capacity``); a dropped one is
-kept as the receive buffer of the next put of that capacity (one per rank at most, ``spares``; never one a
-``get`` is still sending), its pages given back with MADV_FREE: the kernel takes them when it needs memory,
-until then refilling them costs no page fault (on the 2-core VM a fresh mapping made a 3.5 MB receive
-about 2.5x the CPU of a reused one).
+``commit``. Either drops the replicas older than the certified step of each rank that has it here (a
+replica of it exists for every rank wherever it could), and of the ranks of a larger, older world. Until
+then the older version is what a node lost in the middle of a copy leaves usable on the survivors.
+``keep`` (2) caps the versions per rank whatever the ranks say. Each body is its own anonymous mapping
+(its capacity rounded up to a multiple of 64 KiB, or of 1/32 of it at most when larger: ``capacity``); a
+dropped one is kept as the receive buffer of the next put of that capacity (one per rank at most,
+``spares``; never one a ``get`` is still sending), its pages given back with MADV_FREE: the kernel takes
+them when it needs memory, until then refilling them costs no page fault (on the 2-core VM a fresh
+mapping made a 3.5 MB receive about 2.5x the CPU of a reused one).
 
 Concurrency: one thread per connection (at most ``MAX_CONNECTIONS``); the bytes arrive with
 ``recv_into`` straight into the body's mapping and are checked with CRC32C, both in C without the GIL;
@@ -68,8 +69,9 @@ class Replica:
 
 
 def capacity(n: int) -> int:
-    """The size of a receive buffer for a body of ``n`` bytes: rounded up to about 1/32 to 1/64 of it (64 KiB
-    at least), so that bodies whose small pickled part grew or shrank by a few bytes reuse one buffer."""
+    """The size of a receive buffer for a body of ``n`` bytes: rounded up to a multiple of a granule of 1/64
+    to 1/32 of it (64 KiB at least), so that bodies whose small pickled part grew or shrank by a few bytes
+    reuse one buffer."""
     granule = 1 << max(16, n.bit_length() - 6)
     return -(-n // granule) * granule
 
@@ -90,10 +92,15 @@ class Store:
         self.by_rank[r.rank] = {s: steps[s] for s in newest}
         return [x for s, x in old.items() if s not in self.by_rank[r.rank]]
 
-    def certify(self, step: int) -> list[Replica]:
-        """Drop every replica older than ``step`` (complete on every rank); those dropped."""
+    def certify(self, step: int, world_size: int) -> list[Replica]:
+        """Every rank's copy of ``step`` is over (in a world of ``world_size`` ranks): drop what is older of
+        each rank this holder has ``step`` or newer of, and of the ranks of a larger old world (ranks >=
+        ``world_size``: a resharded resume left them); a rank whose copy of ``step`` did not arrive here
+        keeps what it has. Those dropped."""
         dropped = []
         for rank, steps in list(self.by_rank.items()):
+            if rank < world_size and max(steps) < step:
+                continue
             keep = {s: x for s, x in steps.items() if s >= step}
             dropped += [x for s, x in steps.items() if s < step]
             if keep:
@@ -253,9 +260,9 @@ class Holder:
         if op == "put":
             return self._put(h, gen, conn, peer), None
         if op == "commit":
-            step = p.int_field(h, "step")
+            step, ws = p.int_field(h, "step"), p.int_field(h, "world_size", 1, 1 << 20)
             with self.lock:
-                dropped = self.store.certify(step)
+                dropped = self.store.certify(step, ws)
                 self._drop(dropped)
             return {"op": "committed", "step": step, "freed": sum(x.size for x in dropped)}, None
         if op == "get":
@@ -302,7 +309,7 @@ class Holder:
             raise p.ProtocolError("rank >= world_size")
         with self.lock:
             if certified:  # before the bytes arrive: at most 2 versions of this rank
-                self._drop(self.store.certify(certified))
+                self._drop(self.store.certify(certified, ws))
             buf = self._buffer(n)
             self.receiving += n
             self.peak_bytes = max(self.peak_bytes, self.store.nbytes() + self.receiving)

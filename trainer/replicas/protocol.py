@@ -6,7 +6,7 @@ Frames: a 4-byte big-endian length, a JSON header (msgspec; at most ``MAX_HEADER
 ``data`` a body of exactly ``nbytes`` bytes after it.
 
 Operations (after the handshake): ``put{rank, step, world_size, nbytes, crc, certified}`` + body ->
-``stored``; ``commit{step}`` -> ``committed`` (``certified`` and ``commit``: every rank's copy of that step
+``stored``; ``commit{step, world_size}`` -> ``committed`` (``certified`` and ``commit``: every rank's copy of that step
 is over, the holder drops what is older); ``get{rank, step}`` -> ``data`` + body or ``absent``; ``list``
 -> ``inventory``; ``stats``; the agent's ``generation{generation}``; any refusal -> ``refused{reason}``.
 

@@ -188,7 +188,7 @@ class Replicator:
 
     def _commit(self, step: int) -> None:
         def commit(c: HolderClient) -> int:
-            c.commit(step)
+            c.commit(step, self.info.world_size)
             return 0  # no replica bytes sent
 
         self._each_target(commit)
