@@ -21,7 +21,7 @@ import msgspec
 
 from orchestrator.core.model import CoreConfig, Job, JobPhase, PoolStats
 from orchestrator.core.placement import matches, reopens
-from orchestrator.core.pricing import spare_slack_s, wait_reserve_s
+from orchestrator.core.pricing import projected_wait_s, spare_slack_s, wait_reserve_s
 from orchestrator.core.safety import at_risk_s, net_slack_s
 from wire.messages import JobSpec, MarketPolicy
 
@@ -88,7 +88,9 @@ def wake_up(job: Job, pools: Mapping[str, PoolStats], cfg: CoreConfig, now: floa
         spare = spare_slack_s(job, job.step, cfg, now)
         reserve = wait_reserve_s(job, job.step, cfg, now)
         if spare is not None and spare >= reserve:
-            times.append(now + (spare - reserve))  # waiting for spot ends here at the latest
+            # waiting for spot ends here at the latest: the spare slack shrinks by a second per second, and
+            # the reserve grows as the job's pace falls (projected_wait_s)
+            times.append(now + (spare - reserve) / (1.0 + projected_wait_s(job, job.step, cfg, now)[1]))
         left = net_slack_s(job, job.step, cfg, now, None, at_risk_s(job, job.step, job.committed_step, None))
         if left is not None and left >= 0:
             times.append(now + left)  # or here, where the safety net takes on-demand

@@ -39,7 +39,10 @@ from orchestrator.core.pricing import (
     expected_cost_usd,
     migration_cost_usd,
     remaining_work_s,
+    restart_loss_s,
     save_seconds,
+    spare_slack_s,
+    wait_reserve_s,
 )
 from orchestrator.core.safety import at_risk_s, net_slack_s, return_slack_s, safety_net_s
 from orchestrator.core.tx import Tx
@@ -206,13 +209,20 @@ def _return_slack(tx: Tx, job: Job, step: int) -> float | None:
 
 def _may_return(tx: Tx, job: Job, step: int) -> bool:
     """A move from on-demand to spot is within the bound per hour and, with a deadline under fallback,
-    leaves the slack to cover its restart and the net."""
+    leaves the slack to cover its restart and the net - and, with the ``progress_line`` policy, the
+    reserve a job keeps before it takes on-demand (``wait_reserve_s``): else the next loss of spot would
+    send it straight back."""
     if returns_left(tx, job) <= 0:
         return False
     if job.spec.deadline_ts is None or job.spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
         return True
     left = _return_slack(tx, job, step)
-    return left is not None and left >= 0
+    if left is None or left < 0:
+        return False
+    if not tx.cfg.progress_line:
+        return True
+    spare = spare_slack_s(job, step, tx.cfg, tx.now, live_step_time(tx, job))
+    return spare is not None and spare - restart_loss_s(job, tx.cfg) >= wait_reserve_s(job, step, tx.cfg, tx.now)
 
 
 def _on_spot(tx: Tx, job: Job) -> bool:

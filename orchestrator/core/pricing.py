@@ -139,8 +139,9 @@ def wait_reserve_s(job: Job, step: int, cfg: CoreConfig, now: float) -> float:
     """The spare slack a job keeps before it launches on-demand instead of waiting for spot: the deadline
     margin, the expected restarts of the rest of the work on spot (a job of n nodes is interrupted n
     times as often per node-hour, at the prior rate) and ``progress_line_margin_s`` - and at least
-    ``slack_share()`` of what the uniform-progress line keeps at ``now`` (the initial slack x the share
-    of the time to the deadline still left)."""
+    ``projected_wait_s`` (the waiting the rest of the work is expected to cost at the job's own pace so far)
+    and ``slack_share()`` of what the uniform-progress line keeps at ``now`` (the initial slack x the share
+    of the time to the deadline still left; 0 by default)."""
     rate_job_h = cfg.spot_prior_rate_h * max(job.target_nodes, 1)
     expected = remaining_work_s(job, step) / 3600.0 * rate_job_h * restart_loss_s(job, cfg)
     base = deadline_margin_s(job, cfg) + expected + max(cfg.progress_line_margin_s, 0.0)
@@ -150,7 +151,28 @@ def wait_reserve_s(job: Job, step: int, cfg: CoreConfig, now: float) -> float:
         return base
     initial = span - remaining_work_s(job, 0)
     left = min(1.0, max(0.0, (deadline - now) / span))
-    return max(base, cfg.slack_share() * max(initial, 0.0) * left)
+    return max(base, projected_wait_s(job, step, cfg, now)[0], cfg.slack_share() * max(initial, 0.0) * left)
+
+
+def projected_wait_s(job: Job, step: int, cfg: CoreConfig, now: float) -> tuple[float, float]:
+    """The time the rest of the work is expected to spend not training (waiting for spot, restarting) at the
+    job's pace so far, and how fast that grows per second the job waits without progress.
+
+    The pace is work done per second since submit, with ``progress_prior_h`` hours of uninterrupted work
+    assumed before any observation: ``pace = (done + prior) / (elapsed + prior)``, and the rest of the work
+    W takes ``W / pace`` - so ``W x (1 / pace - 1)`` of it is waiting. A new job expects spot to hold (it
+    waits for spot, as a greedy policy would); a job that has waited much of its life so far expects to
+    wait as much again, and takes on-demand while it is behind that pace (as the uniform-progress line
+    would: with no prior the rule is that line). On-demand work counts as progress, so a job that caught
+    up waits for spot again."""
+    prior = max(cfg.pace_prior_h(), 0.0) * 3600.0
+    rest = remaining_work_s(job, step)
+    done = remaining_work_s(job, 0) - rest
+    elapsed = max(now - job.submitted_ts, 0.0)
+    base = max(done, 0.0) + prior
+    if base <= 0.0:
+        return (math.inf, 0.0) if rest > 0 else (0.0, 0.0)
+    return rest * max((elapsed + prior) / base - 1.0, 0.0), rest / base
 
 
 def emergency_fits(job: Job, cfg: CoreConfig, cloud: str) -> bool:
