@@ -31,6 +31,10 @@ B = pool("p4de.24xlarge", "us-east-1a")
 T0 = 1000.0
 
 
+# The line's share of slack and 3 restarts of margin, the defaults these cases were written for (now a
+# tuning: the default waits by the job's pace, tests/core/test_pace.py, and adds no margin to the net).
+LINE = CoreConfig(deadline_margin_restarts=3.0, line_slack_share=0.5, progress_prior_h=1e9)
+
 def one_node(drv: Driver, prices: dict | None = None, **kw: Any) -> str:
     """A 1-node job on spot A, 1000 steps of 1 s, deadline 3000 s after submission; trained to step 90
     at T0 + 100 (well ahead of the line, which is at 33 then)."""
@@ -70,13 +74,13 @@ def launches(ds: list) -> list[Launch]:
 
 
 def test_line_arithmetic() -> None:
-    s = State.empty()
+    s = State.empty(LINE)
     drv = Driver(s, now=T0)
     drv(price(A, 10.0))
     drv(JobSubmitted(job_id="j1", spec=spec(total_steps=1000, deadline_ts=T0 + 3000.0)))
     job = drv.job()
     assert line_step(job, T0) == 0 and line_step(job, T0 + 1500) == 500 and line_step(job, T0 + 9000) == 1000
-    cfg = CoreConfig()
+    cfg = LINE
     assert ahead_of_line(job, 500, cfg, T0 + 1500) and not ahead_of_line(job, 499, cfg, T0 + 1500)
     # the margin shifts the line later in time: a job must be further ahead
     assert not ahead_of_line(job, 500, CoreConfig(progress_line_margin_s=300.0), T0 + 1500)
@@ -101,7 +105,7 @@ def test_line_arithmetic() -> None:
 
 
 def test_ahead_of_the_line_a_notice_waits_for_spot_then_on_demand_once_behind() -> None:
-    drv = Driver(now=T0)
+    drv = Driver(State.empty(LINE), now=T0)
     nid = one_node(drv)
     ds = notice_and_commit(drv, nid)
     capacity(drv, A, 0.0)  # the zone's spot capacity is gone for a while
@@ -153,7 +157,7 @@ def test_spot_back_before_the_line_no_on_demand() -> None:
 
 
 def test_behind_the_line_on_demand_is_still_used_when_spot_is_missing() -> None:
-    drv = Driver(now=T0)
+    drv = Driver(State.empty(LINE), now=T0)
     nid = one_node(drv)
     drv.now = T0 + 1000  # line at 333, the job at 90: behind
     ds = notice_and_commit(drv, nid)

@@ -145,7 +145,7 @@ def test_a_job_that_regains_slack_goes_back_to_spot() -> None:
     trainer reports 1 s steps: the slack is back, the job may use spot again."""
     cfg = CoreConfig(price_confirm_s=0.0)
     drv = Driver(State.empty(cfg), now=T0)
-    nid = _running_job(drv, total_steps=20000, deadline_s=40000 + 900, step_time_est=2.0)
+    nid = _running_job(drv, total_steps=20000, deadline_s=40000 + 300, step_time_est=2.0)
     d = drv(Tick(), dt=5)
     assert drv.job().force_on_demand
     assert any(a.action == "on_demand_fallback" for a in d.audit)
