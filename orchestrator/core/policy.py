@@ -44,6 +44,7 @@ from orchestrator.core.pricing import (
     spare_slack_s,
     wait_reserve_s,
 )
+from orchestrator.core.replicas import zone_loss_covered
 from orchestrator.core.safety import at_risk_s, net_slack_s, return_slack_s, safety_net_s
 from orchestrator.core.tx import Tx
 from wire.messages import AbandonGenerationCmd, Market, MarketPolicy, PriceTick
@@ -180,7 +181,9 @@ def _deadline(tx: Tx, job: Job) -> None:
         return
     # Work on on-demand nodes is not at risk (they are not preempted); a job waiting for nodes counts
     # what it would redo from its last checkpoint.
-    at_risk = at_risk_s(job, step, job.committed_step, per_step) if _on_spot(tx, job) else 0.0
+    members = [tx.nodes[n].pool for n in job.gen_nodes if n in tx.nodes]
+    at_risk = (at_risk_s(job, step, job.committed_step, per_step, zone_loss_covered=zone_loss_covered(members))
+               if _on_spot(tx, job) else 0.0)
     left = net_slack_s(job, step, cfg, tx.now, per_step, at_risk)
     if left is None or left >= 0:
         return

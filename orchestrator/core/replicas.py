@@ -180,6 +180,15 @@ def buddies(pools: Sequence[PoolKey]) -> list[int]:
     return out
 
 
+def zone_loss_covered(pools: Sequence[PoolKey]) -> bool:
+    """Every node of a generation (rank order, by its pool) has its buddy in another zone: losing a whole zone
+    at once - a spot reclaim takes every node a job has there - leaves a replica of each lost shard on a
+    survivor. A job in one zone (where placement keeps it) is not covered: such a loss goes back to the
+    durable checkpoint."""
+    key = [(p.cloud, p.region, p.zone) for p in pools]
+    return len(pools) >= 2 and all(key[b] != key[i] for i, b in enumerate(buddies(pools)))
+
+
 def buddy_usd_per_gb(src: PoolKey, dst: PoolKey, cfg: CoreConfig) -> float:
     """$ per GB a copy from a node in ``src`` to its buddy in ``dst`` costs."""
     if src.cloud != dst.cloud:

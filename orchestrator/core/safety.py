@@ -11,7 +11,9 @@ decision the core knows, or bounds:
   a restart        save + boot + trainer start and checkpoint load (``pricing.restart_loss_s``; the one
                    restart ``pricing.spare_slack_s`` already keeps for the move to on-demand);
   work at risk     the work since the last durable checkpoint, done again after the loss (with shard
-                   replicas on a multi-node job: at most k + 1 steps, core/replicas.py).
+                   replicas: at most k + 1 steps, core/replicas.py - only for a generation whose every
+                   node has its buddy in another zone: a spot reclaim takes a whole zone at once, and
+                   where the buddies share it the loss goes back to the durable checkpoint).
 
 A job stays on (or moves to) spot only while losing it at the worst moment - just before the next
 decision, with the step in progress lost - still leaves it able to finish on on-demand by its deadline:
@@ -42,12 +44,14 @@ def _replica_cap_s(job: Job, per_step_s: float) -> float | None:
     return bound * per_step_s if bound is not None and job.target_nodes >= 2 else None
 
 
-def at_risk_s(job: Job, step: int, committed_step: int, per_step_s: float | None) -> float:
-    """Work that a loss now would send back: the steps since the last durable checkpoint, at most
-    ``_replica_cap_s``."""
+def at_risk_s(job: Job, step: int, committed_step: int, per_step_s: float | None, *,
+              zone_loss_covered: bool = False) -> float:
+    """Work that a loss now would send back: the steps since the last durable checkpoint - at most
+    ``_replica_cap_s`` when the generation's replicas survive the loss of a whole zone
+    (``replicas.zone_loss_covered``; a new launch or a move lands in one zone: not covered)."""
     per = per_step_s if per_step_s else step_seconds(job)
     work = max(0, step - committed_step) * per
-    cap = _replica_cap_s(job, per)
+    cap = _replica_cap_s(job, per) if zone_loss_covered else None
     return work if cap is None else min(work, cap)
 
 
@@ -75,8 +79,8 @@ def return_slack_s(job: Job, step: int, cfg: CoreConfig, now: float, per_step_s:
                    spot_interval_s: float) -> float | None:
     """``net_slack_s`` after a move from on-demand to spot: the move's own restart (checkpoint, boot,
     load), then the net with a whole spot checkpoint interval at risk (the most it holds before its next
-    commit) - so a job that moved back is not forced off again while spot holds."""
-    cap = _replica_cap_s(job, per_step_s if per_step_s else step_seconds(job))
-    at_risk = spot_interval_s if cap is None else min(spot_interval_s, cap)
+    commit) - so a job that moved back is not forced off again while spot holds. The move lands in one
+    zone, so replicas do not cap it (``at_risk_s``)."""
+    at_risk = spot_interval_s
     left = net_slack_s(job, step, cfg, now, per_step_s, at_risk)
     return None if left is None else left - restart_loss_s(job, cfg)

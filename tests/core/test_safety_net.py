@@ -199,3 +199,26 @@ def test_a_failed_on_demand_launch_puts_the_deadline_at_risk_and_tries_other_on_
     (again,) = cmds(d, Launch)
     assert again.pool == msgspec.structs.replace(B, market=Market.ON_DEMAND)
 
+
+
+def test_replicas_cap_the_work_at_risk_only_when_a_zone_loss_leaves_a_copy() -> None:
+    """Shard replicas bound a node's loss to k + 1 steps, but a spot reclaim takes every node a job has in
+    the zone: where the buddies share it, both copies of a shard go and the job resumes from its durable
+    checkpoint. The net counts the work since that checkpoint unless every node's buddy is in another zone."""
+    from orchestrator.core.model import Job
+    from orchestrator.core.replicas import zone_loss_covered
+    from orchestrator.core.safety import at_risk_s
+    from wire import JobId, JobSpec
+
+    ckpt = CheckpointPolicy(url="file:///ckpt/j1", replica_every=1)
+    job = Job(job_id=JobId("j1"), spec=JobSpec(name="j", total_steps=1000, gpu_type="A100", nodes=4, checkpoint=ckpt),
+              phase_ts=0.0, submitted_ts=0.0, target_nodes=4, replica_secret="s" * 64)
+    one_zone = [pool(zone="us-east-1a")] * 4
+    two_zones = [pool(zone=z) for z in ("us-east-1a", "us-east-1b", "us-east-1a", "us-east-1b")]
+    lopsided = [pool(zone=z) for z in ("us-east-1a", "us-east-1a", "us-east-1a", "us-east-1b")]
+    assert not zone_loss_covered(one_zone) and zone_loss_covered(two_zones) and not zone_loss_covered(lopsided)
+    since_commit = at_risk_s(job, 500, 100, 1.0)  # 400 steps since the durable checkpoint
+    assert since_commit == 400.0
+    for members in (one_zone, lopsided):
+        assert at_risk_s(job, 500, 100, 1.0, zone_loss_covered=zone_loss_covered(members)) == 400.0
+    assert at_risk_s(job, 500, 100, 1.0, zone_loss_covered=zone_loss_covered(two_zones)) == 2.0  # k + 1
