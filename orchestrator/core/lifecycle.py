@@ -327,16 +327,10 @@ def keep_or_leave(tx: Tx, job: Job) -> Job:
     kept = [n for n in job_nodes(tx, job) if n.pool_name in job.avoid_pools and n.phase in _COUNTING]
     zone = zone_of(kept[0].pool) if kept else job.zone
     tx.record(job.job_id, "migrate_abandoned", "destination_lost", pools=list(job.avoid_pools), usable=usable)
-    return tx.update_job(job, avoid_pools=(), migrate_ts=None, zone=zone, spot_returns=_unmoved(job))
-
-
-def _unmoved(job: Job) -> tuple[int, ...] | msgspec.UnsetType:
-    """``job.spot_returns`` less the move back to spot that started this migration, if it did: a move that
-    never happened is not a move (else a spot pool without room would use up the moves back per hour)."""
-    done = job.spot_returns
-    if isinstance(done, msgspec.UnsetType) or not done or job.migrate_ts is None or done[-1] != int(job.migrate_ts):
-        return done
-    return done[:-1]
+    done = job.spot_returns  # a move back to spot that never happened is not a move (spot_returns_per_h)
+    if isinstance(done, tuple) and done and job.migrate_ts is not None and done[-1] == int(job.migrate_ts):
+        done = done[:-1]
+    return tx.update_job(job, avoid_pools=(), migrate_ts=None, zone=zone, spot_returns=done)
 
 
 def hold(tx: Tx, job: Job, reason: str) -> Job:

@@ -117,7 +117,7 @@ def test_moves_back_to_spot_are_bounded_per_hour() -> None:
         moves = [la for la in cmds(d, Launch) if la.pool == B]
         tries += [drv.now - T0] * len(moves)
         drv.fail_launches(moves)
-    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
     assert len(tries) == 6 and gaps == sorted(gaps) and gaps[0] >= 60.0, tries  # the backoff doubles
     assert drv.job().spot_returns in ((), msgspec.UNSET)  # no move happened
     ret = [a for dd in drv.decisions for a in dd.audit if a.action == "spot_return"]
