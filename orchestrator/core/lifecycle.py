@@ -327,10 +327,7 @@ def keep_or_leave(tx: Tx, job: Job) -> Job:
     kept = [n for n in job_nodes(tx, job) if n.pool_name in job.avoid_pools and n.phase in _COUNTING]
     zone = zone_of(kept[0].pool) if kept else job.zone
     tx.record(job.job_id, "migrate_abandoned", "destination_lost", pools=list(job.avoid_pools), usable=usable)
-    done = job.spot_returns  # a move back to spot that never happened is not a move (spot_returns_per_h)
-    if isinstance(done, tuple) and done and job.migrate_ts is not None and done[-1] == int(job.migrate_ts):
-        done = done[:-1]
-    return tx.update_job(job, avoid_pools=(), migrate_ts=None, zone=zone, spot_returns=done)
+    return tx.update_job(job, avoid_pools=(), migrate_ts=None, zone=zone)
 
 
 def hold(tx: Tx, job: Job, reason: str) -> Job:

@@ -212,9 +212,9 @@ def _return_slack(tx: Tx, job: Job, step: int) -> float | None:
 
 def _may_return(tx: Tx, job: Job, step: int) -> bool:
     """A move from on-demand to spot is within the bound per hour and, with a deadline under fallback,
-    leaves the slack to cover its restart and the net - and, with the ``progress_line`` policy, the
-    reserve a job keeps before it takes on-demand (``wait_reserve_s``): else the next loss of spot would
-    send it straight back."""
+    leaves the slack to cover its restart and the net - and, with the wait by the job's pace
+    (``progress_prior_h``), the reserve a job keeps before it takes on-demand (``wait_reserve_s``): else the
+    next loss of spot would send it straight back."""
     if returns_left(tx, job) <= 0:
         return False
     if job.spec.deadline_ts is None or job.spec.market != MarketPolicy.SPOT_WITH_FALLBACK:
@@ -222,7 +222,7 @@ def _may_return(tx: Tx, job: Job, step: int) -> bool:
     left = _return_slack(tx, job, step)
     if left is None or left < 0:
         return False
-    if not tx.cfg.progress_line:
+    if not tx.cfg.progress_line or tx.cfg.pace_prior_h() is None:
         return True
     spare = spare_slack_s(job, step, tx.cfg, tx.now, live_step_time(tx, job))
     return spare is not None and spare - restart_loss_s(job, tx.cfg) >= wait_reserve_s(job, step, tx.cfg, tx.now)

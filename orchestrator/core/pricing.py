@@ -139,9 +139,9 @@ def wait_reserve_s(job: Job, step: int, cfg: CoreConfig, now: float) -> float:
     """The spare slack a job keeps before it launches on-demand instead of waiting for spot: the deadline
     margin, the expected restarts of the rest of the work on spot (a job of n nodes is interrupted n
     times as often per node-hour, at the prior rate) and ``progress_line_margin_s`` - and at least
-    ``projected_wait_s`` (the waiting the rest of the work is expected to cost at the job's own pace so far)
-    and ``slack_share()`` of what the uniform-progress line keeps at ``now`` (the initial slack x the share
-    of the time to the deadline still left; 0 by default)."""
+    ``projected_wait_s`` (the waiting the rest of the work is expected to cost at the job's own pace so far;
+    with ``progress_prior_h`` set) and ``slack_share()`` of what the uniform-progress line keeps at ``now``
+    (the initial slack x the share of the time to the deadline still left)."""
     rate_job_h = cfg.spot_prior_rate_h * max(job.target_nodes, 1)
     expected = remaining_work_s(job, step) / 3600.0 * rate_job_h * restart_loss_s(job, cfg)
     base = deadline_margin_s(job, cfg) + expected + max(cfg.progress_line_margin_s, 0.0)
@@ -165,7 +165,10 @@ def projected_wait_s(job: Job, step: int, cfg: CoreConfig, now: float) -> tuple[
     wait as much again, and takes on-demand while it is behind that pace (as the uniform-progress line
     would: with no prior the rule is that line). On-demand work counts as progress, so a job that caught
     up waits for spot again."""
-    prior = max(cfg.pace_prior_h(), 0.0) * 3600.0
+    prior_h = cfg.pace_prior_h()
+    if prior_h is None:  # the rule is off
+        return 0.0, 0.0
+    prior = max(prior_h, 0.0) * 3600.0
     rest = remaining_work_s(job, step)
     done = remaining_work_s(job, 0) - rest
     elapsed = max(now - job.submitted_ts, 0.0)

@@ -1,6 +1,7 @@
-"""Slack-aware on-demand by the job's own pace (pricing.projected_wait_s): a waiting job takes on-demand
-once its spare slack no longer covers the waiting the rest of its work is expected to cost at its pace so
-far, with ``progress_prior_h`` hours of uninterrupted work assumed before any observation."""
+"""Slack-aware on-demand by the job's own pace (pricing.projected_wait_s), a tuning (``progress_prior_h``,
+off by default): a waiting job takes on-demand once its spare slack no longer covers the waiting the rest
+of its work is expected to cost at its pace so far, with ``progress_prior_h`` hours of uninterrupted work
+assumed before any observation."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ A = pool("p4d.24xlarge", "us-east-1a")
 A_OD = pool("p4d.24xlarge", "us-east-1a", market=Market.ON_DEMAND)
 T0 = 1000.0
 H = 3600.0
+ALONE = dict(line_slack_share=0.0, deadline_margin_restarts=0.0)  # the pace rule alone (it is a tuning)
 
 
 def _job(cfg: CoreConfig, *, work_h: float, deadline_h: float) -> Driver:
@@ -33,7 +35,7 @@ def _job(cfg: CoreConfig, *, work_h: float, deadline_h: float) -> Driver:
 
 @pytest.mark.parametrize("prior_h", [0.0, 12.0, 1e6])
 def test_the_projected_wait_is_the_rest_of_the_work_at_the_pace_so_far(prior_h: float) -> None:
-    cfg = CoreConfig(progress_prior_h=prior_h)
+    cfg = CoreConfig(progress_prior_h=prior_h, **ALONE)
     drv = _job(cfg, work_h=20, deadline_h=40)
     job = drv.job()
     # half the work done in three quarters of the time: the other half is expected to take as long again
@@ -51,7 +53,7 @@ def test_a_waiting_job_takes_on_demand_when_its_pace_no_longer_fits_the_slack() 
     on-demand at once (the job is behind it from the first second); a greedy wait, at the last moment (20 h
     in). With a 12 h prior, the job waits while the slack covers the wait its pace projects: until about
     7.5 h (20 - t = 20 t / 12, less the margins), and not a tick later."""
-    cfg = CoreConfig(price_confirm_s=0.0, progress_prior_h=12.0)
+    cfg = CoreConfig(price_confirm_s=0.0, progress_prior_h=12.0, **ALONE)
     drv = _job(cfg, work_h=20, deadline_h=40)
     od_at = None
     for _ in range(int(20 * H / 600)):
@@ -77,7 +79,7 @@ def test_the_wake_up_is_no_later_than_the_projected_wait_crossing() -> None:
     """A waiting job's wake-up (feasibility.wake_up): the spare slack shrinks and the projected wait grows
     as it waits; the time reported is when they cross at the latest, so no Tick is skipped past it."""
     cfg = CoreConfig(price_confirm_s=0.0, progress_prior_h=12.0, backoff_max_s=1e9, backoff_base_s=1e9,
-                     wait_probe_s=0.0)
+                     wait_probe_s=0.0, **ALONE)
     drv = _job(cfg, work_h=20, deadline_h=40)
     drv.now = T0 + H
     job = drv.job()

@@ -11,10 +11,8 @@ import msgspec
 from orchestrator.core import CoreConfig, JobPhase, State
 from orchestrator.core.commands import Launch
 from orchestrator.core.inputs import JobSubmitted, LaunchFailed, Tick
-from orchestrator.core.policy import returns_left
 from orchestrator.core.pricing import restart_loss_s, spare_slack_s
 from orchestrator.core.safety import detect_s
-from orchestrator.core.tx import Tx
 from tests.core.harness import (
     AgentState,
     Driver,
@@ -105,33 +103,21 @@ def _od_job_with_spot_elsewhere(cfg: CoreConfig, *, total: int, deadline_s: floa
 
 def test_moves_back_to_spot_are_bounded_per_hour() -> None:
     """Item 2: on on-demand with a day of slack, a cheaper spot pool in zone B that fails every launch
-    (its capacity flickers). Evaluated every minute without a cooldown, the job tried to go back once a
-    minute. A try that fails is not a move: the tries follow the pool's launch backoff (60, 120, 240 ...
-    s), and only a move that happens counts against the bound of one move back per hour."""
+    (its capacity flickers). Evaluated every minute without a cooldown, the job kept trying to go back
+    (one try per backoff: 60, 120, 240 ... s): now one move back per hour, recorded with its saving."""
     cfg = CoreConfig(progress_line=False, price_confirm_s=0.0, migrate_cooldown_s=0.0, price_eval_interval_s=60.0)
     drv, nid = _od_job_with_spot_elsewhere(cfg, total=20 * 3600, deadline_s=48 * H)
-    tries: list[float] = []
+    tries = 0
     for k in range(1, 61):
         drv.heartbeat(nid, 1, 60 * k)
         d = drv(Tick(), dt=60.0)
         moves = [la for la in cmds(d, Launch) if la.pool == B]
-        tries += [drv.now - T0] * len(moves)
+        tries += len(moves)
         drv.fail_launches(moves)
-    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
-    assert len(tries) == 6 and gaps == sorted(gaps) and gaps[0] >= 60.0, tries  # the backoff doubles
-    assert drv.job().spot_returns in ((), msgspec.UNSET)  # no move happened
-    ret = [a for dd in drv.decisions for a in dd.audit if a.action == "spot_return"]
-    assert float(ret[0].details["saving_usd"]) > float(ret[0].details["move_usd"])  # type: ignore[arg-type]
-    # the next try succeeds: that is the hour's move back, and no other is allowed before the hour is over
-    for k in range(61, 100):
-        drv.heartbeat(nid, 1, 60 * k)
-        d = drv(Tick(), dt=60.0)
-        moves = [la for la in cmds(d, Launch) if la.pool == B]
-        if moves:
-            drv.register(drv.launched(d))
-            break
-    assert moves and isinstance(drv.job().spot_returns, tuple) and len(drv.job().spot_returns) == 1
-    assert returns_left(Tx(drv.state, "test", drv.now), drv.job()) == 0
+    assert tries == 1, tries
+    (ret,) = [a for dd in drv.decisions for a in dd.audit if a.action == "spot_return"]
+    assert float(ret.details["saving_usd"]) > float(ret.details["move_usd"])  # type: ignore[arg-type]
+    assert isinstance(drv.job().spot_returns, tuple) and len(drv.job().spot_returns) == 1
 
 
 def test_leaving_on_demand_needs_the_slack_for_the_move_and_the_net() -> None:
