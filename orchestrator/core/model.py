@@ -215,8 +215,8 @@ class CoreConfig(msgspec.Struct, frozen=True, kw_only=True):
     # Slack-aware on-demand by the job's own pace (pricing.projected_wait_s): a waiting job keeps the slack
     # the rest of its work is expected to spend not training at its pace so far, which assumes this many
     # hours of uninterrupted work before any observation (large: wait for spot as greedy does; 0: the
-    # uniform-progress line). UNSET = off (a tuning, not a default: with it and no margin, 3 of 504 faithful-
-    # world settings missed a deadline).
+    # uniform-progress line). UNSET = off: a tuning, not a default (as the only reserve, with no margin above
+    # the safety net, it let deadlines slip in the faithful world's table; docs/core.md "Deadline").
     progress_prior_h: float | msgspec.UnsetType = msgspec.UNSET
     # A job that has nothing to train on (it waits for capacity) may retry a pool in launch backoff this
     # long after the failure that set the backoff, however long the backoff: waiting costs its slack,
