@@ -44,10 +44,9 @@ from orchestrator.core.pricing import (
     spare_slack_s,
     wait_reserve_s,
 )
-from orchestrator.core.replicas import zone_loss_covered
 from orchestrator.core.safety import at_risk_s, net_slack_s, return_slack_s, safety_net_s
 from orchestrator.core.tx import Tx
-from wire.messages import AbandonGenerationCmd, Market, MarketPolicy, PriceTick
+from wire.messages import AbandonGenerationCmd, Market, MarketPolicy, PoolKey, PriceTick
 
 J = JobPhase
 N = NodePhase
@@ -182,8 +181,7 @@ def _deadline(tx: Tx, job: Job) -> None:
     # Work on on-demand nodes is not at risk (they are not preempted); a job waiting for nodes counts
     # what it would redo from its last checkpoint.
     members = [tx.nodes[n].pool for n in job.gen_nodes if n in tx.nodes]
-    at_risk = (at_risk_s(job, step, job.committed_step, per_step, zone_loss_covered=zone_loss_covered(members))
-               if _on_spot(tx, job) else 0.0)
+    at_risk = at_risk_s(job, step, job.committed_step, per_step, members=members) if _on_spot(members) else 0.0
     left = net_slack_s(job, step, cfg, tx.now, per_step, at_risk)
     if left is None or left >= 0:
         return
@@ -228,10 +226,9 @@ def _may_return(tx: Tx, job: Job, step: int) -> bool:
     return spare is not None and spare - restart_loss_s(job, tx.cfg) >= wait_reserve_s(job, step, tx.cfg, tx.now)
 
 
-def _on_spot(tx: Tx, job: Job) -> bool:
-    """Some member of the current generation runs on a spot node (or the job has no member yet)."""
-    pools = [tx.nodes[n].pool for n in job.gen_nodes if n in tx.nodes]
-    return not pools or any(p.market == Market.SPOT for p in pools)
+def _on_spot(members: list[PoolKey]) -> bool:
+    """Some member of the current generation (``members``: their pools) runs on spot, or it has none yet."""
+    return not members or any(p.market == Market.SPOT for p in members)
 
 
 # --- price --------------------------------------------------------------------------------------

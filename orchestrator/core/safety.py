@@ -24,9 +24,12 @@ Pure.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from orchestrator.core.model import CoreConfig, Job
 from orchestrator.core.pricing import deadline_margin_s, restart_loss_s, spare_slack_s, step_seconds
-from orchestrator.core.replicas import max_lost_steps
+from orchestrator.core.replicas import max_lost_steps, zone_loss_covered
+from wire.messages import PoolKey
 
 __all__ = ["at_risk_s", "detect_s", "extra_s", "net_slack_s", "return_slack_s", "safety_net_s"]
 
@@ -45,14 +48,15 @@ def _replica_cap_s(job: Job, per_step_s: float) -> float | None:
 
 
 def at_risk_s(job: Job, step: int, committed_step: int, per_step_s: float | None, *,
-              zone_loss_covered: bool = False) -> float:
+              members: Sequence[PoolKey] = ()) -> float:
     """Work that a loss now would send back: the steps since the last durable checkpoint - at most
-    ``_replica_cap_s`` when the generation's replicas survive the loss of a whole zone
-    (``replicas.zone_loss_covered``; a new launch or a move lands in one zone: not covered)."""
+    ``_replica_cap_s`` when the replicas of the generation on ``members`` (their pools, rank order) survive
+    the loss of a whole zone (``replicas.zone_loss_covered``; a new launch or a move lands in one zone: not
+    covered)."""
     per = per_step_s if per_step_s else step_seconds(job)
     work = max(0, step - committed_step) * per
-    cap = _replica_cap_s(job, per) if zone_loss_covered else None
-    return work if cap is None else min(work, cap)
+    cap = _replica_cap_s(job, per)
+    return work if cap is None or not zone_loss_covered(members) else min(work, cap)
 
 
 def safety_net_s(job: Job, cfg: CoreConfig, at_risk: float) -> float:

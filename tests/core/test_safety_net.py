@@ -206,5 +206,5 @@ def test_replicas_cap_the_work_at_risk_only_when_a_zone_loss_leaves_a_copy() -> 
     since_commit = at_risk_s(job, 500, 100, 1.0)  # 400 steps since the durable checkpoint
     assert since_commit == 400.0
     for members in (one_zone, lopsided):
-        assert at_risk_s(job, 500, 100, 1.0, zone_loss_covered=zone_loss_covered(members)) == 400.0
-    assert at_risk_s(job, 500, 100, 1.0, zone_loss_covered=zone_loss_covered(two_zones)) == 2.0  # k + 1
+        assert at_risk_s(job, 500, 100, 1.0, members=members) == 400.0
+    assert at_risk_s(job, 500, 100, 1.0, members=two_zones) == 2.0  # k + 1
